@@ -1,0 +1,48 @@
+# One entry point for set-up, the demo and the tests. `make demo` and `make test` each set up
+# everything they need on a fresh machine (Python 3.11+, CPU only).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The lower end of the supported megatron-core range lives in its own folder and is put first on
+# PYTHONPATH for a second test pass, so one venv covers both ends of >=0.16,<0.20.
+MCORE_LOW := 0.16.1
+MCORE_HIGH := 0.19.2
+MCORE_LOW_DIR := .mcore-$(MCORE_LOW)
+PYTEST_ARGS ?=
+export TORCH_COMPILE_DISABLE := 1
+
+.PHONY: setup demo test test-fast test-mcore-low bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch is pinned for dev/test only: a CPU wheel of 2.13.0 is on local disk, while an unpinned
+	# torch would pull a multi-GB CUDA build. The package itself asks only for torch>=2.6.
+	$(BIN)/pip install -q torch==2.13.0 numpy "packaging>=24.2"
+	$(BIN)/pip install -q -e ".[dev,plot]"
+	# megatron-core >=0.17 declares Requires-Python>=3.12, yet its cp311 wheel imports and runs on
+	# 3.11 (only megatron/training, which we never import, needs 3.12). With dependencies pip would
+	# try a numpy sdist that needs 3.12, so install it alone; its runtime deps (torch, numpy,
+	# packaging>=24.2) are already here.
+	$(BIN)/pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_HIGH)
+	rm -rf $(MCORE_LOW_DIR)
+	$(BIN)/pip install -q --no-deps --target $(MCORE_LOW_DIR) megatron-core==$(MCORE_LOW)
+	touch $@
+
+demo: setup
+	$(BIN)/elastic-moe demo
+
+# Full suite against megatron-core 0.19.2, then the Megatron tests again against 0.16.1.
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	PYTHONPATH=$(MCORE_LOW_DIR) $(BIN)/python -m pytest -m megatron $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow" -x -q $(PYTEST_ARGS)
+
+test-mcore-low: setup
+	PYTHONPATH=$(MCORE_LOW_DIR) $(BIN)/python -m pytest -m megatron $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(MCORE_LOW_DIR) demo_out .pytest_cache

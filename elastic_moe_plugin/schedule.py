@@ -1,0 +1,331 @@
+"""Budget schedules: the distribution of the per-token expert budget κ (paper §3.1-3.3).
+
+Vocabulary
+----------
+- ``center`` (k0): the deployment top-k. Inference always routes to exactly ``center`` experts.
+- ``budgets``: the support {low, ..., high} of κ, as a tuple of ints.
+- ``pmf``: q(r) for every r in ``budgets`` (paper Eq. 5)::
+
+      q(r) = exp(-(r - k0)^2 / (2 σ^2)) / Z,    Z = Σ_{s=low}^{high} exp(-(s - k0)^2 / (2 σ^2))
+
+- ``survival(j)`` = a(j) = P(κ >= j): the probability that the expert at router rank j
+  (1-based) is dispatched. Static top-k is the step a(j) = [j <= k0]; an elastic schedule
+  smooths it (paper Eq. 6-10). Identities the tests pin:
+
+      Σ_j a(j) = E[κ]                       (exposure sums to the mean budget)
+      q(j) = a(j) - a(j + 1)
+      Σ_{j > k0} a(j) = ½ · E|κ - k0|       (for a schedule with E[κ] = k0)
+
+Sampling draws from torch's *default* generator unless one is passed: Megatron's activation
+recomputation and ``torch.utils.checkpoint`` replay the default generator's state, so budgets
+drawn there are replayed exactly; a private generator silently breaks recompute.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+SamplingMode = Literal["iid", "balanced"]
+SAMPLING_MODES: tuple[str, ...] = ("iid", "balanced")
+
+_RANGE_SPEC = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
+_INT_SPEC = re.compile(r"^\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class BudgetSchedule:
+    """A discretised Gaussian over the integer budgets {low..high}, centred at ``center``.
+
+    Args:
+        low: smallest budget a (>= 1).
+        high: largest budget b (>= center).
+        center: k0, the deployment top-k; must lie in [low, high].
+        sigma: σ of the Gaussian (> 0, finite). The paper uses 1.5.
+        allow_off_center: accept a support that is not symmetric around ``center``. Such a
+            schedule's mean differs from k0, so training is no longer compute-matched with
+            static top-k; off by default.
+
+    Raises:
+        ValueError: naming the field, the value and what is accepted.
+    """
+
+    low: int
+    high: int
+    center: int
+    sigma: float = 1.5
+    allow_off_center: bool = False
+    budgets: tuple[int, ...] = field(init=False, repr=False)
+    pmf: tuple[float, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("low", "high", "center"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"BudgetSchedule.{name}={value!r} is invalid: expected an integer number of experts."
+                )
+        if self.low < 1:
+            raise ValueError(
+                f"BudgetSchedule.low={self.low} is invalid: every token needs at least one expert, "
+                f"so low must be >= 1 (e.g. schedule '{max(1, 2 * self.center - self.high)}-{self.high}')."
+            )
+        if not self.low <= self.center <= self.high:
+            raise ValueError(
+                f"BudgetSchedule center={self.center} lies outside the support {self.low}-{self.high}: "
+                f"expected low <= center <= high. Use a range around the model's top-k, "
+                f"e.g. '{max(1, self.center - 2)}-{self.center + 2}'."
+            )
+        sigma = self.sigma
+        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma <= 0:
+            raise ValueError(
+                f"BudgetSchedule.sigma={sigma!r} is invalid: expected a finite number > 0 (the paper uses 1.5)."
+            )
+        budgets = tuple(range(self.low, self.high + 1))
+        weights = [math.exp(-((r - self.center) ** 2) / (2.0 * sigma * sigma)) for r in budgets]
+        total = math.fsum(weights)
+        object.__setattr__(self, "budgets", budgets)
+        object.__setattr__(self, "pmf", tuple(w / total for w in weights))
+        if self.low + self.high != 2 * self.center and not self.allow_off_center:
+            raise ValueError(
+                f"schedule '{self.low}-{self.high}' around center={self.center} has mean {self.mean:.4f}, "
+                f"not {self.center}: training would no longer be compute-matched with static top-{self.center}. "
+                f"Use a range symmetric around the center (low + high == 2 * center, e.g. "
+                f"'{self.center - 1}-{self.center + 1}'), or pass allow_off_center=True to accept it."
+            )
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def static(cls, k: int) -> "BudgetSchedule":
+        """The point mass at k: the fixed top-k objective (paper Eq. 3)."""
+        return cls(k, k, k)
+
+    @classmethod
+    def parse(
+        cls, spec: str, center: int, sigma: float = 1.5, allow_off_center: bool = False
+    ) -> "BudgetSchedule":
+        """Build a schedule from ``"6-10"`` (a range), ``"static"`` or ``"8"`` (a point mass).
+
+        A point-mass spec must equal ``center``: ``"9"`` around 8 would be a different model.
+        """
+        if not isinstance(spec, str):
+            raise ValueError(
+                f"schedule={spec!r} is invalid: expected a string such as '6-10', 'static' or '{center}'."
+            )
+        text = spec.strip().lower()
+        if text == "static":
+            return cls.static(center)
+        match = _INT_SPEC.match(text)
+        if match:
+            k = int(match.group(1))
+            if k != center:
+                raise ValueError(
+                    f"schedule='{spec}' is a point mass at {k}, but center={center}: a static schedule must "
+                    f"equal the model's top-k. Use 'static' (or '{center}'); to train with more experts "
+                    f"change the model's top-k instead."
+                )
+            return cls.static(k)
+        match = _RANGE_SPEC.match(text)
+        if not match:
+            raise ValueError(
+                f"schedule='{spec}' does not parse: expected 'LOW-HIGH' (e.g. '6-10'), 'static', "
+                f"or a single integer equal to the model's top-k."
+            )
+        low, high = int(match.group(1)), int(match.group(2))
+        if low > high:
+            raise ValueError(
+                f"schedule='{spec}' has low={low} > high={high}: write the range as 'LOW-HIGH', "
+                f"e.g. '{high}-{low}'."
+            )
+        return cls(low, high, center, sigma, allow_off_center=allow_off_center)
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def is_static(self) -> bool:
+        """True for the point mass (κ ≡ center)."""
+        return self.low == self.high
+
+    @property
+    def mean(self) -> float:
+        """E[κ] = Σ_r r·q(r)."""
+        return math.fsum(r * q for r, q in zip(self.budgets, self.pmf))
+
+    @property
+    def mean_abs_deviation(self) -> float:
+        """E|κ - center|."""
+        return math.fsum(abs(r - self.center) * q for r, q in zip(self.budgets, self.pmf))
+
+    @property
+    def std(self) -> float:
+        """SD(κ)."""
+        mean = self.mean
+        return math.sqrt(math.fsum((r - mean) ** 2 * q for r, q in zip(self.budgets, self.pmf)))
+
+    @property
+    def off_center_share(self) -> float:
+        """P(κ ≠ center): the share of tokens whose budget differs from static top-k."""
+        return 1.0 - self.probability(self.center)
+
+    def probability(self, budget: int) -> float:
+        """q(budget); 0 outside the support."""
+        if self.low <= budget <= self.high:
+            return self.pmf[budget - self.low]
+        return 0.0
+
+    def survival(self, rank: int) -> float:
+        """a(rank) = P(κ >= rank) for a 1-based router rank (paper Eq. 7)."""
+        if rank <= self.low:
+            return 1.0
+        if rank > self.high:
+            return 0.0
+        return math.fsum(self.pmf[rank - self.low :])
+
+    def exposure(self, num_ranks: int) -> tuple[float, ...]:
+        """(a(1), ..., a(num_ranks)): the expected dispatch share of each router rank.
+
+        Its sum equals ``mean`` once ``num_ranks >= high``.
+        """
+        return tuple(self.survival(rank) for rank in range(1, num_ranks + 1))
+
+    def spec(self) -> str:
+        """The canonical spec string: ``"static"`` or ``"LOW-HIGH"``."""
+        return "static" if self.is_static else f"{self.low}-{self.high}"
+
+    def describe(self) -> str:
+        return f"{self.spec()} around k={self.center} (σ={self.sigma:g})"
+
+    # ------------------------------------------------------------------ model checks
+    def validate_for(self, num_experts: int, topk: int) -> None:
+        """Check that this schedule fits a model with ``num_experts`` routed experts and top-k ``topk``.
+
+        Raises:
+            ValueError: if ``high > num_experts`` or ``center != topk``.
+        """
+        if self.center != topk:
+            raise ValueError(
+                f"schedule {self.describe()} is centred at {self.center}, but the model routes to "
+                f"top-{topk}: the center must be the model's deployment top-k. Leave `center` unset "
+                f"(it defaults to the model's top-k) or set it to {topk}."
+            )
+        if self.high > num_experts:
+            raise ValueError(
+                f"schedule {self.describe()} reaches budget {self.high}, but the model has only "
+                f"{num_experts} experts: expected high <= num_experts. Use a narrower range, e.g. "
+                f"'{max(1, 2 * topk - num_experts)}-{num_experts}' or less."
+            )
+
+    # ------------------------------------------------------------------ sampling
+    def sample(
+        self,
+        num_tokens: int,
+        mode: SamplingMode = "iid",
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """Draw one budget per token: LongTensor κ [num_tokens] on ``device``.
+
+        Modes:
+            ``"iid"``: independent draws from q (the paper). The total number of dispatched
+                (token, expert) pairs varies around ``num_tokens * center``.
+            ``"balanced"``: a uniformly random permutation of a fixed budget multiset whose
+                counts follow q (rounded symmetrically) and whose sum is *exactly*
+                ``num_tokens * center``. Every micro-batch then dispatches exactly as many pairs
+                as static top-k, so buffer sizes are static and need no host sync. Trade-off:
+                budgets of tokens in one micro-batch are no longer independent (they are drawn
+                without replacement), and the pmf holds only up to rounding for small T.
+
+        Both modes consume ``num_tokens`` uniforms from ``generator`` (torch's default generator
+        when None) and never synchronise with the host.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens!r} is invalid: expected an integer >= 0.")
+        uniforms = torch.rand(num_tokens, generator=generator, device=device, dtype=torch.float64)
+        return self.budgets_from_uniforms(uniforms, mode)
+
+    def budgets_from_uniforms(self, uniforms: torch.Tensor, mode: SamplingMode = "iid") -> torch.Tensor:
+        """Map uniforms u [T] in [0, 1) to budgets κ [T] (LongTensor, same device).
+
+        ``"iid"`` inverts the CDF: κ = low + #{r : CDF(r) <= u}. ``"balanced"`` sorts the
+        uniforms to draw a random permutation of :meth:`balanced_counts`. Separating the
+        uniforms from the mapping lets distributed callers draw one global stream and keep their
+        own slice (identical on tensor-parallel peers, independent across data-parallel ranks).
+        """
+        if mode == "iid":
+            if self.is_static:
+                return torch.full(uniforms.shape, self.low, dtype=torch.long, device=uniforms.device)
+            cdf = _inner_cdf(self.pmf, uniforms.device)
+            return torch.searchsorted(cdf, uniforms.to(torch.float64), right=True) + self.low
+        if mode == "balanced":
+            if uniforms.dim() != 1:
+                raise ValueError(f"balanced sampling needs uniforms of shape [T], got {tuple(uniforms.shape)}.")
+            multiset = _balanced_multiset(self, uniforms.numel(), uniforms.device)
+            if self.is_static:
+                return multiset.clone()
+            return multiset[torch.argsort(uniforms)]
+        raise ValueError(f"sampling='{mode}' is not a sampling mode: expected one of {SAMPLING_MODES}.")
+
+    def balanced_counts(self, num_tokens: int) -> dict[int, int]:
+        """Budget counts {κ: n_κ} for ``"balanced"`` sampling of ``num_tokens`` tokens.
+
+        n_{k0±d} = round(T·q(k0±d)) for each offset d > 0, identical on both sides so that
+        Σ n_κ·κ = T·k0 exactly; the center takes the rest. If rounding up overfills T (tiny T),
+        the pairs rounded up the most are decremented first.
+
+        Raises:
+            ValueError: for a schedule not symmetric around its center, where no multiset can
+                match the compute of static top-k.
+        """
+        if self.low + self.high != 2 * self.center:
+            raise ValueError(
+                f"sampling='balanced' needs a schedule symmetric around its center, got {self.describe()}: "
+                f"use sampling='iid', or a range with low + high == 2 * center."
+            )
+        return dict(_balanced_counts_cached(self.pmf, self.low, self.center, num_tokens))
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced_counts_cached(
+    pmf: tuple[float, ...], low: int, center: int, num_tokens: int
+) -> tuple[tuple[int, int], ...]:
+    offsets = range(1, center - low + 1)
+    expected = {d: num_tokens * pmf[center + d - low] for d in offsets}
+    per_side = {d: int(math.floor(expected[d] + 0.5)) for d in offsets}
+    # Overfill only happens for T smaller than the support; undo the largest round-ups first.
+    by_round_up = sorted(offsets, key=lambda d: per_side[d] - expected[d], reverse=True)
+    for d in by_round_up:
+        if 2 * sum(per_side.values()) <= num_tokens:
+            break
+        per_side[d] -= 1
+    counts = {center: num_tokens - 2 * sum(per_side.values())}
+    for d in offsets:
+        counts[center - d] = per_side[d]
+        counts[center + d] = per_side[d]
+    return tuple(sorted(counts.items()))
+
+
+def _balanced_multiset(schedule: BudgetSchedule, num_tokens: int, device: torch.device) -> torch.Tensor:
+    counts = schedule.balanced_counts(num_tokens) if not schedule.is_static else {schedule.low: num_tokens}
+    return _multiset_tensor(tuple(sorted(counts.items())), str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _multiset_tensor(counts: tuple[tuple[int, int], ...], device: str) -> torch.Tensor:
+    values = torch.tensor([budget for budget, _ in counts], dtype=torch.long)
+    repeats = torch.tensor([count for _, count in counts], dtype=torch.long)
+    return torch.repeat_interleave(values, repeats).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cdf_cached(pmf: tuple[float, ...], device: str) -> torch.Tensor:
+    cumulative = torch.cumsum(torch.tensor(pmf, dtype=torch.float64), 0)
+    return cumulative[:-1].contiguous().to(device)
+
+
+def _inner_cdf(pmf: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """CDF(low..high-1) as a float64 tensor on ``device`` (cached: no per-step host->device copy)."""
+    return _cdf_cached(pmf, str(device))
