@@ -1,0 +1,1 @@
+"""Test and demo helpers; nothing here is imported by the plugin at runtime."""
