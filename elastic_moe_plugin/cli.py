@@ -1,19 +1,33 @@
 """``elastic-moe``: the command-line entry point. Parses, calls a library function, prints.
 
-Subcommands:
-    schedule   print a budget schedule's pmf, survival curve and statistics
-    gates      the gate-convention lab (seed 000): compare conventions and their router gradients
-    demo       the main job on an embedded default
+``schedule`` lives here; every other subcommand is a module listed in :data:`SUBCOMMANDS` that
+provides ``configure_parser(parser)`` and ``run(args) -> int``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Sequence
 
 from elastic_moe_plugin import __version__
+
+#: subcommand -> (module with ``configure_parser(parser)`` and ``run(args) -> int``, help, description)
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "gates": (
+        "elastic_moe_plugin.gates.lab",
+        "gate-convention lab: losses, selections and router gradients per convention",
+        "Compare top-k gate conventions on identical logits and experts (seed 000).",
+    ),
+    "demo": (
+        "elastic_moe_plugin.demo",
+        "train static and elastic Megatron MoE models on CPU and compare them",
+        "Train a tiny Megatron-core MoE GPT twice (static top-k and elastic) on a generated corpus, on CPU, "
+        "and print a side-by-side summary.",
+    ),
+}
 from elastic_moe_plugin.config import ConfigError
 from elastic_moe_plugin.schedule import BudgetSchedule
 
@@ -28,22 +42,6 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     if args.plot:
         summary["plot"] = str(plot_schedule(schedule, args.plot))
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
-    return 0
-
-
-def _cmd_gates(args: argparse.Namespace) -> int:
-    from elastic_moe_plugin.gates import lab
-
-    return lab.run(args)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from elastic_moe_plugin.schedule_report import format_summary, schedule_summary
-
-    print("Elastic Expert Routing: the paper's schedules around top-8 (sigma 1.5)\n")
-    for spec in ("static", "7-9", "6-10", "5-11"):
-        print(format_summary(schedule_summary(BudgetSchedule.parse(spec, 8), 12)))
-        print()
     return 0
 
 
@@ -70,21 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--plot", metavar="PNG", default=None, help="write the pmf and exposure curve to a PNG")
     schedule.set_defaults(handler=_cmd_schedule)
 
-    gates = commands.add_parser(
-        "gates",
-        help="gate-convention lab: losses, selections and router gradients per convention",
-        description="Compare top-k gate conventions on identical logits and experts (seed 000).",
-    )
-    try:
-        from elastic_moe_plugin.gates import lab
-
-        lab.configure_parser(gates)
-    except ImportError:  # pragma: no cover - the lab ships with the package
-        pass
-    gates.set_defaults(handler=_cmd_gates)
-
-    demo = commands.add_parser("demo", help="run the main job on an embedded default")
-    demo.set_defaults(handler=_cmd_demo)
+    for name, (module_name, help_text, description) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = commands.add_parser(name, help=help_text, description=description)
+        module.configure_parser(sub)
+        sub.set_defaults(handler=module.run)
     return parser
 
 

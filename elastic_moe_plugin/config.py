@@ -28,6 +28,7 @@ from elastic_moe_plugin.schedule import SAMPLING_MODES, BudgetSchedule
 
 GateConvention = Literal["auto", "full_softmax", "renormalized"]
 GATE_CHOICES: tuple[str, ...] = ("auto", "full_softmax", "renormalized")
+ROUTER_MODES: tuple[str, ...] = ("elastic", "top_p")
 
 ENV_PREFIX = "ELASTIC_MOE_"
 ENV_CONFIG_FILE = "ELASTIC_MOE_CONFIG"
@@ -92,6 +93,13 @@ class ElasticConfig:
             (per-micro-batch exact compute match, no host sync; see ``BudgetSchedule.sample``).
         enabled: master switch; ``False`` leaves every router stock.
         allow_off_center: accept a schedule whose mean is not the center.
+        mode: ``"elastic"`` (budget schedule, compute-matched with static top-k) or ``"top_p"``
+            (the paper's nucleus-routing control: each token keeps its smallest top-ranked set
+            whose full-softmax probability reaches ``top_p``; this *changes* the expected
+            compute, ~13 experts per token on OLMoE at p = 0.4). Training only; inference stays
+            static top-k.
+        top_p: the cumulative-probability threshold of ``mode="top_p"``, in (0, 1].
+        top_p_max_experts: cap on experts per token in ``mode="top_p"`` (None: every expert).
     """
 
     schedule: str = "6-10"
@@ -102,6 +110,9 @@ class ElasticConfig:
     sampling: Literal["iid", "balanced"] = "iid"
     enabled: bool = True
     allow_off_center: bool = False
+    mode: Literal["elastic", "top_p"] = "elastic"
+    top_p: float = 0.4
+    top_p_max_experts: int | None = None
     _layer_set: frozenset[int] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -124,6 +135,16 @@ class ElasticConfig:
         for name in ("enabled", "allow_off_center"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: expected true or false.")
+        if self.mode not in ROUTER_MODES:
+            raise ConfigError(f"mode={self.mode!r} is not a router mode: expected one of {ROUTER_MODES}.")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p!r} is invalid: expected a number in (0, 1] (the paper's control uses 0.4).")
+        if self.top_p_max_experts is not None and (
+            isinstance(self.top_p_max_experts, bool) or not isinstance(self.top_p_max_experts, int) or self.top_p_max_experts < 1
+        ):
+            raise ConfigError(
+                f"top_p_max_experts={self.top_p_max_experts!r} is invalid: expected a positive integer, or None for no cap."
+            )
         layer_set = None if self.layers is None else parse_layers(self.layers)
         object.__setattr__(self, "_layer_set", layer_set)
         # Validate the schedule's own shape now, so a bad spec fails at start-up on every rank;
@@ -281,7 +302,13 @@ def _coerce(name: str, text: str, *, source: str) -> Any:
         if not value.isdigit():
             raise ConfigError(f"{source}={text!r} is invalid: expected a positive integer or 'auto' (the model's top-k).")
         return int(value)
-    if name == "sigma":
+    if name == "top_p_max_experts":
+        if value.lower() in ("", "none", "all"):
+            return None
+        if not value.isdigit():
+            raise ConfigError(f"{source}={text!r} is invalid: expected a positive integer or 'none'.")
+        return int(value)
+    if name in ("sigma", "top_p"):
         try:
             return float(value)
         except ValueError:

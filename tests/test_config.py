@@ -51,6 +51,10 @@ def test_disabled_config_routes_nothing_elastically():
         ({"gate": "softmax"}, r"gate='softmax' is not a gate convention.*full_softmax"),
         ({"sampling": "stratified"}, r"sampling='stratified' is not a sampling mode.*balanced"),
         ({"enabled": "yes"}, r"enabled='yes' is invalid"),
+        ({"mode": "nucleus"}, r"mode='nucleus' is not a router mode.*top_p"),
+        ({"mode": "top_p", "top_p": 0.0}, r"top_p=0.0 is invalid: expected a number in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p=1.5 is invalid"),
+        ({"top_p_max_experts": 0}, r"top_p_max_experts=0 is invalid"),
     ],
 )
 def test_bad_values_raise_config_error(kwargs, message):
@@ -111,6 +115,7 @@ def test_env_variables_cover_every_field():
     assert set(ENV_VARS.values()) == {
         "ELASTIC_MOE_SCHEDULE", "ELASTIC_MOE_CENTER", "ELASTIC_MOE_SIGMA", "ELASTIC_MOE_LAYERS",
         "ELASTIC_MOE_GATE", "ELASTIC_MOE_SAMPLING", "ELASTIC_MOE_ENABLED", "ELASTIC_MOE_ALLOW_OFF_CENTER",
+        "ELASTIC_MOE_MODE", "ELASTIC_MOE_TOP_P", "ELASTIC_MOE_TOP_P_MAX_EXPERTS",
     }
 
 
@@ -125,6 +130,13 @@ def test_from_env():
     )
     assert ElasticConfig.from_env({}) == ElasticConfig()
     assert ElasticConfig.from_env({"ELASTIC_MOE_LAYERS": "all", "ELASTIC_MOE_CENTER": "auto"}) == ElasticConfig()
+
+
+def test_top_p_from_env():
+    config = ElasticConfig.from_env({"ELASTIC_MOE_MODE": "top_p", "ELASTIC_MOE_TOP_P": "0.4", "ELASTIC_MOE_TOP_P_MAX_EXPERTS": "16"})
+    assert (config.mode, config.top_p, config.top_p_max_experts) == ("top_p", 0.4, 16)
+    with pytest.raises(ConfigError, match=r"ELASTIC_MOE_TOP_P_MAX_EXPERTS='many' is invalid"):
+        ElasticConfig.from_env({"ELASTIC_MOE_TOP_P_MAX_EXPERTS": "many"})
 
 
 def test_env_over_yaml(tmp_path):
