@@ -32,6 +32,12 @@ ROUTER_MODES: tuple[str, ...] = ("elastic", "top_p")
 
 ENV_PREFIX = "ELASTIC_MOE_"
 ENV_CONFIG_FILE = "ELASTIC_MOE_CONFIG"
+#: ``ELASTIC_MOE_*`` variables that steer the adapters, not the routing; not ElasticConfig fields
+OPERATIONAL_ENV_VARS: frozenset[str] = frozenset({
+    "ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE",         # try an untested megatron-core
+    "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS",  # try an untested transformers
+    "ELASTIC_MOE_DEBUG",                           # assert dispatcher invariants (syncs)
+})
 
 _LAYER_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 _TRUE = {"1", "true", "yes", "on"}
@@ -251,7 +257,12 @@ class ElasticConfig:
             values.update(_read_yaml(config_file))
         known_vars = {name: var for name, var in ENV_VARS.items()}
         for key in environ:
-            if key.startswith(ENV_PREFIX) and key != ENV_CONFIG_FILE and key not in known_vars.values():
+            if (
+                key.startswith(ENV_PREFIX)
+                and key != ENV_CONFIG_FILE
+                and key not in OPERATIONAL_ENV_VARS
+                and key not in known_vars.values()
+            ):
                 close = difflib.get_close_matches(key, list(known_vars.values()) + [ENV_CONFIG_FILE], n=1)
                 raise ConfigError(
                     f"environment variable {key} is not an elastic-moe setting"

@@ -132,6 +132,12 @@ def test_from_env():
     assert ElasticConfig.from_env({"ELASTIC_MOE_LAYERS": "all", "ELASTIC_MOE_CENTER": "auto"}) == ElasticConfig()
 
 
+def test_operational_variables_are_not_config_errors():
+    environ = {"ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE": "1", "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS": "1",
+               "ELASTIC_MOE_DEBUG": "1", "ELASTIC_MOE_SCHEDULE": "7-9"}
+    assert ElasticConfig.from_env(environ) == ElasticConfig(schedule="7-9")
+
+
 def test_top_p_from_env():
     config = ElasticConfig.from_env({"ELASTIC_MOE_MODE": "top_p", "ELASTIC_MOE_TOP_P": "0.4", "ELASTIC_MOE_TOP_P_MAX_EXPERTS": "16"})
     assert (config.mode, config.top_p, config.top_p_max_experts) == ("top_p", 0.4, 16)

@@ -1,0 +1,166 @@
+"""Shared fixtures of the transformers adapter tests: tiny MoE models built from configs, on CPU.
+
+- ``hf_clean`` (function scope; every module here applies it through ``pytestmark``) guarantees
+  ``hf.remove()`` before and after each test, so no test sees another's patch.
+- every test runs with one torch intra-op thread (restored afterwards).
+- ``tiny`` returns :class:`TinyModels`: ``tiny.config(family, **overrides)`` and
+  ``tiny.model(family, experts_implementation=..., **overrides)`` build a 2-layer, 8-expert,
+  top-2, hidden-64 model of any covered family (:data:`elastic_moe_plugin.hf.FAMILIES`), and
+  ``tiny.inputs(family)`` the matching keyword arguments. Nothing is downloaded.
+
+Without transformers installed, every test module in this folder is skipped at collection.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+if not HAVE_TRANSFORMERS:
+    collect_ignore_glob = ["test_*.py"]
+
+NUM_EXPERTS, TOP_K, HIDDEN, LAYERS, VOCAB = 8, 2, 64, 2, 128
+BATCH, SEQ = 2, 8
+
+_COMMON = {
+    "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 64, "num_experts_per_tok": TOP_K,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "router_aux_loss_coef": 0.01,
+}
+_QWEN = {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "head_dim": 16}
+_SHARED = {"shared_expert_intermediate_size": 32}
+# Hybrid models: one linear-attention and one full-attention layer, tiny linear heads.
+_LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16}
+_HYBRID = {**_LINEAR, "layer_types": ["linear_attention", "full_attention"]}
+
+#: family name -> (config module.class, model module.class, config overrides, model input)
+FAMILY_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
+    "olmoe": ("olmoe.OlmoeConfig", "olmoe.OlmoeForCausalLM", {"num_experts": NUM_EXPERTS}, "ids"),
+    "qwen3_moe": ("qwen3_moe.Qwen3MoeConfig", "qwen3_moe.Qwen3MoeForCausalLM", _QWEN, "ids"),
+    "flex_olmo": ("flex_olmo.FlexOlmoConfig", "flex_olmo.FlexOlmoForCausalLM", {"num_experts": NUM_EXPERTS}, "ids"),
+    "qwen2_moe": ("qwen2_moe.Qwen2MoeConfig", "qwen2_moe.Qwen2MoeForCausalLM", {**_QWEN, **_SHARED}, "ids"),
+    "qwen3_next": ("qwen3_next.Qwen3NextConfig", "qwen3_next.Qwen3NextForCausalLM",
+                   {**_QWEN, **_SHARED, **_HYBRID}, "ids"),
+    "qwen3_5_moe": ("qwen3_5_moe.Qwen3_5MoeTextConfig", "qwen3_5_moe.Qwen3_5MoeForCausalLM",
+                    {**_QWEN, **_SHARED, **_HYBRID}, "ids"),
+    "qwen3_vl_moe": ("qwen3_vl_moe.Qwen3VLMoeTextConfig", "qwen3_vl_moe.Qwen3VLMoeTextModel", _QWEN, "ids"),
+    "qwen3_omni_moe.thinker": ("qwen3_omni_moe.Qwen3OmniMoeTextConfig", "qwen3_omni_moe.Qwen3OmniMoeThinkerTextModel",
+                               _QWEN, "embeds"),
+    "qwen3_omni_moe.talker": ("qwen3_omni_moe.Qwen3OmniMoeTalkerTextConfig", "qwen3_omni_moe.Qwen3OmniMoeTalkerModel",
+                              {**_QWEN, **_SHARED}, "embeds"),
+    # Qwen4-Exp's full-attention layers need its QSA indexer; linear attention alone keeps it tiny.
+    "qwen4_exp": ("qwen4_exp.Qwen4ExpTextConfig", "qwen4_exp.Qwen4ExpForCausalLM",
+                  {**_QWEN, **_LINEAR, "hc_lowrank": 8, "use_cache": False,
+                   "layer_types": ["linear_attention", "linear_attention"]}, "ids"),
+    "mixtral": ("mixtral.MixtralConfig", "mixtral.MixtralForCausalLM", {"num_local_experts": NUM_EXPERTS}, "ids"),
+    "minimax": ("minimax.MiniMaxConfig", "minimax.MiniMaxForCausalLM", {"num_local_experts": NUM_EXPERTS}, "ids"),
+    "mellum": ("mellum.MellumConfig", "mellum.MellumForCausalLM",
+               {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32}, "ids"),
+}
+
+
+def _resolve(dotted: str):
+    module_name, _, attribute = dotted.rpartition(".")
+    module = importlib.import_module(f"transformers.models.{module_name}")
+    return getattr(module, attribute)
+
+
+class TinyModels:
+    """Builders of tiny models of every covered family (see the module docstring)."""
+
+    families = tuple(FAMILY_MODELS)
+
+    def config(self, family: str, **overrides):
+        config_path, _, defaults, _ = FAMILY_MODELS[family]
+        return _resolve(config_path)(**{**_COMMON, **defaults, **overrides})
+
+    def model(self, family: str, *, experts_implementation: str | None = None, seed: int = 0, **overrides):
+        """A fresh model in training mode; weights from ``torch.manual_seed(seed)``."""
+        config = self.config(family, **overrides)
+        if experts_implementation is not None:
+            config._experts_implementation = experts_implementation
+        torch.manual_seed(seed)
+        model = _resolve(FAMILY_MODELS[family][1])(config)
+        # Some families leave weights to a checkpoint load (Qwen3-Omni's talker experts stay
+        # torch.empty, its router zeros), so draw every matrix here, from the same seed.
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.dim() >= 2:
+                    parameter.normal_(0.0, 0.02, generator=generator)
+        assert all(torch.isfinite(p).all() for p in model.parameters()), family
+        if experts_implementation is not None:
+            assert model.config._experts_implementation == experts_implementation
+        return model.train()
+
+    def inputs(self, family: str, *, seed: int = 1) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
+        if FAMILY_MODELS[family][3] == "embeds":
+            return {"inputs_embeds": torch.randn(BATCH, SEQ, HIDDEN, generator=generator), "use_cache": False}
+        kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
+        if FAMILY_MODELS[family][1].endswith("ForCausalLM"):
+            kwargs["labels"] = ids
+        return kwargs
+
+
+def hand_aux_loss(router_logits, expert_ids_per_layer, num_experts: int, attention_mask=None) -> torch.Tensor:
+    """The load-balancing loss written out from its definition, in float64.
+
+    loss = E · Σ_e (c_e / N) · (P_e / N), with N = Σ_layers Σ_t m_t, c_e = Σ_layers Σ_t m_t ·
+    #{slots of token t routed to e} (ids −1 = not routed) and P_e = Σ_layers Σ_t m_t · softmax(z_t)_e.
+    ``expert_ids_per_layer``: per layer LongTensor [T, width], −1 where nothing was dispatched.
+    """
+    counts = torch.zeros(num_experts, dtype=torch.float64)
+    prob_sums = torch.zeros(num_experts, dtype=torch.float64)
+    total = 0.0
+    for logits, ids in zip(router_logits, expert_ids_per_layer):
+        num_tokens = logits.shape[0]
+        mask = torch.ones(num_tokens, dtype=torch.float64) if attention_mask is None else attention_mask.reshape(-1).double()
+        # P exactly as transformers takes it: softmax in the logits' dtype
+        probs = torch.softmax(logits.detach(), dim=-1).double()
+        for t in range(num_tokens):
+            for expert in ids[t].tolist():
+                if expert >= 0:
+                    counts[expert] += mask[t]
+        prob_sums += (probs * mask[:, None]).sum(0)
+        total += float(mask.sum())
+    return num_experts * ((counts / total) * (prob_sums / total)).sum()
+
+
+@pytest.fixture
+def tiny() -> TinyModels:
+    return TinyModels()
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models run fastest on one intra-op thread, and a busy 2-core runner makes a thread pool
+    stall (a 16x64 linear took 1.4 ms with 2 threads under load, 5 µs with one). Restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def hf_clean():
+    from elastic_moe_plugin import hf
+
+    hf.remove()
+    yield
+    hf.remove()
+
+
+@pytest.fixture
+def hand_aux():
+    """:func:`hand_aux_loss`, the hand-written load-balancing loss."""
+    return hand_aux_loss

@@ -1,0 +1,439 @@
+"""The transformers adapter (``elastic_moe_plugin.hf``) on tiny OLMoE / Qwen3-MoE models, on CPU.
+
+Every expectation is a hand-written reference: unpatched transformers itself (bitwise, where the
+issue claims bitwise equality), ``torch.sort`` of the fp32 softmax for the selected set, closed
+forms for both gate conventions, a per-token dense loop Σ_e w_te·expert_e(x_t) for the MoE block,
+the load-balancing loss written out from its definition, and scipy's chi-square test for κ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from packaging.version import Version
+
+transformers = pytest.importorskip("transformers")
+
+from elastic_moe_plugin import ElasticConfig, hf
+from elastic_moe_plugin.config import ConfigError
+from elastic_moe_plugin.schedule import BudgetSchedule
+
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
+
+IMPLS = ("eager", "grouped_mm", "batched_mm")
+E, K = 8, 2
+
+
+def _padding_mask() -> torch.Tensor:
+    """[batch, seq] with 1 = real token (transformers' polarity); the second row ends in padding."""
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    return mask
+
+
+def _step(model, inputs, seed=7, **extra):
+    """One training forward + backward; everything the comparisons need, detached."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(**inputs, output_router_logits=True, **extra)
+    out.loss.backward()
+    return {
+        "logits": out.logits.detach(),
+        "loss": out.loss.detach(),
+        "aux_loss": out.aux_loss.detach(),
+        "router_logits": [z.detach() for z in out.router_logits],
+        "grads": {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None},
+    }
+
+
+def _assert_bitwise(a, b):
+    assert torch.equal(a["logits"], b["logits"])
+    assert torch.equal(a["loss"], b["loss"])
+    assert torch.equal(a["aux_loss"], b["aux_loss"])
+    assert all(torch.equal(x, y) for x, y in zip(a["router_logits"], b["router_logits"]))
+    assert a["grads"].keys() == b["grads"].keys() and len(a["grads"]) > 0
+    for name in a["grads"]:
+        assert torch.equal(a["grads"][name], b["grads"][name]), name
+
+
+def _family_objects(name):
+    family = next(f for f in hf.FAMILIES if f.name == name)
+    return family, hf._load_family(family)
+
+
+def _all_patch_points():
+    points = []
+    for family in hf.FAMILIES:
+        loaded = hf._load_family(family)
+        if isinstance(loaded, str):
+            continue
+        module, router_cls, layer_cls = loaded
+        points += [(router_cls, "forward"), (layer_cls, "__init__"), (module, "load_balancing_loss_func")]
+    return points
+
+
+# ------------------------------------------------------------------------------- patch checklist
+def test_apply_and_remove_restore_every_attribute_by_identity():
+    points = _all_patch_points()
+    originals = {(id(owner), name): owner.__dict__[name] for owner, name in points}
+    hf.apply(ElasticConfig(schedule="1-3"))
+    assert hf.is_applied()
+    for owner, name in points:
+        current = owner.__dict__[name]
+        assert current is not originals[(id(owner), name)]
+        assert getattr(current, hf._PATCH_MARKER, False)
+    # one loss function per module (Qwen3-Omni's thinker and talker share theirs)
+    assert len(hf.patched_symbols()) == len({(id(owner), name) for owner, name in points})
+    assert "transformers.models.olmoe.modeling_olmoe.OlmoeTopKRouter.forward" in hf.patched_symbols()
+    hf.remove()
+    assert not hf.is_applied() and hf.patched_symbols() == []
+    for owner, name in points:
+        assert owner.__dict__[name] is originals[(id(owner), name)]
+    hf.remove()  # a second remove is a no-op
+
+
+def test_apply_is_idempotent_replaces_and_patched_restores():
+    _, (_, router_cls, _) = _family_objects("olmoe")
+    original = router_cls.__dict__["forward"]
+    first, second = ElasticConfig(schedule="1-3"), ElasticConfig(schedule="1-3", sigma=1.0)
+    hf.apply(first)
+    patched_forward = router_cls.__dict__["forward"]
+    hf.apply(ElasticConfig(schedule="1-3"))  # equal config: nothing re-patched
+    assert router_cls.__dict__["forward"] is patched_forward
+    hf.apply(second)  # a different config replaces the first
+    assert hf.active_config() == second
+    assert router_cls.__dict__["forward"].__wrapped__ is original
+    with hf.patched(ElasticConfig(schedule="static")):
+        assert hf.active_config().schedule == "static"
+    assert hf.active_config() == second
+    hf.remove()
+    with hf.patched(first):
+        assert hf.is_applied()
+    assert not hf.is_applied() and router_cls.__dict__["forward"] is original
+
+
+@pytest.mark.parametrize("found", ["5.20.0", "4.57.1"])
+def test_version_guard_names_range_and_override(monkeypatch, found):
+    monkeypatch.setattr(hf, "transformers_version", lambda: Version(found))
+    monkeypatch.delenv(hf.ALLOW_UNSUPPORTED_ENV, raising=False)
+    with pytest.raises(hf.UnsupportedTransformersError, match=rf"{found}.*>=5.0,<5.20.*{hf.ALLOW_UNSUPPORTED_ENV}=1"):
+        hf.apply(ElasticConfig(schedule="1-3"))
+    assert not hf.is_applied()
+    monkeypatch.setenv(hf.ALLOW_UNSUPPORTED_ENV, "1")
+    hf.apply(ElasticConfig(schedule="1-3"))
+    assert hf.is_applied()
+
+
+def test_apply_without_config_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("ELASTIC_MOE_SCHEDULE", "1-3")
+    monkeypatch.setenv("ELASTIC_MOE_LAYERS", "1")
+    hf.apply()
+    assert hf.active_config() == ElasticConfig(schedule="1-3", layers="1")
+
+
+def test_bad_config_fails_at_model_build_and_at_apply_with_model(tiny):
+    hf.apply(ElasticConfig(schedule="1-9"))
+    with pytest.raises(ConfigError, match=r"reaches budget 9, but the model has only 8 experts"):
+        tiny.model("olmoe", num_experts_per_tok=5)
+    hf.remove()
+    prebuilt = tiny.model("olmoe", num_experts_per_tok=5)
+    with pytest.raises(ConfigError, match=r"reaches budget 9, but the model has only 8 experts"):
+        hf.apply(ElasticConfig(schedule="1-9"), model=prebuilt)
+    assert not hf.is_applied()  # the rejected config did not stay active
+    hf.apply(ElasticConfig(schedule="2-8"))
+    with pytest.raises(ConfigError, match=r"reaches budget 9"):
+        hf.apply(ElasticConfig(schedule="1-9"), model=prebuilt)
+    assert hf.active_config() == ElasticConfig(schedule="2-8")
+    hf.remove()
+    hf.apply(ElasticConfig(schedule="1-3", layers="1-3"))
+    with pytest.raises(ConfigError, match=r"layers='1-3' selects layer\(s\) \[2, 3\], but the model has 2"):
+        tiny.model("olmoe")
+
+
+def test_unsupported_mode_is_rejected():
+    with pytest.raises(ConfigError, match=r"mode='top_p' is not supported by the transformers adapter"):
+        hf.apply(ElasticConfig(schedule="1-3", mode="top_p"))
+    assert not hf.is_applied()
+
+
+# ------------------------------------------------------------------------------- bitwise stock
+@pytest.mark.parametrize("family,norm", [("olmoe", False), ("qwen3_moe", True)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_static_schedule_is_bitwise_stock(tiny, family, norm, masked):
+    inputs = dict(tiny.inputs(family), **({"attention_mask": _padding_mask()} if masked else {}))
+    stock = _step(tiny.model(family, norm_topk_prob=norm), inputs)
+    hf.apply(ElasticConfig(schedule="static"))
+    patched = _step(tiny.model(family, norm_topk_prob=norm), inputs)
+    _assert_bitwise(stock, patched)
+    assert stock["aux_loss"] > 0
+
+
+def test_disabled_config_is_bitwise_stock(tiny):
+    inputs = tiny.inputs("qwen3_moe")
+    stock = _step(tiny.model("qwen3_moe"), inputs)
+    hf.apply(ElasticConfig(schedule="1-3", enabled=False))
+    _assert_bitwise(stock, _step(tiny.model("qwen3_moe"), inputs))
+
+
+@pytest.mark.parametrize("family,norm", [("olmoe", False), ("qwen3_moe", True)])
+def test_eval_mode_is_static_and_bitwise_stock(tiny, family, norm):
+    inputs = dict(tiny.inputs(family), attention_mask=_padding_mask())
+    stock_model = tiny.model(family, norm_topk_prob=norm).eval()
+    with torch.no_grad():
+        stock = stock_model(**inputs, output_router_logits=True)
+    hf.apply(ElasticConfig(schedule="1-3"))
+    model = tiny.model(family, norm_topk_prob=norm).eval()
+    with torch.no_grad():
+        ours = model(**inputs, output_router_logits=True)
+    for name in ("logits", "loss", "aux_loss"):
+        assert torch.equal(getattr(stock, name), getattr(ours, name)), name
+    assert hf.routing_records(model) == {}
+    # and the patch does route elastically once the same model trains
+    model.train()
+    model(**inputs)
+    assert set(hf.routing_records(model)) == {0, 1}
+
+
+# ------------------------------------------------------------------------------- selection
+def _router(tiny, *, topk=K, norm=False):
+    model = tiny.model("olmoe", num_experts_per_tok=topk, norm_topk_prob=norm)
+    router = model.model.layers[0].mlp.gate
+    with torch.no_grad():
+        router.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(3))  # well-separated logits
+    return router
+
+
+def test_budgets_follow_the_schedule_pmf(tiny):
+    scipy_stats = pytest.importorskip("scipy.stats")
+    hf.apply(ElasticConfig(schedule="2-6"))
+    router = _router(tiny, topk=4)
+    schedule = BudgetSchedule.parse("2-6", center=4)
+    x = torch.randn(20000, 64, generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        _, weights, ids = router(x)
+    budgets = router._elastic_record.budgets
+    # what is dispatched with a non-zero weight is exactly κ_t experts per token
+    assert torch.equal((weights > 0).sum(-1), budgets)
+    assert weights.shape == ids.shape == (20000, 6)
+    observed = torch.bincount(budgets, minlength=7)[2:].double()
+    expected = torch.tensor(schedule.pmf, dtype=torch.float64) * budgets.numel()
+    assert observed.sum() == budgets.numel()
+    result = scipy_stats.chisquare(observed.numpy(), expected.numpy())
+    assert result.pvalue > 1e-3, (observed, expected)
+    assert abs(budgets.double().mean().item() - 4.0) < 0.03
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["full_softmax", "renormalized"])
+def test_kept_experts_are_top_kappa_and_weights_match_reference(tiny, norm):
+    hf.apply(ElasticConfig(schedule="2-6"))
+    router = _router(tiny, topk=4, norm=norm)
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(6))
+    torch.manual_seed(8)
+    logits, weights, ids = router(x)
+    record = router._elastic_record
+    kappa = record.budgets
+    # reference: sort the fp32 full softmax by hand
+    probs = torch.softmax(x @ router.weight.detach().T, dim=-1, dtype=torch.float32)
+    order_probs, order = torch.sort(probs, dim=-1, descending=True)
+    order_probs, order = order_probs[:, :6], order[:, :6]
+    kept = torch.arange(6) < kappa[:, None]
+    assert torch.equal(ids, order)  # beyond κ: the real rank-j candidate, not a sentinel
+    assert torch.equal(record.expert_ids, torch.where(kept, order, -1))
+    reference = torch.where(kept, order_probs, 0.0)
+    if norm:
+        reference = reference / reference.sum(-1, keepdim=True)
+    torch.testing.assert_close(weights.detach(), reference, rtol=1e-6, atol=1e-7)
+    assert torch.all(weights.detach()[~kept] == 0.0)  # exactly 0, not merely small
+    torch.testing.assert_close(record.retained_weight_sums, reference.sum(-1), rtol=1e-6, atol=1e-7)
+    assert weights.dtype == logits.dtype == torch.float32
+
+
+def test_renormalized_single_expert_tokens_get_weight_one_and_no_gate_gradient(tiny):
+    """Seed 000: κ = 1 under a renormalised gate gives w = 1 exactly and no router gradient."""
+    hf.apply(ElasticConfig(schedule="1-3"))
+    router = _router(tiny, topk=2, norm=True)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(9))
+    torch.manual_seed(10)
+    _, weights, _ = router(x)
+    single = router._elastic_record.budgets == 1
+    assert single.any() and torch.all(weights[single, 0] == 1.0)
+    router.zero_grad()
+    (weights[single] * torch.randn(weights[single].shape)).sum().backward()
+    assert torch.all(router.weight.grad == 0.0)
+
+
+@pytest.mark.parametrize("gate,expect_sum_one", [("renormalized", True), ("full_softmax", False)])
+def test_gate_setting_overrides_the_model_convention(tiny, gate, expect_sum_one):
+    hf.apply(ElasticConfig(schedule="1-3", gate=gate))
+    router = _router(tiny, norm=not expect_sum_one)  # the model's own flag says the opposite
+    torch.manual_seed(0)
+    _, weights, _ = router(torch.randn(64, 64))
+    sums = weights.detach().sum(-1)
+    assert torch.allclose(sums, torch.ones_like(sums)) == expect_sum_one
+
+
+# ------------------------------------------------------------------------------- dense reference
+def _dense_reference(block, x, budgets, renormalize):
+    """Σ_{j<κ_t} w_tj · expert_{e_tj}(x_t), one token and one expert at a time."""
+    experts, router = block.experts, block.gate
+    tokens = x.reshape(-1, x.shape[-1])
+    probs = torch.softmax(tokens @ router.weight.T, dim=-1, dtype=torch.float32)
+    out = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        top = torch.sort(probs[t], descending=True)
+        chosen, chosen_probs = top.indices[: budgets[t]], top.values[: budgets[t]]
+        gates = chosen_probs / chosen_probs.sum() if renormalize else chosen_probs
+        for expert, gate in zip(chosen.tolist(), gates):
+            gate_proj, up_proj = torch.nn.functional.linear(tokens[t], experts.gate_up_proj[expert]).chunk(2)
+            hidden = torch.nn.functional.silu(gate_proj) * up_proj
+            out[t] += gate * torch.nn.functional.linear(hidden, experts.down_proj[expert])
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("norm", [False, True], ids=["full_softmax", "renormalized"])
+def test_moe_block_equals_dense_reference_for_every_experts_implementation(tiny, impl, norm):
+    hf.apply(ElasticConfig(schedule="1-3"))
+    model = tiny.model("olmoe", experts_implementation=impl, norm_topk_prob=norm)
+    block = model.model.layers[0].mlp
+    with torch.no_grad():
+        block.gate.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(11), requires_grad=True)
+    torch.manual_seed(12)
+    y = block(x)
+    budgets = block.gate._elastic_record.budgets
+    torch.manual_seed(12)  # κ comes from the default generator, first thing in the router
+    assert torch.equal(budgets, BudgetSchedule.parse("1-3", center=2).sample(16))
+    assert set(budgets.tolist()) == {1, 2, 3}
+    with torch.no_grad():
+        reference = _dense_reference(block, x, budgets, norm)
+    torch.testing.assert_close(y.detach(), reference, rtol=1e-5, atol=1e-6)
+    y.square().sum().backward()
+    assert torch.isfinite(x.grad).all() and block.gate.weight.grad.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------- aux loss
+@pytest.mark.parametrize("masked", [False, True])
+def test_aux_loss_counts_the_realised_assignments(tiny, hand_aux, masked):
+    mask = _padding_mask() if masked else None
+    hf.apply(ElasticConfig(schedule="1-3"))
+    model = tiny.model("qwen3_moe", norm_topk_prob=True)
+    inputs = dict(tiny.inputs("qwen3_moe"), **({"attention_mask": mask} if masked else {}))
+    torch.manual_seed(13)
+    out = model(**inputs, output_router_logits=True)
+    records = hf.routing_records(model)
+    assert set(records) == {0, 1}
+    expected = hand_aux(out.router_logits, [records[i].expert_ids for i in (0, 1)], E, mask)
+    torch.testing.assert_close(out.aux_loss.double(), expected, rtol=1e-6, atol=0)
+    # stock would recount a static top-2 from the logits: a different number here
+    modeling = __import__("transformers.models.qwen3_moe.modeling_qwen3_moe", fromlist=["x"])
+    stock = modeling.load_balancing_loss_func.__wrapped__(out.router_logits, E, K, mask)
+    static_ids = [torch.topk(z, K, dim=-1).indices for z in out.router_logits]
+    torch.testing.assert_close(stock.double(), hand_aux(out.router_logits, static_ids, E, mask), rtol=1e-6, atol=0)
+    assert not torch.allclose(stock, out.aux_loss)
+    # the total loss carries it with the model's coefficient, and the aux loss reaches the router
+    out.loss.backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_aux_loss_uses_stock_counts_for_static_layers(tiny, hand_aux):
+    hf.apply(ElasticConfig(schedule="1-3", layers="1"))
+    model = tiny.model("olmoe")
+    torch.manual_seed(14)
+    out = model(**tiny.inputs("olmoe"), output_router_logits=True)
+    records = hf.routing_records(model)
+    assert set(records) == {1}  # layer 0 ran the stock router
+    layer0_ids = torch.topk(torch.softmax(out.router_logits[0], dim=-1), K, dim=-1).indices
+    expected = hand_aux(out.router_logits, [layer0_ids, records[1].expert_ids], E)
+    torch.testing.assert_close(out.aux_loss.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_balanced_sampling_dispatches_exactly_t_times_k(tiny, hand_aux):
+    """sampling='balanced': Σκ = T·k per router call, so transformers' c_e / N sums to k as in stock."""
+    hf.apply(ElasticConfig(schedule="1-3", sampling="balanced"))
+    model = tiny.model("olmoe")
+    torch.manual_seed(17)
+    out = model(**tiny.inputs("olmoe"), output_router_logits=True)
+    records = hf.routing_records(model)
+    for record in records.values():
+        assert int(record.budgets.sum()) == 16 * K and len(set(record.budgets.tolist())) > 1
+    expected = hand_aux(out.router_logits, [records[i].expert_ids for i in (0, 1)], E)
+    torch.testing.assert_close(out.aux_loss.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_balanced_sampling_needs_a_symmetric_schedule(tiny):
+    hf.apply(ElasticConfig(schedule="1-4", allow_off_center=True, sampling="balanced"))
+    with pytest.raises(ConfigError, match=r"sampling='balanced' needs a schedule symmetric .* top-2"):
+        tiny.model("olmoe")
+
+
+# ------------------------------------------------------------------------------- checkpointing
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_gradient_checkpointing_replays_budgets(tiny, reentrant):
+    hf.apply(ElasticConfig(schedule="1-3"))
+    inputs = dict(tiny.inputs("olmoe"), attention_mask=_padding_mask())
+    # Reentrant checkpointing runs the first forward without grad, so the router logits that
+    # transformers records carry no graph and the aux loss sends no gradient: stock behaviour,
+    # unrelated to the plugin. Compare that mode without the aux term.
+    coef = {"router_aux_loss_coef": 0.0} if reentrant else {}
+    plain = tiny.model("olmoe", **coef)
+    checkpointed = tiny.model("olmoe", **coef)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    a = _step(plain, inputs, seed=15)
+    b = _step(checkpointed, inputs, seed=15)
+    for name in a["grads"]:
+        torch.testing.assert_close(b["grads"][name], a["grads"][name], rtol=0, atol=1e-7, msg=name)
+    torch.testing.assert_close(b["loss"], a["loss"], rtol=0, atol=0)
+    records_a, records_b = hf.routing_records(plain), hf.routing_records(checkpointed)
+    for layer in (0, 1):
+        assert torch.equal(records_a[layer].budgets, records_b[layer].budgets)
+        # the recompute in backward does not count the step twice
+        assert int(hf.budget_histograms(checkpointed)[layer].sum()) == 16
+    assert len(set(records_a[0].budgets.tolist())) > 1
+
+
+# ------------------------------------------------------------------------------- layers and records
+def test_layer_selection_and_records_are_keyed_by_layer_index(tiny):
+    hf.apply(ElasticConfig(schedule="1-3", layers="1"))
+    model = tiny.model("olmoe")
+    gates = [layer.mlp.gate for layer in model.model.layers]
+    assert [gate._elastic_layer_index for gate in gates] == [0, 1]
+    torch.manual_seed(16)
+    model(**tiny.inputs("olmoe"))
+    records = hf.routing_records(model)
+    assert list(records) == [1]
+    record = records[1]
+    assert record.budgets.shape == (16,) and record.expert_ids.shape == (16, 3)
+    assert torch.equal((record.expert_ids >= 0).sum(-1), record.budgets)
+    histograms = hf.budget_histograms(model)
+    assert list(histograms) == [1] and histograms[1].shape == (4,) and int(histograms[1].sum()) == 16
+    metrics = hf.routing_metrics(model)
+    assert metrics["elastic_moe/layer_1/mean_kappa"] == pytest.approx(record.budgets.double().mean().item())
+    assert not any(key.startswith("elastic_moe/layer_0/") for key in metrics)
+    assert hf.routing_metrics(tiny.model("olmoe")) == {}  # nothing routed yet
+    hf.reset_budget_histograms(model)
+    assert int(hf.budget_histograms(model)[1].sum()) == 0
+
+
+def test_model_built_before_apply_is_covered_and_tagged_on_request(tiny):
+    model = tiny.model("olmoe")  # built unpatched: no layer tags
+    inputs = tiny.inputs("olmoe")
+    hf.apply(ElasticConfig(schedule="1-3"))
+    model(**inputs)  # class-level patch: routes elastically without tags when every layer is elastic
+    assert set(hf.routing_records(model)) == {0, 1}
+    config = ElasticConfig(schedule="1-3", layers="1")
+    hf.apply(config)
+    with pytest.raises(ConfigError, match=r"hf.apply\(config, model=model\) or hf.tag_layers\(model\)"):
+        model(**inputs)
+    hf.apply(config, model=model)
+    assert hf.tag_layers(model) == {"model.layers.0.mlp.gate": 0, "model.layers.1.mlp.gate": 1}
+    for layer in model.model.layers:
+        layer.mlp.gate.__dict__.pop("_elastic_record", None)
+    model(**inputs)
+    assert list(hf.routing_records(model)) == [1]
+
+
+def test_tag_layers_rejects_a_model_without_covered_routers():
+    with pytest.raises(ValueError, match="contains no covered MoE router"):
+        hf.tag_layers(torch.nn.Linear(2, 2))

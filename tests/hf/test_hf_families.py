@@ -1,0 +1,101 @@
+"""Every covered transformers MoE family (``hf.FAMILIES``), as a tiny model built from its config.
+
+- Conformance: with every budget forced to the model's k, the elastic router reproduces the stock
+  router of that family (logits and expert ids bitwise, weights to rounding, same dtype) in fp32
+  and bf16, for both values of ``norm_topk_prob`` where the family reads it. This pins the
+  family table (which gate, whether weights are cast) against the installed transformers code.
+- Training: for each family and each experts implementation that runs on CPU (eager, grouped_mm,
+  batched_mm), an elastic training forward/backward runs, routes κ_t experts per token, reaches
+  the router with a gradient, and (for causal-LM heads) reports the realised-count aux loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from elastic_moe_plugin import ElasticConfig, hf
+from elastic_moe_plugin.schedule import BudgetSchedule
+
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
+
+IMPLS = ("eager", "grouped_mm", "batched_mm")
+FAMILY_NAMES = tuple(family.name for family in hf.FAMILIES)
+CONFORMANCE = [
+    pytest.param(family.name, norm, id=f"{family.name}-norm{norm}" if norm is not None else family.name)
+    for family in hf.FAMILIES
+    for norm in ((False, True) if family.reads_norm_topk_prob else (None,))
+]
+
+
+def _routers(model):
+    """[(layer index, router, family)] of the covered routers in ``model``."""
+    classes = hf.covered_router_classes()
+    found = []
+    for name, module in model.named_modules():
+        if type(module) in classes:
+            found.append((hf._index_from_name(name), module, classes[type(module)]))
+    return found
+
+
+def test_every_family_in_the_table_is_installed_and_tested(tiny):
+    installed = {family.name for family in hf.covered_router_classes().values()}
+    assert installed == set(FAMILY_NAMES), "transformers 5.19 ships every covered family"
+    assert set(tiny.families) == set(FAMILY_NAMES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family_name,norm", CONFORMANCE)
+def test_router_at_kappa_equal_k_reproduces_the_stock_router(tiny, family_name, norm, dtype):
+    overrides = {} if norm is None else {"norm_topk_prob": norm}
+    model = tiny.model(family_name, **overrides)
+    _, router, family = _routers(model)[0]
+    assert family.name == family_name
+    router = router.to(dtype)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    stock_logits, stock_weights, stock_ids = router(x)  # unpatched
+    k = router.top_k
+    plan = hf.LayerPlan(schedule=BudgetSchedule.static(k), gate=hf.gate_for(router, family, ElasticConfig()),
+                        sampling="iid", layer_index=None, family=family)
+    logits, weights, ids = hf.elastic_route(router, plan, x, budgets=torch.full((32,), k))
+    assert torch.equal(logits, stock_logits)
+    assert torch.equal(ids, stock_ids)
+    assert weights.dtype == stock_weights.dtype
+    tolerance = {"rtol": 1e-6, "atol": 1e-7} if weights.dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}
+    torch.testing.assert_close(weights.detach(), stock_weights.detach(), **tolerance)
+    if norm is False:
+        assert plan.gate == "full_softmax"
+    else:
+        assert plan.gate == "renormalized"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+def test_family_trains_elastically_with_every_experts_implementation(tiny, hand_aux, family_name, impl):
+    hf.apply(ElasticConfig(schedule="1-3"))
+    model = tiny.model(family_name, experts_implementation=impl)
+    routers = _routers(model)
+    assert routers, f"{family_name}: no covered router built"
+    inputs = tiny.inputs(family_name)
+    torch.manual_seed(0)
+    out = model(**inputs, output_router_logits=True)
+    loss = out.loss if getattr(out, "loss", None) is not None else out.last_hidden_state.square().mean()
+    assert torch.isfinite(loss)
+    loss.backward()
+
+    records = hf.routing_records(model)
+    assert set(records) == {index for index, _, _ in routers}
+    for index, router, _ in routers:
+        record = records[index]
+        assert record.expert_ids.shape == (16, 3)
+        assert int(record.budgets.min()) >= 1 and int(record.budgets.max()) <= 3
+        assert torch.equal((record.expert_ids >= 0).sum(-1), record.budgets)
+        assert router.weight.grad is not None and torch.isfinite(router.weight.grad).all()
+        assert router.weight.grad.abs().sum() > 0
+
+    if getattr(out, "aux_loss", None) is not None:
+        ids = [records[index].expert_ids for index, _, _ in routers]
+        expected = hand_aux(out.router_logits, ids, routers[0][1].num_experts)
+        torch.testing.assert_close(out.aux_loss.double(), expected, rtol=1e-6, atol=0)
