@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# torch is pinned for dev/test only: a CPU wheel of 2.13.0 is on local disk, while an unpinned
 	# torch would pull a multi-GB CUDA build. The package itself asks only for torch>=2.6.
 	$(BIN)/pip install -q torch==2.13.0 numpy "packaging>=24.2"
-	$(BIN)/pip install -q -e ".[dev,plot]"
+	$(BIN)/pip install -q -e ".[dev,plot,hf,swift,eval]" torch==2.13.0
 	# megatron-core >=0.17 declares Requires-Python>=3.12, yet its cp311 wheel imports and runs on
 	# 3.11 (only megatron/training, which we never import, needs 3.12). With dependencies pip would
 	# try a numpy sdist that needs 3.12, so install it alone; its runtime deps (torch, numpy,

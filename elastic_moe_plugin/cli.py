@@ -21,11 +21,46 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "gate-convention lab: losses, selections and router gradients per convention",
         "Compare top-k gate conventions on identical logits and experts (seed 000).",
     ),
+    "plugin-path": (
+        "elastic_moe_plugin.plugin_path",
+        "print the ms-swift plugin file (for --external_plugins)",
+        "Print the path of the installed ms-swift plugin file: swift sft ... --external_plugins \"$(elastic-moe plugin-path)\".",
+    ),
     "demo": (
         "elastic_moe_plugin.demo",
         "train static and elastic Megatron MoE models on CPU and compare them",
         "Train a tiny Megatron-core MoE GPT twice (static top-k and elastic) on a generated corpus, on CPU, "
         "and print a side-by-side summary.",
+    ),
+    "eval": (
+        "elastic_moe_plugin.evaluation",
+        "evaluate a MoE checkpoint on the paper's suites (Avg(9), pretraining) through lm-eval",
+        "Run an evaluation suite (avg9, pretrain11 or a suite YAML) through lm-evaluation-harness, "
+        "optionally with an inference-time routing top-k, and write raw results plus a summary row.",
+    ),
+    "eval-table": (
+        "elastic_moe_plugin.evaluation_table",
+        "merge eval summaries into a Table-1-style comparison (markdown + CSV)",
+        "Merge the summaries of several `elastic-moe eval` runs into one table, with deltas against a "
+        "baseline run.",
+    ),
+    "recipes": (
+        "elastic_moe_plugin.recipes",
+        "list the training recipes in configs/, or print one fully merged",
+        "List the recipes that reproduce the paper's three settings (configs/<setting>/*.yaml), or print "
+        "one recipe with its extends chain merged.",
+    ),
+    "launch": (
+        "elastic_moe_plugin.launch",
+        "launch a recipe on this node (swift sft / megatron sft / torchrun pretrain_gpt.py), or --dry-run",
+        "Render a recipe's exact launch command with its ELASTIC_MOE_* environment for this node and run it. "
+        "Run once per node; reads SLURM or NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT when flags are not given.",
+    ),
+    "budget": (
+        "elastic_moe_plugin.budget",
+        "parameters, FLOPs per token, compute and experts per token of a recipe",
+        "Print a recipe's total and active parameters, M (FLOPs per token), D, C = M*D against the paper's "
+        "6e19, and the expected and worst-case experts per token of every schedule of its setting.",
     ),
 }
 from elastic_moe_plugin.config import ConfigError
