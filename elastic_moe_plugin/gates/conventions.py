@@ -232,6 +232,7 @@ def weigh_candidates(
     mask: torch.Tensor,
     *,
     selected_logits: torch.Tensor | None = None,
+    exact_backward: bool = True,
 ) -> torch.Tensor:
     """Gate weights ``[T, width]`` of rank-sorted candidates, 0 in slots not kept.
 
@@ -250,20 +251,32 @@ def weigh_candidates(
             ``"sigmoid_renormalized"``: scores s; w = s / (Σ_kept s + 1e-20) for every κ_t.
         candidates: ``[T, width]``, sorted by router rank.
         mask: ``BoolTensor[T, width]`` from :func:`budget_mask`; slot 0 must be kept.
-        selected_logits: ``[T, width]``, only for ``"renormalized"``.
+        selected_logits: ``[T, width]``, only for ``"renormalized"`` with ``exact_backward``.
+        exact_backward: the forward is the same either way. True uses the centred closed-form
+            backward (:func:`_simplex_grad`): mathematically zero gate gradients (top-1, identical
+            kept outputs) come out as exact zeros, which the lab counts. False uses autograd's own
+            backward of the same ops, which reproduces a framework's stock gradients bit for bit
+            (the Megatron adapter's point-mass check); top-1 under ``selected_softmax`` is exactly
+            zero there too, other zeros carry rounding residue of order 1e-8 (fp32).
     """
     if rule == "full_softmax":
         return torch.where(mask, candidates, torch.zeros_like(candidates))
     if rule == "renormalized":
         kept = torch.where(mask, candidates, torch.zeros_like(candidates))
-        if selected_logits is None:
+        if selected_logits is None or not exact_backward:
             return kept / kept.sum(-1, keepdim=True)
         return _RenormalizedProbs.apply(selected_logits, kept.detach())
     if rule == "selected_softmax":
-        return _MaskedSoftmax.apply(candidates, mask)
+        if exact_backward:
+            return _MaskedSoftmax.apply(candidates, mask)
+        weights = torch.softmax(candidates.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.where(mask, weights, torch.zeros_like(weights))
     if rule in ("sigmoid", "sigmoid_renormalized"):
         kept = torch.where(mask, candidates, torch.zeros_like(candidates))
-        normalised = _SigmoidRenormalize.apply(kept)
+        if exact_backward:
+            normalised = _SigmoidRenormalize.apply(kept)
+        else:
+            normalised = kept / (kept.sum(-1, keepdim=True) + SIGMOID_EPS)
         if rule == "sigmoid_renormalized":
             return normalised
         # κ_t from the mask (no host sync): the second slot is kept iff κ_t > 1.

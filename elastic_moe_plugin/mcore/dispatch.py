@@ -1,0 +1,182 @@
+"""Token-dispatcher fixes for a per-token budget κ (Megatron assumes a fixed k in a few places).
+
+An elastic router tags the ``routing_map`` it returns (:func:`mark_elastic`) with its candidate
+width b and its sampling mode; the patched dispatcher methods below read the tag and otherwise run
+stock code untouched. Maps from static layers carry no tag, so those layers pay nothing.
+
+==========================================  =======================================================
+place (stock)                               with an elastic map
+==========================================  =======================================================
+alltoall ``preprocess``, dropless           stock sizes the permuted output as T·k, and the unfused
+                                            permute keeps ``argsort(...)[:T·k]``, dropping or
+                                            inventing rows. ``iid``: use the realised count
+                                            Σκ = routing_map.sum(), scheduled on Megatron's own DtoH
+                                            stream at ``before_permutation_1`` (one sync per layer,
+                                            the same one stock pays with a capacity factor).
+                                            ``balanced``: Σκ = T·k by construction; keep the static
+                                            size, no sync. ``ELASTIC_MOE_DEBUG=1`` asserts it.
+alltoall / HybridEP drop-and-pad            capacity is sized from T·b (the schedule's upper bound)
+                                            instead of T·k, matching the router's capacity mask.
+flex DeepEP / NCCL-EP ``setup_metadata``    stock rebuilds indices with ``topk(probs, k)``: tokens
+                                            with κ < k get phantom zero-weight experts and κ > k is
+                                            truncated. Indices are rebuilt from the routing map with
+                                            width b; unrouted slots are −1.
+==========================================  =======================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Callable, Iterator
+
+import torch
+
+#: tensor attributes set on an elastic routing map
+WIDTH_ATTR = "_elastic_moe_width"
+BALANCED_ATTR = "_elastic_moe_balanced"
+DEBUG_ENV = "ELASTIC_MOE_DEBUG"
+_PATCH_MARKER = "__elastic_moe_patched__"
+
+
+def mark_elastic(routing_map: torch.Tensor, width: int, balanced: bool) -> torch.Tensor:
+    """Tag ``routing_map`` [T, E] as routed with up to ``width`` experts per token."""
+    setattr(routing_map, WIDTH_ATTR, int(width))
+    setattr(routing_map, BALANCED_ATTR, bool(balanced))
+    return routing_map
+
+
+def elastic_width(routing_map: torch.Tensor) -> int | None:
+    """b if ``routing_map`` came from an elastic router, else None."""
+    return getattr(routing_map, WIDTH_ATTR, None)
+
+
+@contextlib.contextmanager
+def _router_topk_as(config, topk: int) -> Iterator[None]:
+    """Present ``config.moe_router_topk = topk`` for the duration of one stock sizing call.
+
+    Stock capacity code reads ``moe_router_topk`` as the per-token upper bound; b is that bound
+    for an elastic layer. The config object is restored before any other module reads it.
+    """
+    original = config.moe_router_topk
+    config.moe_router_topk = topk
+    try:
+        yield
+    finally:
+        config.moe_router_topk = original
+
+
+def indices_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Convert a multi-hot map [T, E] into (probs [T, width], indices [T, width]) with −1 slots.
+
+    Routed experts come first (their key is 1, others 0); slots past a token's κ get index −1 and
+    probability 0, so no phantom expert is dispatched and no κ > k is truncated. No host sync.
+    """
+    _, indices = torch.topk(routing_map.to(torch.int8), width, dim=-1)
+    routed = torch.gather(routing_map, 1, indices)
+    token_probs = torch.gather(probs, 1, indices) * routed
+    return token_probs, indices.masked_fill(~routed, -1)
+
+
+# ------------------------------------------------------------------------------------- patches
+def _alltoall_preprocess(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
+        width = elastic_width(routing_map)
+        if width is None:
+            return original(self, routing_map)
+        if self.drop_and_pad:
+            with _router_topk_as(self.config, width):
+                return original(self, routing_map)
+        tokens_per_expert = original(self, routing_map)
+        if self.config.moe_expert_capacity_factor is None and not getattr(
+            self.config, "moe_router_padding_for_quantization", False
+        ):
+            # Stock chose the static T·k; an elastic map has Σκ rows.
+            if getattr(routing_map, BALANCED_ATTR, False):
+                if os.environ.get(DEBUG_ENV, "") == "1":
+                    realised = int(routing_map.sum())
+                    expected = routing_map.size(0) * self.config.moe_router_topk
+                    if realised != expected:
+                        raise AssertionError(f"balanced elastic routing dispatched {realised} pairs, expected T·k = {expected}")
+            else:
+                self.num_out_tokens = routing_map.sum()
+                self._maybe_update_cuda_sync_point("before_permutation_1")
+        return tokens_per_expert
+
+    return preprocess
+
+
+def _hybridep_setup_metadata(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor):
+        width = elastic_width(routing_map)
+        if width is None:
+            return original(self, routing_map, probs)
+        with _router_topk_as(self.config, width):
+            return original(self, routing_map, probs)
+
+    return setup_metadata
+
+
+def _indexed_setup_metadata(original: Callable) -> Callable:
+    """DeepEP / NCCL-EP: indices from the map, width = (TP fold) · b."""
+
+    @functools.wraps(original)
+    def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor):
+        width = elastic_width(routing_map)
+        if width is None:
+            return original(self, routing_map, probs)
+        num_tokens = routing_map.shape[0]
+        # The flex dispatcher folds TP into the expert axis: router_topk = tp_size · k at construction.
+        tp_fold = self.__dict__.setdefault("_elastic_tp_fold", max(1, self.router_topk // self.config.moe_router_topk))
+        folded_width = tp_fold * width
+        if getattr(self, "_bootstrapped", False) and folded_width > self.router_topk:
+            from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError
+
+            raise UnsupportedMegatronError(
+                f"the NCCL-EP receive buffers were sized for {self.router_topk} experts per token before the first "
+                f"elastic step, but the schedule needs {folded_width}. Run an elastic training step before any "
+                f"evaluation step, or use the alltoall dispatcher."
+            )
+        self.router_topk = max(self.router_topk, folded_width)
+        routing_map = routing_map.reshape(num_tokens, self.num_experts)
+        probs = probs.reshape(num_tokens, self.num_experts)
+        self.token_probs, self.token_indices = indices_from_routing_map(routing_map, probs, self.router_topk)
+        if hasattr(self, "num_local_tokens"):
+            self.num_local_tokens = num_tokens
+
+    return setup_metadata
+
+
+def _targets() -> list[tuple[Any, str, Callable]]:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    targets = [(token_dispatcher.MoEAlltoAllTokenDispatcher, "preprocess", _alltoall_preprocess)]
+    for name, factory in (("_HybridEPManager", _hybridep_setup_metadata), ("_DeepepManager", _indexed_setup_metadata),
+                          ("_NCCLEPManager", _indexed_setup_metadata)):
+        cls = getattr(token_dispatcher, name, None)
+        if cls is not None and "setup_metadata" in cls.__dict__:
+            targets.append((cls, "setup_metadata", factory))
+    return targets
+
+
+def install() -> dict[tuple[Any, str], Any]:
+    """Patch the dispatcher methods; returns {(class, name): original} for :func:`uninstall`."""
+    originals = {}
+    for owner, name, factory in _targets():
+        original = owner.__dict__[name]
+        while getattr(original, _PATCH_MARKER, False):  # another copy of this module patched it
+            original = original.__wrapped__
+        replacement = factory(original)
+        setattr(replacement, _PATCH_MARKER, True)
+        replacement.__wrapped__ = original
+        setattr(owner, name, replacement)
+        originals[(owner, name)] = original
+    return originals
+
+
+def uninstall(originals: dict[tuple[Any, str], Any]) -> None:
+    for (owner, name), original in originals.items():
+        setattr(owner, name, original)
