@@ -162,8 +162,19 @@ def _targets() -> list[tuple[Any, str, Callable]]:
     return targets
 
 
-def install() -> dict[tuple[Any, str], Any]:
-    """Patch the dispatcher methods; returns {(class, name): original} for :func:`uninstall`."""
+#: {(class, name): original} while the fixes are installed
+_installed: dict[tuple[Any, str], Any] | None = None
+#: holders that need the fixes: "patch" (mcore.apply) and "spec" (ElasticTopKRouter instances)
+_holders: set[str] = set()
+
+
+def install(holder: str = "patch") -> None:
+    """Patch the dispatcher methods (idempotent). Maps without the elastic tag take the stock path,
+    so the fixes are harmless to static layers and stay until every holder has released them."""
+    global _installed
+    _holders.add(holder)
+    if _installed is not None:
+        return
     originals = {}
     for owner, name, factory in _targets():
         original = owner.__dict__[name]
@@ -174,9 +185,19 @@ def install() -> dict[tuple[Any, str], Any]:
         replacement.__wrapped__ = original
         setattr(owner, name, replacement)
         originals[(owner, name)] = original
-    return originals
+    _installed = originals
 
 
-def uninstall(originals: dict[tuple[Any, str], Any]) -> None:
-    for (owner, name), original in originals.items():
+def uninstall(holder: str = "patch") -> None:
+    """Release ``holder``'s need for the fixes; restore the stock methods once nobody needs them."""
+    global _installed
+    _holders.discard(holder)
+    if _holders or _installed is None:
+        return
+    for (owner, name), original in _installed.items():
         setattr(owner, name, original)
+    _installed = None
+
+
+def installed_targets() -> list[str]:
+    return [f"{owner.__name__}.{name}" for owner, name in (_installed or {})]

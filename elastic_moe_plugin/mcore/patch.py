@@ -58,7 +58,6 @@ class _PatchState:
     config: ElasticConfig
     originals: dict[str, Any]
     generation: int
-    dispatch_originals: dict[tuple[Any, str], Any]
 
 
 _state: _PatchState | None = None
@@ -95,12 +94,11 @@ def apply(config: ElasticConfig | None = None) -> None:
         originals = {name: _unpatched(cls.__dict__[name]) for name in ("routing", "__init__")}
         cls.routing = _make_patched_routing(originals["routing"])
         cls.__init__ = _make_patched_init(originals["__init__"])
-        dispatch_originals = dispatch.install()
+        dispatch.install("patch")
         _generation += 1
-        _state = _PatchState(config=config, originals=originals, generation=_generation,
-                             dispatch_originals=dispatch_originals)
+        _state = _PatchState(config=config, originals=originals, generation=_generation)
     logger.info("elastic-moe: patched megatron.core.transformer.moe.router.TopKRouter.{routing,__init__} and %s "
-                "with %s", ", ".join(f"{owner.__name__}.{name}" for owner, name in dispatch_originals), config)
+                "with %s", ", ".join(dispatch.installed_targets()), config)
 
 
 def _unpatched(function: Callable) -> Callable:
@@ -124,7 +122,7 @@ def _remove_locked() -> None:
     cls = _router_module().TopKRouter
     for name, original in _state.originals.items():
         setattr(cls, name, original)
-    dispatch.uninstall(_state.dispatch_originals)
+    dispatch.uninstall("patch")
     _state = None
 
 
@@ -298,6 +296,8 @@ def _elastic_router_class():
             check_megatron_version()
             super().__init__(*args, **kwargs)
             validate_router(self, self.elastic_config)
+            # Its maps reach stock dispatchers too; the fixes stay for the life of the process.
+            dispatch.install("spec")
 
         @classmethod
         def with_config(cls, config: ElasticConfig) -> type:
