@@ -26,6 +26,12 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "print the ms-swift plugin file (for --external_plugins)",
         "Print the path of the installed ms-swift plugin file: swift sft ... --external_plugins \"$(elastic-moe plugin-path)\".",
     ),
+    "bench": (
+        "elastic_moe_plugin.bench",
+        "benchmark elastic against stock Megatron: router, MoE layer, training step",
+        "Time forward+backward of stock, elastic iid and elastic balanced routing, interleaved in one process; "
+        "report median ratios, peak memory, device-to-host syncs and dispatched pairs.",
+    ),
     "demo": (
         "elastic_moe_plugin.demo",
         "train static and elastic Megatron MoE models on CPU and compare them",

@@ -40,53 +40,15 @@ import os
 import statistics
 import sys
 import time
-import weakref
 
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from elastic_moe_plugin.bench import LiveBytes  # one implementation of the memory counter
 
 
 # ------------------------------------------------------------------------------------ memory
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of storages created by aten ops while active (see module docstring)."""
-
-    def __init__(self):
-        super().__init__()
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, list] = {}  # storage key -> [nbytes, live tensor count]
-
-    def _release(self, key):
-        entry = self._live.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.current -= entry[0]
-            del self._live[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-                continue
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key == 0:
-                continue
-            entry = self._live.get(key)
-            if entry is None:
-                entry = self._live[key] = [storage.nbytes(), 0]
-                self.current += entry[0]
-                self.peak = max(self.peak, self.current)
-            entry[1] += 1
-            weakref.finalize(tensor, self._release, key)
-        return out
-
-
 def _read_status(field: str) -> int | None:
     try:
         with open("/proc/self/status") as status:
