@@ -179,17 +179,28 @@ class ElasticConfig:
         return BudgetSchedule.parse(self.schedule, center, self.sigma, allow_off_center=self.allow_off_center)
 
     def resolve(self, *, num_experts: int, topk: int, num_layers: int | None = None) -> BudgetSchedule:
-        """Check this config against a model and return its schedule.
+        """Check this config against a model and return its schedule (the point mass at the
+        model's top-k in ``mode="top_p"``, whose per-token budgets come from the probabilities).
 
         Raises:
             ConfigError: if the center is not the model's top-k, the schedule reaches past
-                ``num_experts``, or a selected layer index is >= ``num_layers``.
+                ``num_experts``, ``top_p_max_experts`` exceeds it, or a selected layer index is
+                >= ``num_layers``.
         """
-        try:
-            schedule = self.budget_schedule(topk)
-            schedule.validate_for(num_experts, topk)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+        if self.mode == "top_p":
+            # The budget is read off the probabilities, not sampled: the schedule does not apply.
+            if self.top_p_max_experts is not None and self.top_p_max_experts > num_experts:
+                raise ConfigError(
+                    f"top_p_max_experts={self.top_p_max_experts} exceeds the model's {num_experts} experts: "
+                    f"expected at most {num_experts}, or None for no cap."
+                )
+            schedule = BudgetSchedule.static(topk)
+        else:
+            try:
+                schedule = self.budget_schedule(topk)
+                schedule.validate_for(num_experts, topk)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
         if num_layers is not None and self._layer_set:
             outside = sorted(i for i in self._layer_set if i >= num_layers)
             if outside:

@@ -81,7 +81,7 @@ from packaging.version import Version
 from torch.utils.weak import WeakIdKeyDictionary
 
 from elastic_moe_plugin.config import ConfigError, ElasticConfig
-from elastic_moe_plugin.gates.conventions import budget_mask, weigh_candidates
+from elastic_moe_plugin.gates.conventions import budget_mask, top_p_budgets, weigh_candidates
 
 # The framework-free record type that elastic_moe_plugin.metrics turns into logged scalars.
 from elastic_moe_plugin.metrics import RoutingRecord
@@ -258,12 +258,6 @@ def apply(config: ElasticConfig | None = None, *, model: torch.nn.Module | None 
     config = ElasticConfig.from_env() if config is None else config
     if not isinstance(config, ElasticConfig):
         raise TypeError(f"hf.apply expects an ElasticConfig, got {type(config).__name__}.")
-    mode = getattr(config, "mode", "elastic")
-    if mode != "elastic":
-        raise ConfigError(
-            f"mode={mode!r} is not supported by the transformers adapter (elastic_moe_plugin.hf): expected "
-            f"'elastic'. Set mode='elastic' (ELASTIC_MOE_MODE=elastic)."
-        )
     check_transformers_version()
     previous = active_config()
     with _lock:
@@ -444,11 +438,13 @@ class LayerPlan:
     sampling: str
     layer_index: int | None
     family: RouterFamily
+    top_p: float | None = None  # mode="top_p": budgets from the cumulative probability
+    top_p_width: int | None = None
 
     @property
     def width(self) -> int:
-        """b: the number of candidate slots returned per token."""
-        return self.schedule.high
+        """b: the number of candidate slots returned per token (all experts, or the cap, in top-p mode)."""
+        return self.top_p_width if self.top_p is not None else self.schedule.high
 
 
 def gate_for(router: torch.nn.Module, family: RouterFamily, config: ElasticConfig) -> str:
@@ -491,7 +487,7 @@ def _training_plan(router, family: RouterFamily, state: _PatchState) -> LayerPla
 
 def _resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPlan | None:
     schedule = validate_router(router, config)
-    if schedule.is_static:
+    if schedule.is_static and config.mode != "top_p":
         return None
     layer_index = router.__dict__.get(_LAYER_ATTR)
     if layer_index is None and config.layer_set is not None:
@@ -510,6 +506,10 @@ def _resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerP
             "elastic-moe: schedule %s with a renormalised gate: tokens drawn with κ=1 get gate weight 1 and "
             "no task gradient through the router gate (seed 000). Consider low >= 2 or gate='full_softmax'.",
             schedule.describe())
+    if config.mode == "top_p":
+        width = config.top_p_max_experts or int(router.num_experts)
+        return LayerPlan(schedule=schedule, gate=gate, sampling=config.sampling, layer_index=layer_index, family=family,
+                         top_p=config.top_p, top_p_width=width)
     return LayerPlan(schedule=schedule, gate=gate, sampling=config.sampling, layer_index=layer_index, family=family)
 
 
@@ -548,10 +548,12 @@ def elastic_route(
     router_logits = F.linear(hidden, router.weight)  # (1) exactly as the stock router
     num_tokens = router_logits.shape[0]
     width = plan.width
-    if budgets is None:
+    if budgets is None and plan.top_p is None:
         budgets = plan.schedule.sample(num_tokens, plan.sampling, device=router_logits.device)  # (2)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (3) as stock: fp32 softmax
     candidates, candidate_ids = torch.topk(probs, width, dim=-1)  # sorted by rank, like stock top-k
+    if budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass
+        budgets = top_p_budgets(candidates.detach(), plan.top_p)
     kept = budget_mask(budgets, width)  # (4)
     if plan.gate == "renormalized":
         # The gradient reaches the kept logits only (w_i = softmax over the kept z), so a κ = 1 token

@@ -16,6 +16,7 @@ from elastic_moe_plugin.gates.conventions import (
     selected_softmax,
     sigmoid,
     to_dense,
+    top_p_budgets,
     weigh_candidates,
 )
 from elastic_moe_plugin.gates.lab import (
@@ -49,6 +50,7 @@ __all__ = [
     "sigmoid",
     "WEIGHING_RULES",
     "to_dense",
+    "top_p_budgets",
     "two_logit_example",
     "weigh_candidates",
 ]

@@ -285,6 +285,18 @@ def weigh_candidates(
     raise ValueError(f"weighing rule {rule!r} is unknown: expected one of {', '.join(WEIGHING_RULES)}.")
 
 
+def top_p_budgets(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Per-token budgets of cumulative (nucleus) routing: κ [T] from ``sorted_probs`` [T, width].
+
+    κ_t = min{ j : Σ_{i ≤ j} p_(i) ≥ top_p }, the smallest top-ranked set whose full-softmax
+    probability reaches ``top_p``, clipped to [1, width] (the paper's top-p control; it changes
+    the expected compute, unlike a budget schedule). Counted as the slots whose preceding
+    cumulative mass is still below ``top_p``; no host sync.
+    """
+    preceding = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    return (preceding < top_p).sum(dim=-1).clamp(min=1, max=sorted_probs.shape[-1])
+
+
 # ---------------------------------------------------------------------------------- conventions
 def full_softmax(
     logits: torch.Tensor, k: int | torch.Tensor, *, width: int | None = None

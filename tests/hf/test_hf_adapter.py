@@ -150,10 +150,34 @@ def test_bad_config_fails_at_model_build_and_at_apply_with_model(tiny):
         tiny.model("olmoe")
 
 
-def test_unsupported_mode_is_rejected():
-    with pytest.raises(ConfigError, match=r"mode='top_p' is not supported by the transformers adapter"):
-        hf.apply(ElasticConfig(schedule="1-3", mode="top_p"))
-    assert not hf.is_applied()
+@pytest.mark.parametrize("cap", [None, 5])
+def test_top_p_mode_keeps_the_smallest_set_reaching_p(tiny, cap):
+    """mode='top_p' (the paper's nucleus control): κ_t = min{j : Σ_{i≤j} p_(i) ≥ p}, capped."""
+    hf.apply(ElasticConfig(mode="top_p", top_p=0.4, top_p_max_experts=cap))
+    router = _router(tiny, topk=2, norm=False)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(11)) * 0.5
+    _, weights, ids = router(x)
+    record = router._elastic_record
+    probs = torch.softmax(x @ router.weight.detach().T, dim=-1, dtype=torch.float32)
+    order_probs, order = torch.sort(probs, dim=-1, descending=True)
+    width = cap or 8
+    assert ids.shape == (256, width)
+    expected = []
+    for row in order_probs.tolist():  # a readable loop reference
+        total, count = 0.0, 0
+        while count < width and total < 0.4:
+            total += row[count]
+            count += 1
+        expected.append(count)
+    assert record.budgets.tolist() == expected
+    assert len(set(expected)) > 1  # budgets really vary per token
+    kept = torch.arange(width) < record.budgets[:, None]
+    torch.testing.assert_close(weights.detach(), torch.where(kept, order_probs[:, :width], 0.0), rtol=1e-6, atol=1e-7)
+    router.eval()
+    assert router(x)[2].shape == (256, 2)  # inference stays static top-k
+    hf.remove()
+    with pytest.raises(ConfigError, match=r"top_p_max_experts=9 exceeds the model's 8 experts"):
+        hf.apply(ElasticConfig(mode="top_p", top_p_max_experts=9), model=tiny.model("olmoe"))
 
 
 # ------------------------------------------------------------------------------- bitwise stock
