@@ -1,0 +1,294 @@
+"""Shared fixtures of the ms-swift tests: real ``swift sft`` runs on CPU, offline, with tiny models.
+
+- ``tiny_assets`` (session, built by ``_tiny_assets.py``): a byte-level BPE tokenizer trained here
+  with ``tokenizers`` (saved as a ``PreTrainedTokenizerFast`` with a chat template and the special
+  tokens swift's ``olmoe`` and ``qwen3`` templates write), tiny random OLMoE (top-2) and
+  Qwen3-MoE (top-4) checkpoints (2 layers, 8 experts, hidden 64) saved with ``save_pretrained``,
+  and a local jsonl of ``messages``. Nothing is downloaded.
+- ``swift_runs`` (session): the subprocess runs the tests need (:data:`RUNS`: ``swift sft`` runs and
+  the plugin probes of ``_plugin_probe.py``), launched together
+  the first time any test asks for one, so their slow start-ups (about 20 s of imports each)
+  overlap. A test declares the runs it reads with ``@pytest.mark.swift_runs("name", ...)``; only
+  the runs of the selected tests are launched. ``swift_runs.result(name)`` waits for one.
+
+Every ``swift sft`` here runs from the repository root with the documented flags
+(``--external_plugins patches/elastic_moe.py --callbacks elastic_moe``), full fine-tuning,
+``--max_steps 3 --logging_steps 1``, ``--router_aux_loss_coef 0.01``, ``--check_model false``,
+``--add_version false`` (a fixed output dir), TensorBoard reporting, one torch thread
+(``OMP_NUM_THREADS=1``: a 2-core runner stalls a thread pool on these tiny tensors), no GPU
+(``CUDA_VISIBLE_DEVICES=""``) and ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` /
+``TRANSFORMERS_OFFLINE=1`` with private caches. Without ms-swift installed, every test module in
+this folder is skipped at collection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HAVE_SWIFT = importlib.util.find_spec("swift") is not None and importlib.util.find_spec("transformers") is not None
+
+if not HAVE_SWIFT:
+    collect_ignore_glob = ["test_*.py"]
+
+ROOT = Path(__file__).resolve().parents[2]
+PLUGIN = "patches/elastic_moe.py"  # relative to ROOT, exactly as documented
+PROBE = Path(__file__).with_name("_plugin_probe.py")
+
+# --------------------------------------------------------------------------- tiny assets
+def _load_helper(name: str):
+    """A helper module of this folder, by path (whatever pytest's import mode)."""
+    spec = importlib.util.spec_from_file_location(f"_elastic_moe_tests_swift_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_assets = _load_helper("_tiny_assets")
+TinyAssets, MODELS, BATCH_SIZE = _assets.TinyAssets, _assets.MODELS, _assets.BATCH_SIZE
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory) -> TinyAssets:
+    return _assets.build(tmp_path_factory.mktemp("swift_tiny"))
+
+
+# --------------------------------------------------------------------------- runs
+def swift_command() -> list[str]:
+    """The ``swift`` console script of this interpreter's environment."""
+    script = Path(sys.executable).with_name("swift")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from swift.cli.main import cli_main; sys.argv[0] = 'swift'; cli_main()"]
+
+
+def sft_flags(assets: TinyAssets, model: str, output_dir: Path) -> list[str]:
+    """The ``swift sft`` flags after ``sft`` (one run: 3 steps of one micro-batch of 8 rows)."""
+    model_type, template = MODELS[model][:2]
+    return [
+        "--model", str(assets.model_dir(model)), "--model_type", model_type, "--template", template,
+        "--dataset", str(assets.dataset), "--check_model", "false",
+        "--external_plugins", PLUGIN, "--callbacks", "elastic_moe",
+        "--tuner_type", "full", "--max_steps", "3", "--logging_steps", "1", "--router_aux_loss_coef", "0.01",
+        "--per_device_train_batch_size", str(BATCH_SIZE), "--gradient_accumulation_steps", "1",
+        "--max_length", "512", "--save_strategy", "no", "--report_to", "tensorboard",
+        "--dataloader_num_workers", "0", "--dataset_num_proc", "1",
+        "--output_dir", str(output_dir), "--add_version", "false",
+    ]
+
+
+def yaml_config(assets: TinyAssets, model: str, output_dir: Path, env: dict[str, str]) -> str:
+    """A swift YAML config equivalent to :func:`sft_flags`, with an ``ENV:`` block (typed values)."""
+    import yaml
+
+    flags = sft_flags(assets, model, output_dir)
+    config: dict[str, Any] = {"ENV": dict(env)}
+    for key, value in zip(flags[::2], flags[1::2]):
+        config[key.removeprefix("--")] = _yaml_value(key, value)
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def _yaml_value(flag: str, value: str) -> Any:
+    if flag in ("--external_plugins", "--callbacks"):
+        return [value]
+    if value in ("true", "false"):
+        return value == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def base_env(cache: Path) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("ELASTIC_MOE_") and key not in ("NPROC_PER_NODE", "NNODES", "SWIFT_CONFIG_FILE")}
+    env.update(
+        HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_CACHE=str(cache / "hf_datasets"), MODELSCOPE_CACHE=str(cache / "modelscope"),
+        OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TORCH_COMPILE_DISABLE="1",
+        CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@dataclasses.dataclass
+class RunSpec:
+    argv: list[str]
+    env: dict[str, str]
+    output_dir: Path | None = None
+    result_file: Path | None = None
+    timeout: float = 420.0
+
+
+@dataclasses.dataclass
+class RunResult:
+    name: str
+    argv: list[str]
+    returncode: int
+    output: str  # stdout and stderr, interleaved
+    seconds: float
+    output_dir: Path | None
+    result_file: Path | None
+    env: dict[str, str]
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+    def logging_rows(self) -> list[dict[str, Any]]:
+        """The run's ``logging.jsonl`` (swift's log), one dict per line; [] if absent."""
+        path = self.output_dir / "logging.jsonl" if self.output_dir else None
+        if path is None or not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def training_rows(self) -> list[dict[str, Any]]:
+        """Rows logged at a training step (with a loss), not eval or the end-of-run summary."""
+        return [row for row in self.logging_rows() if "loss" in row and "train_runtime" not in row]
+
+    def probe(self) -> dict[str, Any]:
+        return json.loads(self.result_file.read_text())
+
+    def describe(self) -> str:
+        return f"{self.name}: rc={self.returncode} after {self.seconds:.0f}s\n$ {self.command}\n{self.output[-6000:]}"
+
+
+#: run name -> how to build it (assets, work dir, env) -> RunSpec
+def _sft_run(model: str, env: dict[str, str]):
+    def build(assets: TinyAssets, work: Path, base: dict[str, str]) -> RunSpec:
+        output_dir = work / "out"
+        return RunSpec([*swift_command(), "sft", *sft_flags(assets, model, output_dir)], {**base, **env}, output_dir)
+
+    return build
+
+
+def _yaml_run(model: str, env: dict[str, str]):
+    def build(assets: TinyAssets, work: Path, base: dict[str, str]) -> RunSpec:
+        output_dir = work / "out"
+        config = work / "sft.yaml"
+        config.write_text(yaml_config(assets, model, output_dir, env))
+        return RunSpec([*swift_command(), "sft", str(config)], dict(base), output_dir)
+
+    return build
+
+
+def _probe_run(mode: str):
+    def build(assets: TinyAssets | None, work: Path, base: dict[str, str]) -> RunSpec:
+        result_file = work / "probe.json"
+        return RunSpec([sys.executable, str(PROBE), mode, str(result_file)], dict(base), result_file=result_file,
+                       timeout=300.0)
+
+    return build
+
+
+RUNS = {
+    # transformers path, both models; the schedules are centred on each model's top-k
+    "olmoe_iid": _sft_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3"}),
+    "qwen3_moe_balanced": _sft_run("qwen3_moe", {"ELASTIC_MOE_SCHEDULE": "2-6", "ELASTIC_MOE_SAMPLING": "balanced"}),
+    # the schedule comes only from the YAML's ENV: block
+    "qwen3_moe_yaml_iid": _yaml_run("qwen3_moe", {"ELASTIC_MOE_SCHEDULE": "2-6", "ELASTIC_MOE_SAMPLING": "iid"}),
+    "bad_schedule": _sft_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "11-5"}),
+    # the plugin file in a `swift sft`-like and a `megatron sft`-like process
+    "probe_hf": _probe_run("hf"),
+    "probe_megatron": _probe_run("megatron"),
+}
+_NEEDS_ASSETS = {name for name in RUNS if not name.startswith("probe_")}
+
+
+class SwiftRuns:
+    """Launches the selected runs together (on first use) and hands out their results."""
+
+    def __init__(self, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+        self._request = request
+        self._tmp = tmp_path_factory
+        self._running: dict[str, tuple[subprocess.Popen, RunSpec, float, Path]] = {}
+        self._results: dict[str, RunResult] = {}
+
+    def _wanted(self) -> list[str]:
+        names: list[str] = []
+        for item in self._request.session.items:
+            if _skipped(item):
+                continue
+            for marker in item.iter_markers("swift_runs"):
+                names += [name for name in marker.args if name not in names]
+        return names
+
+    def _launch(self, names: list[str]) -> None:
+        names = [name for name in names if name not in self._running and name not in self._results]
+        if not names:
+            return
+        assets = self._request.getfixturevalue("tiny_assets") if _NEEDS_ASSETS & set(names) else None
+        cache = self._tmp.mktemp("swift_cache")
+        base = base_env(cache)
+        for name in names:
+            work = self._tmp.mktemp(name)
+            spec = RUNS[name](assets, work, base)
+            log = work / "output.log"
+            with log.open("wb") as sink:
+                process = subprocess.Popen(spec.argv, cwd=ROOT, env=spec.env, stdout=sink, stderr=subprocess.STDOUT)
+            self._running[name] = (process, spec, time.monotonic(), log)
+
+    def result(self, name: str) -> RunResult:
+        if name in self._results:
+            return self._results[name]
+        if name not in self._running:
+            self._launch(list(dict.fromkeys([*self._wanted(), name])))
+        process, spec, started, log = self._running.pop(name)
+        try:
+            returncode = process.wait(timeout=max(1.0, spec.timeout - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            returncode = -9
+        result = RunResult(name=name, argv=spec.argv, returncode=returncode,
+                           output=log.read_text(errors="replace"), seconds=time.monotonic() - started,
+                           output_dir=spec.output_dir, result_file=spec.result_file, env=spec.env)
+        self._results[name] = result
+        return result
+
+    def close(self) -> None:
+        for process, *_ in self._running.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self._running.clear()
+
+
+def _skipped(item: pytest.Item) -> bool:
+    """A test that will be skipped (``skip``, or ``skipif`` with a true condition) needs no run."""
+    if any(True for _ in item.iter_markers("skip")):
+        return True
+    return any(marker.args and marker.args[0] is True for marker in item.iter_markers("skipif"))
+
+
+@pytest.fixture(scope="session")
+def swift_runs(request, tmp_path_factory):
+    runs = SwiftRuns(request, tmp_path_factory)
+    yield runs
+    runs.close()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "swift_runs(*names): the tests/swift subprocess runs this test reads")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker in item.iter_markers("swift_runs"):
+            unknown = [name for name in marker.args if name not in RUNS]
+            if unknown:
+                raise pytest.UsageError(f"{item.nodeid}: unknown swift run(s) {unknown}; known: {sorted(RUNS)}")
+

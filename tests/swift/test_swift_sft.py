@@ -1,0 +1,159 @@
+"""End to end: real ``swift sft`` runs (subprocesses, CPU, offline) with the plugin file.
+
+Checked per run (see ``conftest.RUNS``): 3 training steps logged, the realised mean κ read back from
+the run's ``logging.jsonl`` (and, for one run, its TensorBoard event file) centred on the model's
+top-k, per-layer κ histograms / retained gate weight / load-imbalance keys with sane values, a
+swift YAML whose ``ENV:`` block alone selects the schedule, and a bad schedule stopping the run
+before training with the plugin's message.
+
+How close the mean must be: with ``sampling=iid`` every routed token draws κ independently from
+the schedule's pmf q, so the logged mean over N tokens has standard error σ_q / √N. One step here
+routes at least ``tiny_assets.min_tokens_per_step`` (8 rows, > 2000 tokens) per layer, so the 5%
+tolerance is more than 4 standard errors per layer (:func:`_assert_tolerance_is_safe` checks this
+from the numbers). ``sampling=balanced`` makes the per-step mean exact.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from elastic_moe_plugin.config import ElasticConfig
+
+pytestmark = [pytest.mark.swift, pytest.mark.slow]
+
+TOLERANCE = 0.05  # relative, on the centre
+MIN_STANDARD_ERRORS = 4.0
+LAYERS = (0, 1)
+NUM_EXPERTS = 8
+
+#: run name -> (model, top-k, schedule, sampling)
+TRAINING_RUNS = {
+    "olmoe_iid": ("olmoe", 2, "1-3", "iid"),
+    "qwen3_moe_balanced": ("qwen3_moe", 4, "2-6", "balanced"),
+    "qwen3_moe_yaml_iid": ("qwen3_moe", 4, "2-6", "iid"),
+}
+
+
+def _schedule(schedule: str, topk: int):
+    return ElasticConfig(schedule=schedule).resolve(num_experts=NUM_EXPERTS, topk=topk, num_layers=len(LAYERS))
+
+
+def _pmf_std(schedule) -> float:
+    budgets, pmf = schedule.budgets, schedule.pmf
+    mean = sum(b * q for b, q in zip(budgets, pmf))
+    return math.sqrt(sum(q * (b - mean) ** 2 for b, q in zip(budgets, pmf)))
+
+
+def _assert_tolerance_is_safe(schedule, tokens: int) -> float:
+    """The standard error of a per-layer mean κ over ``tokens`` iid draws; 5% must be >= 4 of them."""
+    standard_error = _pmf_std(schedule) / math.sqrt(tokens)
+    assert TOLERANCE * schedule.center >= MIN_STANDARD_ERRORS * standard_error, (
+        f"test design: {tokens} tokens give a standard error of {standard_error:.4f} on the mean κ, too close "
+        f"to the 5% tolerance ({TOLERANCE * schedule.center:.3f}); raise the batch size")
+    return standard_error
+
+
+def _check_training_run(result, tiny_assets, model: str, topk: int, schedule_text: str, sampling: str):
+    assert result.returncode == 0, result.describe()
+    assert "Successfully imported external_plugins: ['patches/elastic_moe.py']" in result.output, result.describe()
+    rows = result.training_rows()
+    assert [row.get("global_step/max_steps") for row in rows] == ["1/3", "2/3", "3/3"], result.describe()
+    schedule = _schedule(schedule_text, topk)
+    assert schedule.center == topk
+    standard_error = _assert_tolerance_is_safe(schedule, tiny_assets.min_tokens_per_step)
+    for row in rows:
+        assert math.isfinite(row["loss"]) and row["loss"] > 0
+        # router_aux_loss_coef > 0: swift asked the model for router logits and logs the aux loss
+        # (realised counts: E·Σ f_i P_i with Σ f_i = mean κ, so about mean κ for a near-uniform router)
+        assert 0.5 * topk < row["aux_loss"] < 2 * topk, row["aux_loss"]
+        means = [row[f"elastic_moe/layer_{layer}/mean_kappa"] for layer in LAYERS]
+        assert row["elastic_moe/mean_kappa"] == pytest.approx(sum(means) / len(means), abs=1e-6)
+        for layer, mean in zip(LAYERS, means):
+            prefix = f"elastic_moe/layer_{layer}/"
+            if sampling == "balanced":
+                # every forward dispatches exactly T·k (token, expert) pairs
+                assert mean == pytest.approx(topk, abs=1e-8), (layer, mean)
+            else:
+                assert abs(mean - topk) <= TOLERANCE * topk, (layer, mean, standard_error)
+            fractions = {b: row[f"{prefix}kappa_frac_{b}"] for b in schedule.budgets}
+            # swift rounds logged floats to 8 decimals
+            assert sum(fractions.values()) == pytest.approx(1.0, abs=1e-6)
+            assert sum(b * share for b, share in fractions.items()) == pytest.approx(mean, abs=1e-6)
+            for budget, q in zip(schedule.budgets, schedule.pmf):
+                # a share of N draws: standard error <= 0.5/√N < 0.011 here
+                assert abs(fractions[budget] - q) < 0.06, (layer, budget, fractions[budget], q)
+            assert row[f"{prefix}exposure_rank_1"] == pytest.approx(1.0)
+            assert row[f"{prefix}survival_rank_{schedule.high}"] == pytest.approx(schedule.survival(schedule.high))
+            retained = row[f"{prefix}retained_weight_sum_mean"]
+            if model == "olmoe":  # full_softmax gate: the kept share of the softmax mass
+                assert 0 < row[f"{prefix}retained_weight_sum_min"] <= retained < 1
+            else:  # renormalised gate
+                assert retained == pytest.approx(1.0, abs=1e-5)
+            imbalance = row[f"{prefix}tokens_per_expert_max_over_mean"]
+            assert 1.0 <= imbalance < NUM_EXPERTS, imbalance
+            assert row[f"{prefix}tokens_per_expert_cv"] >= 0
+            # top-κ differs from the static top-k set exactly when κ != k
+            assert row[f"{prefix}topk_set_changed_frac"] == pytest.approx(1 - fractions[topk], abs=1e-6)
+    return rows
+
+
+@pytest.mark.swift_runs("olmoe_iid")
+def test_swift_sft_olmoe_iid(swift_runs, tiny_assets):
+    """OLMoE (top-2, full_softmax gate), ELASTIC_MOE_SCHEDULE=1-3, independent draws."""
+    _check_training_run(swift_runs.result("olmoe_iid"), tiny_assets, *TRAINING_RUNS["olmoe_iid"])
+
+
+@pytest.mark.swift_runs("qwen3_moe_balanced")
+def test_swift_sft_qwen3_moe_balanced(swift_runs, tiny_assets):
+    """Qwen3-MoE (top-4, renormalised gate), 2-6 with balanced sampling: the mean κ is exactly 4."""
+    _check_training_run(swift_runs.result("qwen3_moe_balanced"), tiny_assets, *TRAINING_RUNS["qwen3_moe_balanced"])
+
+
+@pytest.mark.swift_runs("qwen3_moe_yaml_iid")
+def test_swift_sft_yaml_env_block_selects_the_schedule(swift_runs, tiny_assets):
+    """``swift sft config.yaml``: the schedule comes only from the YAML's ``ENV:`` block."""
+    result = swift_runs.result("qwen3_moe_yaml_iid")
+    assert result.argv[-1].endswith("sft.yaml") and result.argv[-2] == "sft"
+    assert not [key for key in result.env if key.startswith("ELASTIC_MOE_")]
+    config = yaml.safe_load(Path(result.argv[-1]).read_text())
+    assert config["ENV"] == {"ELASTIC_MOE_SCHEDULE": "2-6", "ELASTIC_MOE_SAMPLING": "iid"}
+    rows = _check_training_run(result, tiny_assets, *TRAINING_RUNS["qwen3_moe_yaml_iid"])
+    assert {f"elastic_moe/layer_0/kappa_frac_{b}" for b in range(2, 7)} <= set(rows[0])
+    assert "elastic_moe/layer_0/kappa_frac_1" not in rows[0]
+
+
+@pytest.mark.swift_runs("olmoe_iid")
+def test_tensorboard_events_carry_the_routing_metrics(swift_runs):
+    """The callback runs before TensorBoardCallback, so the event file has the same values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = swift_runs.result("olmoe_iid")
+    assert result.returncode == 0, result.describe()
+    runs_dir = result.output_dir / "runs"
+    event_files = sorted(runs_dir.rglob("events.out.tfevents.*"))
+    assert event_files, f"no TensorBoard event file under {runs_dir}"
+    accumulator = EventAccumulator(str(event_files[0].parent))
+    accumulator.Reload()
+    tags = set(accumulator.Tags()["scalars"])
+    assert {"train/elastic_moe/mean_kappa", "train/elastic_moe/layer_1/kappa_frac_3",
+            "train/elastic_moe/layer_0/tokens_per_expert_max_over_mean"} <= tags, sorted(tags)
+    logged = {event.step: event.value for event in accumulator.Scalars("train/elastic_moe/mean_kappa")}
+    jsonl = {step: row["elastic_moe/mean_kappa"] for step, row in enumerate(result.training_rows(), start=1)}
+    assert sorted(logged) == [1, 2, 3]
+    for step, value in jsonl.items():
+        assert logged[step] == pytest.approx(value, rel=1e-6)
+
+
+@pytest.mark.swift_runs("bad_schedule")
+def test_bad_schedule_stops_swift_sft_before_training(swift_runs):
+    result = swift_runs.result("bad_schedule")
+    assert result.returncode != 0, result.describe()
+    assert "schedule='11-5' has low=11 > high=5" in result.output, result.describe()
+    assert "ConfigError" in result.output
+    assert result.training_rows() == []
+    assert not (result.output_dir / "logging.jsonl").exists()
+    assert "Train:" not in result.output and "model_parameter_info" not in result.output
