@@ -62,6 +62,14 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "Render a recipe's exact launch command with its ELASTIC_MOE_* environment for this node and run it. "
         "Run once per node; reads SLURM or NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT when flags are not given.",
     ),
+    "diagnose": (
+        "elastic_moe_plugin.diagnostics",
+        "routing diagnostics of checkpoints: router divergence, D1/Dk, top-k sweep, router swap, κ plots",
+        "Offline routing analysis (paper §6): `compare` streams a probe set through checkpoints and writes per-layer "
+        "router divergence (boundary / non-boundary), D1 and Dk, expert prioritisation near the cutoff and an "
+        "inference top-k sweep with plots; `swap` writes a router-swapped checkpoint; `kappa` plots κ histograms "
+        "against the schedule's pmf.",
+    ),
     "budget": (
         "elastic_moe_plugin.budget",
         "parameters, FLOPs per token, compute and experts per token of a recipe",

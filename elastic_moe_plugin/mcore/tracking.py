@@ -1,0 +1,359 @@
+"""Live routing metrics of a Megatron-core model, written through Megatron's own MoE tracker.
+
+Three calls, all for logging steps only (nothing here runs in the forward pass; a training run
+that never calls them pays nothing beyond the records and κ histograms the patch keeps anyway)::
+
+    from elastic_moe_plugin.mcore import tracking
+
+    values = tracking.routing_metrics(model)            # {"elastic_moe/layer_<i>/<name>": ..., ...}
+    tracking.log_routing_metrics(model, iteration)       # -> Megatron's TensorBoard / W&B writers
+    names = tracking.record_routing_metrics(model)       # or: record only, report with your own call
+
+``model`` is one module or a list of model chunks (virtual pipeline stages); every chunk's elastic
+routers count, keyed by their global 0-based layer index (``layer_number - 1``).
+
+The numbers are :func:`elastic_moe_plugin.metrics.layer_metrics` of each elastic router's latest
+:class:`~elastic_moe_plugin.mcore.RoutingRecord` and of its running κ histogram, with the schedule
+of :func:`elastic_moe_plugin.mcore.active_config` resolved against the router's
+``TransformerConfig`` (``num_moe_experts``, ``moe_router_topk``): mean κ and κ shares, observed
+exposure P(κ ≥ r) next to the schedule's survival a(r) (paper Eq. 7), retained gate-weight sums,
+tokens-per-expert max/mean and CV, and the share of tokens whose top-κ set differs from static
+top-k.
+
+How they reach Megatron's logs. Megatron-core keeps one process-global MoE metrics tracker
+(0.17+: ``moe_logging.MoEMetricsTracker``; 0.16: the dict of ``moe_utils.save_to_aux_losses_tracker``)
+that routers fill per layer in the forward and the training loop reports once per step
+(``tracker.report(...)`` / ``track_moe_metrics(...)``): PP sum, DP average, the mean over MoE
+layers as scalar ``<name>``, and with per-layer logging ``moe/<name>_layer_<i>``, to TensorBoard
+and W&B. :func:`record_routing_metrics` writes each per-layer value into that tracker under the name
+``elastic_moe/<metric>``; a loop that reports with ``track_names=None`` or appends the returned names
+to its ``track_names`` then logs them with the aux losses. Megatron-LM's ``training_log`` reports a
+fixed list of names (the aux losses), so for it :func:`log_routing_metrics` runs the same report
+path itself, on a tracker of its own, with the same writers: the aux losses recorded in this step
+are neither synchronised, written nor cleared by it.
+
+Reduction across ranks: values are averaged over the data-parallel group (0.17+: ``needs_dp_avg``;
+0.16: ``avg_group`` = the data-parallel group), summed over pipeline stages (each layer lives on
+one stage); the layer mean divides by the number of elastic MoE layers. Per-rank ratios such as
+max/mean are averaged, not recomputed from global counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from elastic_moe_plugin import metrics
+from elastic_moe_plugin.config import ElasticConfig
+from elastic_moe_plugin.schedule import BudgetSchedule
+
+logger = logging.getLogger("elastic_moe_plugin.mcore.tracking")
+
+#: prefix of every tracker entry this module writes; Megatron logs ``<name>`` and ``moe/<name>_layer_<i>``
+TRACKER_PREFIX = metrics.PREFIX + "/"
+
+
+# ---------------------------------------------------------------------------------- model access
+def _chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    if isinstance(model, torch.nn.Module):
+        return [model]
+    chunks = list(model)
+    if not all(isinstance(chunk, torch.nn.Module) for chunk in chunks):
+        raise TypeError("expected a torch.nn.Module or a sequence of model chunks (torch.nn.Module).")
+    return chunks
+
+
+def _routers(chunks: Iterable[torch.nn.Module]) -> Iterator[torch.nn.Module]:
+    """Every ``TopKRouter`` (subclasses included) of the chunks."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                yield module
+
+
+def _records_and_histograms(chunks: Sequence[torch.nn.Module]):
+    from elastic_moe_plugin import mcore
+
+    records: dict[int, Any] = {}
+    histograms: dict[int, torch.Tensor] = {}
+    for chunk in chunks:
+        records.update(mcore.routing_records(chunk))
+        histograms.update(mcore.budget_histograms(chunk))
+    return records, histograms
+
+
+def resolve_schedule(model) -> tuple[BudgetSchedule, int, Any] | None:
+    """(schedule, num_experts, TransformerConfig) of the model's elastic routers, or None.
+
+    The config is :func:`mcore.active_config` (the monkey-patch), else the ``elastic_config`` of an
+    ``ElasticTopKRouter`` (the explicit-spec route); it is resolved against the router's own
+    ``TransformerConfig`` exactly as the router resolves it, so ``center`` is the model's top-k.
+    """
+    from elastic_moe_plugin import mcore
+
+    active = mcore.active_config()
+    for router in _routers(_chunks(model)):
+        config: ElasticConfig | None = active if active is not None else getattr(router, "elastic_config", None)
+        if config is None or not config.enabled:
+            continue
+        model_config = router.config
+        schedule = config.resolve(num_experts=model_config.num_moe_experts, topk=model_config.moe_router_topk)
+        return schedule, int(model_config.num_moe_experts), model_config
+    return None
+
+
+# ---------------------------------------------------------------------------------- metrics
+def routing_metrics(model) -> dict[str, float]:
+    """Flat scalars of the model's elastic routers (one host sync per layer; logging steps only).
+
+    Returns ``{"elastic_moe/layer_<i>/<name>": value, "elastic_moe/<name>": mean over layers}``
+    as :func:`elastic_moe_plugin.metrics.routing_metrics` defines them; ``{}`` when no router has
+    routed elastically yet or no elastic config is active.
+    """
+    chunks = _chunks(model)
+    records, histograms = _records_and_histograms(chunks)
+    resolved = resolve_schedule(chunks) if (records or histograms) else None
+    if resolved is None:
+        return {}
+    schedule, num_experts, _ = resolved
+    return metrics.routing_metrics(records, histograms, schedule, num_experts)
+
+
+def per_layer_metrics(model) -> dict[int, dict[str, float]]:
+    """{0-based layer index: {metric name: value}} (the per-layer part of :func:`routing_metrics`)."""
+    chunks = _chunks(model)
+    records, histograms = _records_and_histograms(chunks)
+    resolved = resolve_schedule(chunks) if (records or histograms) else None
+    if resolved is None:
+        return {}
+    schedule, num_experts, _ = resolved
+    return {layer: metrics.layer_metrics(records.get(layer), histograms.get(layer), schedule, num_experts)
+            for layer in sorted(set(records) | set(histograms))}
+
+
+def reset(model) -> None:
+    """Zero every elastic router's κ histogram, so the next log covers only the steps after this one."""
+    from elastic_moe_plugin import mcore
+
+    for chunk in _chunks(model):
+        mcore.reset_budget_histograms(chunk)
+
+
+# ---------------------------------------------------------------------------------- Megatron's tracker
+def _has_metrics_tracker() -> bool:
+    """megatron-core >= 0.17: ``moe_logging.MoEMetricsTracker``; 0.16: the aux-loss dict."""
+    try:
+        from megatron.core.transformer.moe import moe_logging  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _data_parallel_group():
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+
+
+def _num_elastic_moe_layers(model_config, elastic: ElasticConfig | None, local_layers: Iterable[int]) -> int:
+    """Divisor of Megatron's layer mean: elastic MoE layers of the whole model (all pipeline stages)."""
+    num_layers = int(model_config.num_layers)
+    frequency = getattr(model_config, "moe_layer_freq", 1)
+    if isinstance(frequency, int):
+        moe_layers = {i for i in range(num_layers) if i % frequency == 0}
+    else:
+        moe_layers = {i for i, is_moe in enumerate(frequency) if is_moe}
+    if elastic is not None and elastic.layer_set is not None:
+        moe_layers &= set(elastic.layer_set)
+    return len(moe_layers) or len(set(local_layers)) or 1
+
+
+def record_routing_metrics(model, *, loss_scale: float = 1.0) -> list[str]:
+    """Record every per-layer routing metric into Megatron's global MoE metrics tracker.
+
+    Each value lands at ``values[layer_number - 1]`` of the entry ``elastic_moe/<metric>``
+    (tensor [num_layers] on the routers' device), divided by ``loss_scale`` so that a report
+    with that ``loss_scale`` (Megatron multiplies by it; ``1 / num_microbatches`` in
+    Megatron-LM) gives back the value. Call once per logging step, right before the report
+    whose ``track_names`` include the returned names.
+
+    Returns:
+        the tracker names written (sorted); ``[]`` when there is nothing to record.
+    """
+    chunks = _chunks(model)
+    return _record(chunks, routing_metrics(chunks), loss_scale)
+
+
+def _layers_from_flat(flat: dict[str, float]) -> dict[int, dict[str, float]]:
+    """{layer: {name: value}} from ``elastic_moe/layer_<i>/<name>`` keys (no recomputation)."""
+    layers: dict[int, dict[str, float]] = {}
+    prefix = TRACKER_PREFIX + "layer_"
+    for key, value in flat.items():
+        if key.startswith(prefix):
+            layer, _, name = key[len(prefix):].partition("/")
+            layers.setdefault(int(layer), {})[name] = value
+    return dict(sorted(layers.items()))
+
+
+def _record(chunks: Sequence[torch.nn.Module], flat: dict[str, float], loss_scale: float) -> list[str]:
+    layers = _layers_from_flat(flat)
+    if not layers:
+        return []
+    _, _, model_config = resolve_schedule(chunks)
+    records, histograms = _records_and_histograms(chunks)
+    device = next(iter(list(histograms.values()) or [r.budgets for r in records.values()])).device
+    names = sorted({name for values in layers.values() for name in values})
+    # One host->device copy of the whole table; the tracker then indexes per layer.
+    table = torch.full((len(names), len(layers)), float("nan"), dtype=torch.float64)
+    for column, values in enumerate(layers.values()):
+        for row, name in enumerate(names):
+            if name in values:
+                table[row, column] = values[name] / loss_scale
+    table = table.to(device=device, dtype=torch.float32)
+    num_layers = int(model_config.num_layers)
+    if _has_metrics_tracker():
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        tracker = get_moe_metrics_tracker()
+
+        def record(name, value, layer_number):
+            tracker.record(name, value, layer_number=layer_number, num_layers=num_layers,
+                           reduce_group=None, avg_group=None, needs_dp_avg=True)
+    else:
+        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+
+        dp_group = _data_parallel_group()
+
+        def record(name, value, layer_number):
+            # 0.16 averages over DP only through avg_group (reduce_group=None skips its DP step).
+            save_to_aux_losses_tracker(name, value, layer_number, num_layers, reduce_group=None, avg_group=dp_group)
+
+    for row, name in enumerate(names):
+        for column, layer in enumerate(layers):
+            if name in layers[layer]:
+                record(TRACKER_PREFIX + name, table[row, column], layer + 1)
+    return [TRACKER_PREFIX + name for name in names]
+
+
+@contextlib.contextmanager
+def _own_tracker() -> Iterator[None]:
+    """Run a record + report on a tracker of our own, leaving the global one (this step's aux
+    losses) untouched: a report syncs, writes and then clears every entry it holds."""
+    if _has_metrics_tracker():
+        from megatron.core.transformer.moe import moe_logging
+
+        saved = moe_logging.get_moe_metrics_tracker()
+        moe_logging.set_moe_metrics_tracker(moe_logging.MoEMetricsTracker())
+        try:
+            yield
+        finally:
+            moe_logging.set_moe_metrics_tracker(saved)
+        return
+    from megatron.core.transformer.moe.moe_utils import (
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    tracker = get_moe_layer_wise_logging_tracker()  # a module-global dict, mutated in place
+    saved = dict(tracker)
+    tracker.clear()
+    try:
+        yield
+    finally:
+        tracker.clear()
+        tracker.update(saved)
+
+
+def _megatron_lm_writers() -> tuple[Any, Any]:
+    """Megatron-LM's global TensorBoard and W&B writers, if a Megatron-LM run has set them up.
+
+    Looked up in ``sys.modules`` only: importing ``megatron.training`` is heavy (and fails on some
+    Python versions), and without a Megatron-LM run there are no writers to find anyway.
+    """
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    if global_vars is None:
+        return None, None
+    writer = getattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None)
+    wandb_writer = getattr(global_vars, "_GLOBAL_WANDB_WRITER", None)
+    return writer, wandb_writer
+
+
+def log_routing_metrics(
+    model,
+    iteration: int,
+    writer: Any = None,
+    wandb_writer: Any = None,
+    *,
+    per_layer_logging: bool = True,
+    reset_histograms: bool = True,
+    pg_collection: Any = None,
+) -> dict[str, float]:
+    """Write the routing metrics through Megatron's MoE tracker report path, at one logging step.
+
+    Args:
+        model: a module or the list of model chunks.
+        iteration: the step written with every scalar.
+        writer: a TensorBoard ``SummaryWriter`` (anything with ``add_scalar(tag, value, step)``);
+            ``None`` takes Megatron-LM's global writer when ``megatron.training`` has one.
+        wandb_writer: a W&B run (``log(dict, step)``); ``None`` likewise.
+        per_layer_logging: also write ``moe/elastic_moe/<metric>_layer_<i>``.
+        reset_histograms: zero the κ histograms afterwards (each log covers its own steps).
+        pg_collection: passed to the report (0.17+) as Megatron's own loop does.
+
+    Writes ``elastic_moe/<metric>`` = mean over the elastic MoE layers (Megatron's aggregation)
+    for every metric, with the same reduction as Megatron's aux losses (module docstring).
+
+    Returns:
+        :func:`routing_metrics` of this rank (before the cross-rank average), for console logs.
+    """
+    chunks = _chunks(model)
+    values = routing_metrics(chunks)
+    if not values:
+        return {}
+    if writer is None and wandb_writer is None:
+        writer, wandb_writer = _megatron_lm_writers()
+    _, _, model_config = resolve_schedule(chunks)
+    from elastic_moe_plugin import mcore
+
+    records, histograms = _records_and_histograms(chunks)
+    elastic = mcore.active_config()
+    if elastic is None:
+        elastic = next((getattr(r, "elastic_config", None) for r in _routers(chunks)
+                        if getattr(r, "elastic_config", None) is not None), None)
+    divisor = _num_elastic_moe_layers(model_config, elastic, set(records) | set(histograms))
+    with _own_tracker():
+        names = _record(chunks, values, 1.0)
+        if _has_metrics_tracker():
+            from megatron.core.transformer.moe.moe_logging import (
+                get_moe_metrics_tracker,
+            )
+
+            get_moe_metrics_tracker().report(
+                loss_scale=1.0, iteration=iteration, writer=writer, wandb_writer=wandb_writer,
+                per_layer_logging=per_layer_logging, track_names=names, num_layers=divisor,
+                pg_collection=pg_collection,
+            )
+        else:
+            from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+            track_moe_metrics(
+                loss_scale=1.0, iteration=iteration, writer=writer, wandb_writer=wandb_writer,
+                per_layer_logging=per_layer_logging, track_names=names, num_layers=divisor,
+            )
+    if reset_histograms:
+        reset(chunks)
+    return values
+
+
+__all__ = [
+    "TRACKER_PREFIX", "log_routing_metrics", "per_layer_metrics", "record_routing_metrics", "reset",
+    "resolve_schedule", "routing_metrics",
+]
