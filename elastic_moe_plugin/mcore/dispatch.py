@@ -21,6 +21,10 @@ flex DeepEP / NCCL-EP ``setup_metadata``    stock rebuilds indices with ``topk(p
                                             with κ < k get phantom zero-weight experts and κ > k is
                                             truncated. Indices are rebuilt from the routing map with
                                             width b; unrouted slots are −1.
+flex ``dispatch_preprocess``                ``_initialize_metadata`` expands the map over TP×EP into a
+                                            new tensor, which drops the tag before ``setup_metadata``
+                                            runs; the tag is handed to the manager instead (outside
+                                            the ``torch.compile`` region of ``dispatch_preprocess``).
 ==========================================  =======================================================
 """
 
@@ -50,6 +54,19 @@ def mark_elastic(routing_map: torch.Tensor, width: int, balanced: bool) -> torch
 def elastic_width(routing_map: torch.Tensor) -> int | None:
     """b if ``routing_map`` came from an elastic router, else None."""
     return getattr(routing_map, WIDTH_ATTR, None)
+
+
+#: set on a flex dispatcher's manager for one ``dispatch_preprocess``: (b, balanced), or False for
+#: a stock map; absent when ``setup_metadata`` is called directly (then the map's own tag counts)
+MANAGER_TAG_ATTR = "_elastic_moe_map_tag"
+
+
+def _map_tag(manager: Any, routing_map: torch.Tensor) -> tuple[int, bool] | None:
+    tag = getattr(manager, MANAGER_TAG_ATTR, None)
+    if tag is None:
+        width = elastic_width(routing_map)
+        return None if width is None else (width, bool(getattr(routing_map, BALANCED_ATTR, False)))
+    return tag or None
 
 
 @contextlib.contextmanager
@@ -108,13 +125,32 @@ def _alltoall_preprocess(original: Callable) -> Callable:
     return preprocess
 
 
+def _flex_dispatch_preprocess(original: Callable) -> Callable:
+    """Hand the map's tag to the manager: ``_initialize_metadata`` builds a new (untagged) map."""
+
+    @functools.wraps(original)
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        manager = getattr(self, "_comm_manager", None)
+        if manager is None:
+            return original(self, hidden_states, routing_map, probs)
+        width = elastic_width(routing_map)
+        manager.__dict__[MANAGER_TAG_ATTR] = (
+            False if width is None else (width, bool(getattr(routing_map, BALANCED_ATTR, False))))
+        try:
+            return original(self, hidden_states, routing_map, probs)
+        finally:
+            manager.__dict__.pop(MANAGER_TAG_ATTR, None)
+
+    return dispatch_preprocess
+
+
 def _hybridep_setup_metadata(original: Callable) -> Callable:
     @functools.wraps(original)
     def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor):
-        width = elastic_width(routing_map)
-        if width is None:
+        tag = _map_tag(self, routing_map)
+        if tag is None:
             return original(self, routing_map, probs)
-        with _router_topk_as(self.config, width):
+        with _router_topk_as(self.config, tag[0]):
             return original(self, routing_map, probs)
 
     return setup_metadata
@@ -125,13 +161,24 @@ def _indexed_setup_metadata(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor):
-        width = elastic_width(routing_map)
-        if width is None:
-            return original(self, routing_map, probs)
+        tag = _map_tag(self, routing_map)
+        stock_topk = self.__dict__.get("_elastic_stock_topk")
+        if tag is None:
+            if stock_topk is None or stock_topk == self.router_topk:
+                return original(self, routing_map, probs)
+            # A stock map (eval, static layer) after elastic steps raised router_topk: stock width,
+            # else every token would get (b - k)·TP phantom zero-weight experts.
+            raised, self.router_topk = self.router_topk, stock_topk
+            try:
+                return original(self, routing_map, probs)
+            finally:
+                self.router_topk = raised
+        width = tag[0]
         num_tokens = routing_map.shape[0]
+        if stock_topk is None:
+            stock_topk = self.__dict__["_elastic_stock_topk"] = self.router_topk
         # The flex dispatcher folds TP into the expert axis: router_topk = tp_size · k at construction.
-        tp_fold = self.__dict__.setdefault("_elastic_tp_fold", max(1, self.router_topk // self.config.moe_router_topk))
-        folded_width = tp_fold * width
+        folded_width = max(1, stock_topk // self.config.moe_router_topk) * width
         if getattr(self, "_bootstrapped", False) and folded_width > self.router_topk:
             from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError
 
@@ -159,6 +206,9 @@ def _targets() -> list[tuple[Any, str, Callable]]:
         cls = getattr(token_dispatcher, name, None)
         if cls is not None and "setup_metadata" in cls.__dict__:
             targets.append((cls, "setup_metadata", factory))
+    flex = getattr(token_dispatcher, "MoEFlexTokenDispatcher", None)
+    if flex is not None and "dispatch_preprocess" in flex.__dict__:
+        targets.append((flex, "dispatch_preprocess", _flex_dispatch_preprocess))
     return targets
 
 

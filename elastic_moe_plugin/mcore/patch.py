@@ -202,6 +202,24 @@ def validate_router(router, config: ElasticConfig) -> None:
     if getattr(model, "moe_enable_routing_replay", False):
         problems.append("moe_enable_routing_replay=True replays [T, topk] buffers recorded with a fixed k; "
                         "disable routing replay")
+    inference_router = any(cls.__name__ == "InferenceTopKRouter" for cls in type(router).__mro__)
+    if getattr(model, "transformer_impl", None) == "inference_optimized" or inference_router:
+        what = ("transformer_impl='inference_optimized'" if getattr(model, "transformer_impl", None) == "inference_optimized"
+                else f"the router class {type(router).__name__} (an InferenceTopKRouter)")
+        problems.append(f"{what}: InferenceTopKRouter and the inference-optimised token dispatchers exchange dense "
+                        f"[T, topk] buffers with a fixed k; train with the stock TopKRouter, transformer_impl="
+                        f"'transformer_engine' or 'local' (elastic layers route static top-k in eval, so the "
+                        f"checkpoint then serves on the inference-optimised layers unchanged)")
+    if (_captures_moe_preprocess(model) and config.sampling == "iid" and not model.moe_pad_expert_input_to_capacity
+            and model.moe_token_dispatcher_type == "alltoall"):
+        problems.append("a CUDA graph that captures the dispatcher's preprocess (scope 'moe_preprocess' in "
+                        "cuda_graph_modules, cuda_graph_scope before megatron-core 0.19, which cuda_graph_impl='local' "
+                        "adds to 'moe_router'; a whole-layer scope; or cuda_graph_impl='full_iteration') with "
+                        "sampling='iid': a dropless alltoall dispatch is then sized from the realised Σκ, a "
+                        "device-to-host sync Megatron also refuses to capture (as with a capacity factor); remove "
+                        "'moe_preprocess' (and 'moe_router' with cuda_graph_impl='local') from the CUDA-graph scope, "
+                        "or use sampling='balanced' (Σκ = T·k, no sync) or drop-and-pad "
+                        "(moe_pad_expert_input_to_capacity)")
     num_groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
     if group_topk:
         per_group = model.num_moe_experts // num_groups
@@ -222,6 +240,30 @@ def validate_router(router, config: ElasticConfig) -> None:
             "elastic-moe: schedule %s with a renormalised gate (layers %s): tokens drawn with κ=1 get "
             "gate weight 1 and no task gradient through the router gate (seed 000). Consider low >= 2 "
             "or gate='full_softmax'.", schedule.describe(), layers)
+
+
+def _captures_moe_preprocess(model_config) -> bool:
+    """Whether a per-layer CUDA graph captures ``MoELayer.preprocess`` (the dispatcher's sizing).
+
+    megatron-core 0.19 names the scope list ``cuda_graph_modules`` (``cuda_graph_scope`` is migrated
+    into it); 0.16 names it ``cuda_graph_scope``. Entries are enums or, set by hand, strings.
+    """
+    impl = getattr(model_config, "cuda_graph_impl", "none")
+    if impl in (None, "none"):
+        return False
+    if impl == "full_iteration":  # 0.19: one graph for the whole forward-backward
+        return True
+    scopes = getattr(model_config, "cuda_graph_modules", None)
+    if scopes is None:
+        scopes = getattr(model_config, "cuda_graph_scope", None)
+    if isinstance(scopes, str):
+        scopes = scopes.split(",")
+    names = {getattr(scope, "name", scope) for scope in scopes or ()} - {"full"}
+    if not names:  # an empty scope (or the deprecated "full") captures the whole layer
+        return True
+    if impl == "local" and "moe_router" in names:
+        names.add("moe_preprocess")  # Megatron's local implementation captures both together
+    return "moe_preprocess" in names
 
 
 def _gate_for(model_config, config: ElasticConfig) -> str:

@@ -1,0 +1,321 @@
+"""Token-dispatcher fixes for a per-token budget κ (``elastic_moe_plugin.mcore.dispatch``), on CPU.
+
+- Host syncs: the alltoall dispatcher's ``preprocess`` (and ``dispatch_preprocess``, where its
+  sizes reach the host) is wrapped in a ``TorchDispatchMode`` counting ``aten::_local_scalar_dense``
+  (an explicit device-to-host read) and ``nonzero``/``masked_select`` (ops whose output size needs
+  one). ``balanced`` must cost exactly what stock dropless costs; ``iid`` exactly what stock pays
+  with a capacity factor (the realised Σκ). ``ELASTIC_MOE_DEBUG=1`` asserts balanced's invariant.
+- Flex dispatchers (DeepEP, NCCL-EP, HybridEP): the patched ``setup_metadata`` runs on manager
+  instances made with ``object.__new__`` plus the attributes it reads (only construction needs the
+  DeepEP / TE kernels), and through the real ``MoEFlexTokenDispatcher.dispatch_preprocess``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from elastic_moe_plugin import ElasticConfig, mcore
+from elastic_moe_plugin.mcore import dispatch
+from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError
+
+pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
+
+S, B, H, E, K = 8, 3, 16, 8, 2
+SCHEDULE, WIDTH = "1-3", 3  # b = 3 around k = 2
+
+
+# ================================================================================ host syncs
+class SyncCounter(TorchDispatchMode):
+    """Counts ops that make the host wait for the device: explicit reads and data-sized outputs."""
+
+    EXPLICIT = (torch.ops.aten._local_scalar_dense.default,)
+    IMPLICIT = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default)
+
+    def __init__(self):
+        super().__init__()
+        self.explicit = 0
+        self.implicit = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.EXPLICIT:
+            self.explicit += 1
+        elif func in self.IMPLICIT:
+            self.implicit += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counted(counts: dict, name: str, method):
+    def wrapper(*args, **kwargs):
+        with SyncCounter() as counter:
+            result = method(*args, **kwargs)
+        counts[name] = (counter.explicit, counter.implicit)
+        return result
+
+    return wrapper
+
+
+CASES = {
+    # label: (elastic sampling or None for stock, layer config overrides)
+    "stock": (None, {}),
+    "stock_capacity_factor": (None, dict(moe_expert_capacity_factor=1.5)),
+    "elastic_iid": ("iid", {}),
+    "elastic_balanced": ("balanced", {}),
+}
+
+
+def measure_alltoall_syncs(make_config, make_moe_layer) -> dict[str, dict]:
+    """One training forward+backward of an EP=1 alltoall MoE layer per case; host syncs counted in
+    the dispatcher's ``preprocess`` and ``dispatch_preprocess`` (which calls ``preprocess``)."""
+    results = {}
+    for label, (sampling, overrides) in CASES.items():
+        if sampling is None:
+            mcore.remove()
+        else:
+            mcore.apply(ElasticConfig(schedule=SCHEDULE, sampling=sampling))
+        config = make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H, moe_token_dispatcher_type="alltoall",
+                             **overrides)
+        layer = make_moe_layer(config)
+        dispatcher = layer.token_dispatcher
+        counts: dict[str, tuple[int, int]] = {}
+        dispatcher.preprocess = _counted(counts, "preprocess", dispatcher.preprocess)
+        dispatcher.dispatch_preprocess = _counted(counts, "dispatch_preprocess", dispatcher.dispatch_preprocess)
+        x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        torch.manual_seed(1)
+        with SyncCounter() as whole:
+            out, _ = layer(x)
+            out.sum().backward()
+        budgets = mcore.routing_records(layer)[0].budgets if sampling else torch.full((S * B,), K)
+        results[label] = {
+            "preprocess": counts["preprocess"][0],
+            "dispatch_preprocess": counts["dispatch_preprocess"][0],
+            "dispatch_preprocess_implicit": counts["dispatch_preprocess"][1],
+            "layer_forward_backward": whole.explicit,
+            "cuda_sync_point": dispatcher.cuda_sync_point,
+            "num_out_tokens": type(dispatcher.num_out_tokens).__name__,
+            "num_out_tokens_value": int(dispatcher.num_out_tokens),
+            "sum_kappa": int(budgets.sum()),
+        }
+    mcore.remove()
+    return results
+
+
+def test_balanced_is_sync_free_and_iid_pays_what_a_capacity_factor_pays(make_config, make_moe_layer):
+    counts = measure_alltoall_syncs(make_config, make_moe_layer)
+    print("alltoall host syncs (EP=1, T=24, E=8, k=2, schedule 1-3):", json.dumps(counts, sort_keys=True))
+    stock, capacity = counts["stock"], counts["stock_capacity_factor"]
+    iid, balanced = counts["elastic_iid"], counts["elastic_balanced"]
+    # Megatron's preprocess itself never reads the device: it only schedules the DtoH copies
+    assert stock["preprocess"] == capacity["preprocess"] == iid["preprocess"] == balanced["preprocess"] == 0
+    keys = ("dispatch_preprocess", "dispatch_preprocess_implicit", "layer_forward_backward", "cuda_sync_point",
+            "num_out_tokens")
+    # balanced adds nothing over stock: static T·k size, stock's sync point
+    assert {key: balanced[key] for key in keys} == {key: stock[key] for key in keys}
+    assert balanced["num_out_tokens"] == "int" and balanced["sum_kappa"] == S * B * K
+    # iid adds exactly what stock pays with a capacity factor: the realised Σκ, read on the host
+    # at Megatron's own earliest sync point
+    assert {key: iid[key] for key in keys} == {key: capacity[key] for key in keys}
+    assert iid["cuda_sync_point"] == "before_permutation_1" and iid["num_out_tokens"] == "Tensor"
+    assert iid["num_out_tokens_value"] == iid["sum_kappa"] != S * B * K  # the realised size, not T·k
+    # stock dropless pays no explicit read where the capacity factor pays one (0.19's argsort
+    # permute; 0.16's masked_select permute pays its implicit sync in every case alike)
+    assert iid["dispatch_preprocess"] - stock["dispatch_preprocess"] == (
+        capacity["dispatch_preprocess"] - stock["dispatch_preprocess"])
+
+
+def _balanced_layer(make_config, make_moe_layer):
+    mcore.apply(ElasticConfig(schedule=SCHEDULE, sampling="balanced"))
+    config = make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H, moe_token_dispatcher_type="alltoall")
+    return make_moe_layer(config)
+
+
+def test_debug_mode_asserts_the_balanced_invariant(make_config, make_moe_layer, monkeypatch):
+    layer = _balanced_layer(make_config, make_moe_layer)
+    bad = torch.zeros(S * B, E, dtype=torch.bool)
+    bad[:, 0] = True  # Σκ = T, not T·k
+    dispatch.mark_elastic(bad, WIDTH, balanced=True)
+    layer.token_dispatcher.preprocess(bad)  # without the debug flag: no check, no sync
+    monkeypatch.setenv(dispatch.DEBUG_ENV, "1")
+    with pytest.raises(AssertionError, match=rf"balanced elastic routing dispatched {S * B} pairs, expected T·k = {S * B * K}"):
+        layer.token_dispatcher.preprocess(bad)
+    # a real balanced forward satisfies it; the check itself costs one host read
+    x = torch.randn(S, B, H)
+    with SyncCounter() as debug:
+        layer(x)
+    monkeypatch.delenv(dispatch.DEBUG_ENV)
+    with SyncCounter() as plain:
+        layer(x)
+    assert debug.explicit == plain.explicit + 1
+
+
+def test_drop_and_pad_capacity_is_sized_from_the_upper_bound(make_config, make_moe_layer):
+    """What a user gets with drop-and-pad: every expert buffer holds ceil(T·b/E·cf) rows, whatever κ."""
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    mcore.apply(ElasticConfig(schedule=SCHEDULE))
+    config = make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H, moe_token_dispatcher_type="alltoall",
+                         moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    layer = make_moe_layer(config)
+    captured = {}
+    layer.router.register_forward_hook(lambda module, inputs, outputs: captured.update(map=outputs[1]))
+    layer(torch.randn(S, B, H))
+    capacity = get_capacity(num_tokens=S * B * WIDTH, num_experts=E, capacity_factor=1.0)
+    assert layer.token_dispatcher.capacity == capacity
+    assert (captured["map"].sum(dim=0) == capacity).all()  # the router pads to the same capacity
+    assert config.moe_router_topk == K  # restored after the sizing call
+
+
+# ================================================================================ flex dispatchers
+def _token_dispatcher():
+    from megatron.core.transformer.moe import token_dispatcher
+
+    return token_dispatcher
+
+
+def _elastic_map(budgets, seed=0, width=WIDTH, num_experts=E):
+    """(probs [T, E], routing_map [T, E]) routing token t to its top-κ_t experts, tagged with b."""
+    logits = torch.randn(len(budgets), num_experts, generator=torch.Generator().manual_seed(seed))
+    order = logits.argsort(dim=1, descending=True)
+    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(num_experts).expand_as(order))
+    routing_map = ranks < torch.tensor(budgets).unsqueeze(1)
+    probs = torch.softmax(logits.masked_fill(~routing_map, float("-inf")), dim=1).nan_to_num(0.0)
+    return probs, dispatch.mark_elastic(routing_map, width, balanced=False)
+
+
+def _manager(name, make_config, *, tp=1, capacity_factor=None, **attributes):
+    """A flex-dispatcher manager without its constructor (which needs DeepEP / TE kernels)."""
+    cls = getattr(_token_dispatcher(), name, None)
+    if cls is None:
+        pytest.skip(f"this megatron-core has no {name}")
+    manager = object.__new__(cls)
+    manager.config = make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H)
+    manager.num_experts = tp * E
+    manager.num_local_experts = E
+    manager.router_topk = tp * K
+    manager.capacity_factor = capacity_factor
+    manager.__dict__.update(attributes)
+    return manager
+
+
+def _routed_sets(indices):
+    return [sorted(i for i in row.tolist() if i >= 0) for row in indices]
+
+
+def _map_sets(routing_map):
+    return [sorted(row.nonzero().flatten().tolist()) for row in routing_map]
+
+
+BUDGETS = [1, 2, 3, 1, 3, 2, 3, 1]
+
+
+def test_indices_from_routing_map_keeps_every_routed_expert_and_pads_with_minus_one():
+    probs, routing_map = _elastic_map(BUDGETS)
+    token_probs, indices = dispatch.indices_from_routing_map(routing_map, probs, WIDTH)
+    assert indices.shape == token_probs.shape == (len(BUDGETS), WIDTH)
+    assert _routed_sets(indices) == _map_sets(routing_map)
+    assert (indices < 0).sum(dim=1).tolist() == [WIDTH - kappa for kappa in BUDGETS]
+    assert torch.equal(token_probs[indices < 0], torch.zeros(int((indices < 0).sum())))
+    routed = indices >= 0
+    assert torch.equal(token_probs[routed], torch.gather(probs, 1, indices.clamp(min=0))[routed])
+    with SyncCounter() as counter:
+        dispatch.indices_from_routing_map(routing_map, probs, WIDTH)
+    assert counter.explicit == counter.implicit == 0
+
+
+@pytest.mark.parametrize("name", ["_DeepepManager", "_NCCLEPManager"])
+def test_indexed_managers_route_kappa_experts_without_phantoms_or_truncation(name, make_config):
+    extra = dict(_bootstrapped=False, num_local_tokens=None) if name == "_NCCLEPManager" else {}
+    probs, routing_map = _elastic_map(BUDGETS)
+    mcore.apply(ElasticConfig(schedule=SCHEDULE))  # installs the dispatcher patches
+    manager = _manager(name, make_config, **extra)
+    manager.setup_metadata(routing_map, probs)
+    assert manager.token_indices.shape == (len(BUDGETS), WIDTH)  # κ > k is not truncated
+    assert _routed_sets(manager.token_indices) == _map_sets(routing_map)  # κ < k: no phantom expert
+    assert (manager.token_indices < 0).sum(dim=1).tolist() == [WIDTH - kappa for kappa in BUDGETS]
+    assert manager.router_topk == WIDTH
+    if name == "_NCCLEPManager":
+        assert manager.num_local_tokens == len(BUDGETS)
+
+    # what stock does with the same map: top-k of the probabilities
+    stock = _manager(name, make_config, **extra)
+    mcore.remove()
+    stock.setup_metadata(routing_map.clone(), probs)
+    stock_sets = [sorted(row.tolist()) for row in stock.token_indices]
+    kappa_one = BUDGETS.index(1)
+    assert len(stock_sets[kappa_one]) == K and -1 not in stock_sets[kappa_one]  # a phantom expert
+    kappa_three = BUDGETS.index(3)
+    assert len(stock_sets[kappa_three]) == K < 3  # truncated
+
+
+def test_capacity_dropped_entries_are_minus_one(make_config, make_router):
+    mcore.apply(ElasticConfig(schedule=SCHEDULE))
+    router = make_router(make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H,
+                                     moe_expert_capacity_factor=0.5), weight_std=1.0)
+    probs, routing_map = router(torch.randn(S, B, H, generator=torch.Generator().manual_seed(2)))
+    budgets = mcore.routing_records(router)[0].budgets
+    kept = routing_map.sum(dim=1)
+    assert (kept < budgets).any(), "the capacity factor should drop some assignments"
+    manager = _manager("_DeepepManager", make_config, capacity_factor=0.5)
+    manager.setup_metadata(routing_map, probs)
+    assert manager.token_indices.shape == (S * B, WIDTH)
+    assert ((manager.token_indices >= 0).sum(dim=1) == kept).all()
+    assert _routed_sets(manager.token_indices) == _map_sets(routing_map)
+
+
+@pytest.mark.parametrize("name", ["_DeepepManager", "_NCCLEPManager"])
+def test_flex_dispatcher_hands_the_tag_through_the_tp_fold(name, make_config):
+    """The real ``dispatch_preprocess``: ``_initialize_metadata`` replicates the map over TP into a
+    new (untagged) tensor; the manager still gets width TP·b and every token's TP·κ experts."""
+    tp = 2
+    extra = dict(_bootstrapped=False, num_local_tokens=None) if name == "_NCCLEPManager" else {}
+    mcore.apply(ElasticConfig(schedule=SCHEDULE))
+    manager = _manager(name, make_config, tp=tp, **extra)
+    flex = object.__new__(_token_dispatcher().MoEFlexTokenDispatcher)
+    flex.config, flex.tp_size, flex.ep_size, flex.num_local_experts = manager.config, tp, 1, E
+    flex.shared_experts, flex._comm_manager = None, manager
+    probs, routing_map = _elastic_map(BUDGETS)
+    hidden = torch.randn(len(BUDGETS), 1, H)
+    _, token_probs = flex.dispatch_preprocess(hidden, routing_map, probs)
+    assert manager.token_indices.shape == (len(BUDGETS), tp * WIDTH) and manager.router_topk == tp * WIDTH
+    assert ((manager.token_indices >= 0).sum(dim=1) == tp * torch.tensor(BUDGETS)).all()
+    folded = [sorted({i % E for i in row}) for row in _routed_sets(manager.token_indices)]
+    assert folded == _map_sets(routing_map)
+    assert token_probs is manager.token_probs
+    assert not hasattr(manager, dispatch.MANAGER_TAG_ATTR)  # handed over for one call only
+
+    # a stock map afterwards (eval, or a static layer) gets the stock width again: no phantoms
+    stock_map = torch.zeros(len(BUDGETS), E, dtype=torch.bool)
+    stock_map[:, :K] = True
+    flex.dispatch_preprocess(hidden, stock_map, stock_map.float() / K)
+    assert manager.token_indices.shape == (len(BUDGETS), tp * K) and manager.router_topk == tp * WIDTH
+
+
+def test_ncclep_refuses_to_widen_after_its_buffers_were_sized(make_config):
+    mcore.apply(ElasticConfig(schedule=SCHEDULE))
+    manager = _manager("_NCCLEPManager", make_config, _bootstrapped=True, num_local_tokens=None)
+    probs, routing_map = _elastic_map(BUDGETS)
+    with pytest.raises(UnsupportedMegatronError, match=r"NCCL-EP receive buffers were sized for 2 .* needs 3"):
+        manager.setup_metadata(routing_map, probs)
+
+
+def test_hybridep_drop_and_pad_capacity_uses_the_upper_bound(make_config):
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    class _Group:
+        def size(self):
+            return 1
+
+    mcore.apply(ElasticConfig(schedule=SCHEDULE))
+    attributes = dict(drop_and_pad=True, group=_Group(), moe_expert_rank_capacity_factor=None, num_permuted_tokens=None)
+    manager = _manager("_HybridEPManager", make_config, capacity_factor=1.0, **attributes)
+    probs, routing_map = _elastic_map(BUDGETS)
+    manager.setup_metadata(routing_map, probs)
+    assert manager.capacity == get_capacity(num_tokens=len(BUDGETS) * WIDTH, num_experts=E, capacity_factor=1.0)
+    assert torch.equal(manager.routing_map, routing_map)  # HybridEP consumes the map itself
+    assert manager.config.moe_router_topk == K
+    stock = _manager("_HybridEPManager", make_config, capacity_factor=1.0, **attributes)
+    stock.setup_metadata(routing_map.clone(), probs)  # untagged: stock sizing from k
+    assert stock.capacity == get_capacity(num_tokens=len(BUDGETS) * K, num_experts=E, capacity_factor=1.0)
