@@ -187,11 +187,16 @@ def validate_router(router, config: ElasticConfig) -> None:
     if not config.enabled:
         return
     model = router.config
-    config.resolve(num_experts=model.num_moe_experts, topk=model.moe_router_topk, num_layers=_model_num_layers(model))
-    schedule = config.budget_schedule(model.moe_router_topk)
-    if schedule.is_static:
+    schedule = config.resolve(num_experts=model.num_moe_experts, topk=model.moe_router_topk,
+                              num_layers=_model_num_layers(model))
+    top_p = config.mode == "top_p"
+    if schedule.is_static and not top_p:
         return
+    width = _top_p_width(model, config) if top_p else schedule.high
     problems = []
+    if top_p and model.moe_router_score_function != "softmax":
+        problems.append(f"mode='top_p' reads the budget off full-softmax probabilities, but "
+                        f"moe_router_score_function={model.moe_router_score_function!r}; use mode='elastic'")
     if router.routing_type in ("sinkhorn", "quantile_balancing"):
         problems.append(f"moe_router_load_balancing_type={router.routing_type!r} picks experts by its own "
                         f"balancing algorithm with a fixed k; use 'aux_loss', 'seq_aux_loss', "
@@ -224,14 +229,15 @@ def validate_router(router, config: ElasticConfig) -> None:
     if group_topk:
         per_group = model.num_moe_experts // num_groups
         reachable = group_topk * per_group
-        if schedule.high > reachable or schedule.high // group_topk < 1:
+        if width > reachable or width // group_topk < 1:
             problems.append(f"group-limited routing keeps {group_topk} of {num_groups} groups "
-                            f"({reachable} experts), fewer than the schedule's upper budget {schedule.high}; "
-                            f"narrow the schedule or raise moe_router_group_topk")
+                            f"({reachable} experts), fewer than the upper budget {width}; "
+                            + ("set top_p_max_experts to at most that" if top_p else "narrow the schedule")
+                            + " or raise moe_router_group_topk")
     if problems:
+        what = f"mode='top_p' (p={config.top_p})" if top_p else f"schedule {schedule.describe()}"
         raise UnsupportedMegatronError(
-            f"elastic-moe cannot route schedule {schedule.describe()} with this Megatron config: "
-            + "; ".join(problems) + "."
+            f"elastic-moe cannot route {what} with this Megatron config: " + "; ".join(problems) + "."
         )
     if schedule.low == 1 and _gate_for(model, config) in ("renormalized", "sigmoid_auto") and "low1" not in _warned:
         _warned.add("low1")
@@ -240,6 +246,11 @@ def validate_router(router, config: ElasticConfig) -> None:
             "elastic-moe: schedule %s with a renormalised gate (layers %s): tokens drawn with κ=1 get "
             "gate weight 1 and no task gradient through the router gate (seed 000). Consider low >= 2 "
             "or gate='full_softmax'.", schedule.describe(), layers)
+
+
+def _top_p_width(model_config, config: ElasticConfig) -> int:
+    """Candidate slots of ``mode="top_p"``: every expert, or ``top_p_max_experts``."""
+    return config.top_p_max_experts or model_config.num_moe_experts
 
 
 def _captures_moe_preprocess(model_config) -> bool:
@@ -292,7 +303,7 @@ def _resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:
         return None
     model = router.config
     schedule = config.resolve(num_experts=model.num_moe_experts, topk=model.moe_router_topk)
-    if schedule.is_static:
+    if schedule.is_static and config.mode != "top_p":
         return None
     layer_number = getattr(router, "layer_number", None)
     if layer_number is None:
@@ -312,6 +323,9 @@ def _resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:
         if not config.layer_is_elastic(layer_index):
             return None
     validate_router(router, config)
+    if config.mode == "top_p":
+        return LayerPlan(schedule=schedule, gate=_gate_for(model, config), sampling="iid", layer_index=layer_index,
+                         top_p=config.top_p, top_p_width=_top_p_width(model, config))
     return LayerPlan(schedule=schedule, gate=_gate_for(model, config), sampling=config.sampling, layer_index=layer_index)
 
 

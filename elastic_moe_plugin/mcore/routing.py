@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from elastic_moe_plugin.gates import budget_mask, weigh_candidates
+from elastic_moe_plugin.gates import budget_mask, top_p_budgets, weigh_candidates
 from elastic_moe_plugin.mcore.dispatch import mark_elastic
 from elastic_moe_plugin.metrics import RoutingRecord
 from elastic_moe_plugin.schedule import BudgetSchedule
@@ -30,11 +30,13 @@ class LayerPlan:
     gate: str  # "full_softmax" | "renormalized" | "sigmoid_auto"
     sampling: str
     layer_index: int | None
+    top_p: float | None = None  # mode="top_p": κ from the cumulative full-softmax probability
+    top_p_width: int | None = None
 
     @property
     def width(self) -> int:
-        """b: the number of candidate slots per token."""
-        return self.schedule.high
+        """b: the number of candidate slots per token (every expert, or the cap, in top-p mode)."""
+        return self.top_p_width if self.top_p is not None else self.schedule.high
 
 
 # ---------------------------------------------------------------------------------- routing
@@ -174,8 +176,13 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
     logits = router.apply_z_loss(logits, padding_mask=padding_mask)
 
     num_tokens = logits.shape[0]
-    budgets = draw_budgets(router, plan, num_tokens, logits.device)
     candidate_values, candidate_ids = _select_candidates(router, plan, logits)
+    if plan.top_p is None:
+        budgets = draw_budgets(router, plan, num_tokens, logits.device)
+    else:  # the smallest top-ranked set whose full-softmax mass reaches p (paper's top-p control)
+        with torch.no_grad():
+            sorted_probs = torch.softmax(logits.float(), dim=-1).gather(1, candidate_ids)
+        budgets = top_p_budgets(sorted_probs, plan.top_p)
     kept = budget_mask(budgets, plan.width)  # [T, b]
     weights = _prefix_weights(router, plan, candidate_values, kept)
     retained_weight_sums = weights.detach().sum(dim=-1)

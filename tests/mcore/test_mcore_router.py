@@ -840,3 +840,45 @@ def test_budget_histograms_stay_bounded(make_config, make_router):
     assert int(histogram.sum()) == steps * S * B and int(histogram[0]) == 0
     mcore.reset_budget_histograms(router)
     assert int(mcore.budget_histograms(router)[0].sum()) == 0
+
+
+# ------------------------------------------------------------------------------------ top-p control
+@pytest.mark.parametrize("pre_softmax,cap", [(True, None), (False, 5)])
+def test_top_p_mode_routes_the_smallest_set_reaching_p(make_config, make_router, pre_softmax, cap):
+    """mode='top_p' (the paper's nucleus control): κ_t = min{j : Σ_{i≤j} p_(i) ≥ p}, capped,
+    with the model's own gate on that set; eval stays static top-k."""
+    config = make_config(moe_router_pre_softmax=pre_softmax)
+    mcore.apply(ElasticConfig(mode="top_p", top_p=0.4, top_p_max_experts=cap))
+    router = make_router(config, weight_std=0.5)
+    router.train()
+    x = torch.randn(64, 2, 16, generator=torch.Generator().manual_seed(5))
+    probs, routing_map = router(x)
+    logits = (x.view(-1, 16) @ router.weight.detach().t()).float()
+    full = torch.softmax(logits, dim=-1)
+    order_probs, order = torch.sort(full, dim=-1, descending=True)
+    width = cap or 8
+    expected = []
+    for row in order_probs.tolist():  # a readable loop reference
+        total, count = 0.0, 0
+        while count < width and total < 0.4:
+            total += row[count]
+            count += 1
+        expected.append(count)
+    assert routing_map.sum(dim=1).tolist() == expected
+    assert len(set(expected)) > 1
+    kept = torch.arange(8) < torch.tensor(expected)[:, None]
+    hand = torch.zeros_like(full).scatter(1, order, torch.where(kept, order_probs, 0.0))
+    if not pre_softmax:  # the model's own gate: renormalised over the kept set
+        hand = hand / hand.sum(dim=-1, keepdim=True)
+    torch.testing.assert_close(probs.detach(), hand, rtol=1e-5, atol=1e-6)
+    router.eval()
+    assert (router(x)[1].sum(dim=1) == 2).all()
+
+
+def test_top_p_mode_refusals(make_config, make_router):
+    mcore.apply(ElasticConfig(mode="top_p", top_p_max_experts=9))
+    with pytest.raises(ConfigError, match=r"top_p_max_experts=9 exceeds the model's 8 experts"):
+        make_router(make_config())
+    mcore.apply(ElasticConfig(mode="top_p"))
+    with pytest.raises(UnsupportedMegatronError, match=r"mode='top_p' reads the budget off full-softmax probabilities"):
+        make_router(make_config(moe_router_score_function="sigmoid"))
