@@ -14,6 +14,25 @@ mkdir -p "$work"
 echo "gpu_check: work dir $work"
 
 # ==================================================================================================
+# Section: Megatron-core adapter on CUDA, issue 5 (scripts/gpu_check_mcore.py; < 8 minutes)
+# Reruns the dispatcher checks on CUDA, counts device-to-host syncs per layer for stock top-8,
+# elastic iid and elastic balanced (CUDA sync debug mode and aten._local_scalar_dense), and times a
+# MoE layer (E=128, k=8, H=2048, F=768, T=8192, bf16) forward+backward, stock vs 6-10, interleaved.
+# Prints one JSON line. Then `elastic-moe bench --quick --json` on CUDA (the same suite as on CPU).
+# ==================================================================================================
+mcore_checks() {
+  local dir="$work/mcore"
+  mkdir -p "$dir"
+  (cd "$repo" && timeout 480 "$python" scripts/gpu_check_mcore.py) | tee "$dir/gpu_check_mcore.jsonl"
+  (cd "$repo" && timeout 300 "$python" -m elastic_moe_plugin.cli bench --quick --json) > "$dir/bench_quick.json"
+  echo "bench --quick --json on CUDA: $dir/bench_quick.json"
+}
+mcore_checks
+# ==================================================================================================
+# End of section: Megatron-core adapter on CUDA
+# ==================================================================================================
+
+# ==================================================================================================
 # Section: megatron sft smoke run (Megatron-SWIFT, ms-swift 4.6), issue 6
 # A tiny random Qwen3-MoE (2 layers, 8 experts, top-4, hidden 64; built here, nothing downloaded)
 # trains 3 steps with EP=1, the alltoall token dispatcher (dropless: the elastic dispatcher fix
