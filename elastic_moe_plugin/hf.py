@@ -72,6 +72,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -97,6 +98,8 @@ ALLOW_UNSUPPORTED_ENV = "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS"
 
 _PATCH_MARKER = "__elastic_moe_patched__"
 _LAYER_ATTR = "_elastic_layer_index"
+#: weakref to the sibling experts module (``mlp.experts``), to learn its implementation at forward
+_EXPERTS_ATTR = "_elastic_experts"
 _RECORD_ATTR = "_elastic_record"
 _HISTOGRAM_ATTR = "_elastic_budget_histogram"
 _PLAN_ATTR = "_elastic_plan_cache"
@@ -403,6 +406,7 @@ def _make_layer_init(original: Callable, router_cls: type) -> Callable:
         layer_idx = arguments.get("layer_idx")
         if layer_idx is not None:
             gate.__dict__[_LAYER_ATTR] = int(layer_idx)
+        _link_experts(gate, self.mlp)
         state = _state
         if state is not None and state.config.enabled:
             model_config = arguments.get("config")
@@ -542,7 +546,8 @@ def elastic_route(
     Returns:
         ``router_logits [T, E]`` (the logits' dtype), ``top_k_weights [T, b]`` (the logits' dtype, or
         fp32 for families that keep fp32 weights), ``top_k_index LongTensor[T, b]``: the stock
-        contract with width b; slots j >= κ_t hold a real expert id with weight exactly 0.
+        contract with width b; slots j >= κ_t have weight exactly 0 and hold the sentinel
+        ``num_experts`` for eager experts (skipped, no compute), else a real expert id.
     """
     hidden = hidden_states.reshape(-1, router.hidden_dim)
     router_logits = F.linear(hidden, router.weight)  # (1) exactly as the stock router
@@ -566,7 +571,32 @@ def elastic_route(
     if plan.family.casts_weights:
         weights = weights.to(router_logits.dtype)
     _remember(router, plan, router_logits, budgets, candidate_ids, kept, retained_weight_sums)  # (6)
+    if _experts_skip_sentinel(router):
+        # The eager experts loop skips index num_experts: slots beyond κ cost nothing, so expert
+        # compute follows E[κ] = k instead of b (grouped_mm/batched_mm compute every slot; there
+        # the real candidate with weight 0 keeps them correct).
+        return router_logits, weights, torch.where(kept, candidate_ids, int(router.num_experts))  # (5)
     return router_logits, weights, candidate_ids  # (5)
+
+
+def _link_experts(router: torch.nn.Module, mlp: torch.nn.Module | None) -> None:
+    experts = getattr(mlp, "experts", None) if mlp is not None else None
+    if isinstance(experts, torch.nn.Module):
+        router.__dict__[_EXPERTS_ATTR] = weakref.ref(experts)
+
+
+def _experts_skip_sentinel(router: torch.nn.Module) -> bool:
+    """Whether the sibling experts run transformers' eager loop, which skips index num_experts.
+
+    Only the eager loop honours that sentinel outside expert parallelism (frameworks.md); any
+    other implementation, an unknown experts module, or expert parallelism keeps real indices.
+    """
+    reference = router.__dict__.get(_EXPERTS_ATTR)
+    experts = reference() if reference is not None else None
+    if experts is None or getattr(experts, "_is_expert_parallel", False):
+        return False
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", "unknown")
+    return implementation == "eager"
 
 
 def _remember(router, plan: LayerPlan, router_logits, budgets, candidate_ids, kept, retained_weight_sums) -> None:
@@ -683,6 +713,7 @@ def tag_layers(model: torch.nn.Module) -> dict[str, int]:
                 f"'<layers>.<i>.mlp.gate'. Set router.{_LAYER_ATTR} = <0-based index> by hand."
             )
         router.__dict__[_LAYER_ATTR] = index
+        _link_experts(router, model.get_submodule(name.rpartition(".")[0]) if "." in name else None)
         tagged[name] = index
     if not found:
         names = ", ".join(family.router for family in FAMILIES)

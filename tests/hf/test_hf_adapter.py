@@ -337,6 +337,23 @@ def test_moe_block_equals_dense_reference_for_every_experts_implementation(tiny,
     assert torch.isfinite(x.grad).all() and block.gate.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_eager_experts_skip_slots_beyond_kappa(tiny, impl):
+    """Eager experts skip index num_experts, so slots beyond κ get that sentinel (expert compute
+    follows κ); other implementations compute every slot, so they keep the real zero-weight id."""
+    hf.apply(ElasticConfig(schedule="1-3"))
+    model = tiny.model("olmoe", experts_implementation=impl)
+    router = model.model.layers[0].mlp.gate
+    torch.manual_seed(14)
+    _, weights, ids = router(torch.randn(64, 64, generator=torch.Generator().manual_seed(15)))
+    kept = torch.arange(3) < router._elastic_record.budgets[:, None]
+    assert (~kept).any()
+    assert torch.equal(ids[kept], router._elastic_record.expert_ids[kept])
+    unused = ids[~kept]
+    assert torch.all(unused == E) if impl == "eager" else torch.all((unused >= 0) & (unused < E))
+    assert torch.all(weights[~kept] == 0.0)
+
+
 # ------------------------------------------------------------------------------- aux loss
 @pytest.mark.parametrize("masked", [False, True])
 def test_aux_loss_counts_the_realised_assignments(tiny, hand_aux, masked):
