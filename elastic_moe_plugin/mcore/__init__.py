@@ -70,6 +70,7 @@ from elastic_moe_plugin.mcore.routing import (
     reset_budget_histograms,
     routing_records,
 )
+from elastic_moe_plugin.mcore.tracking import log_routing_metrics, routing_metrics
 
 
 def __getattr__(name: str):
@@ -84,5 +85,5 @@ __all__ = [
     "ALLOW_UNSUPPORTED_ENV", "SUPPORTED_MCORE_RANGE", "ElasticTopKRouter", "LayerPlan", "RoutingRecord",
     "UnsupportedMegatronError", "active_config", "apply", "budget_histograms", "check_megatron_version",
     "elastic_router_spec", "elastic_routing", "is_applied", "megatron_core_version", "patched", "remove",
-    "reset_budget_histograms", "routing_records", "validate_router",
+    "log_routing_metrics", "reset_budget_histograms", "routing_metrics", "routing_records", "validate_router",
 ]
