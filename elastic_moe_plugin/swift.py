@@ -53,8 +53,9 @@ from elastic_moe_plugin.config import ElasticConfig
 logger = logging.getLogger(__name__)
 
 CALLBACK_NAME = "elastic_moe"
-PLUGIN_FILE = Path(__file__).with_name("swift_plugin.py")
-_PACKAGE_DIR = Path(__file__).resolve().parent
+#: alone in its directory: ms-swift inserts a plugin's directory first on sys.path, and the package
+#: directory itself (swift.py, config.py, ...) would shadow top-level modules of those names
+PLUGIN_FILE = Path(__file__).parent / "plugin" / "elastic_moe.py"
 
 
 def plugin_path() -> Path:
@@ -75,7 +76,6 @@ def install(config: ElasticConfig | None = None) -> ElasticConfig:
     Raises:
         ConfigError: a bad ``ELASTIC_MOE_*`` setting (the run stops before building a model).
     """
-    _forget_package_dir_on_sys_path()
     config = ElasticConfig.from_env() if config is None else config
     patched = []
     if _importable("transformers"):
@@ -92,25 +92,6 @@ def install(config: ElasticConfig | None = None) -> ElasticConfig:
     logger.info("elastic-moe: %s; patched %s; callback %r registered for %s", config,
                 ", ".join(patched) or "nothing (no framework found)", CALLBACK_NAME, ", ".join(registered) or "nothing")
     return config
-
-
-def _forget_package_dir_on_sys_path() -> None:
-    """Undo ms-swift's ``sys.path.insert(0, <plugin dir>)`` when that directory is this package.
-
-    ``import_external_file`` puts the plugin file's directory first on ``sys.path``. For the
-    packaged copy (``elastic-moe plugin-path``) that is ``elastic_moe_plugin/`` itself, whose
-    ``swift.py``, ``config.py``, ``metrics.py``, ... would then shadow top-level modules of the same
-    name for every later import, e.g. ``swift`` in a spawned dataloader worker. The checkout's
-    ``patches/`` directory holds nothing that could shadow anything and is left alone.
-    """
-    sys.path[:] = [entry for entry in sys.path if not _is_package_dir(entry)]
-
-
-def _is_package_dir(entry: str) -> bool:
-    try:
-        return bool(entry) and Path(entry).resolve() == _PACKAGE_DIR
-    except (OSError, RuntimeError):
-        return False
 
 
 def _register_callbacks() -> list[str]:

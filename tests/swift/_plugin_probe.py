@@ -5,7 +5,7 @@
 
 Each mode loads the plugin the way ms-swift does (``swift.utils.import_external_file``, i.e. under
 the hashed module name ``_swift_external_<sha256>``) from BOTH plugin paths, the checkout's
-``patches/elastic_moe.py`` and the package's ``elastic_moe_plugin/swift_plugin.py``, so the plugin
+``patches/elastic_moe.py`` and the package's ``elastic_moe_plugin/plugin/elastic_moe.py``, so the plugin
 code runs twice in one process, and writes what it observed to RESULT.json.
 
 ``megatron`` mode mirrors Megatron-SWIFT's start-up order: ``megatron.core`` and
@@ -27,7 +27,7 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUGIN_PATHS = [ROOT / "patches" / "elastic_moe.py", ROOT / "elastic_moe_plugin" / "swift_plugin.py"]
+PLUGIN_PATHS = [ROOT / "patches" / "elastic_moe.py", ROOT / "elastic_moe_plugin" / "plugin" / "elastic_moe.py"]
 MARKER = "__elastic_moe_patched__"
 
 

@@ -24,11 +24,13 @@ needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is 
 
 
 def test_plugin_files_are_identical():
-    """``patches/elastic_moe.py`` (checkout) and the packaged ``swift_plugin.py`` (plugin-path)."""
+    """``patches/elastic_moe.py`` (checkout) and the packaged ``plugin/elastic_moe.py`` (plugin-path)."""
     from elastic_moe_plugin.swift import plugin_path
 
     packaged = plugin_path()
-    assert packaged == ROOT / "elastic_moe_plugin" / "swift_plugin.py"
+    assert packaged == ROOT / "elastic_moe_plugin" / "plugin" / "elastic_moe.py"
+    # alone in its directory: ms-swift puts that directory first on sys.path
+    assert sorted(p.name for p in packaged.parent.iterdir() if p.suffix == ".py") == ["elastic_moe.py"]
     assert (ROOT / "patches" / "elastic_moe.py").read_bytes() == packaged.read_bytes()
 
 
@@ -52,7 +54,7 @@ def test_hf_process_patches_transformers_once_and_leaves_megatron_alone(swift_ru
     assert data["hf_callback_classes_named_elastic"] == 1
     # `swift sft` never imports megatron-core or Megatron-SWIFT; the plugin must not either
     assert not data["megatron_core_imported"] and not data["swift_megatron_imported"]
-    # the packaged plugin's directory (elastic_moe_plugin/, holding swift.py) is off sys.path again
+    # the package directory (holding swift.py) never lands on sys.path: only plugin/ does
     assert not data["package_dir_on_sys_path"]
 
 
