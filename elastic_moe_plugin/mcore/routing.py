@@ -9,6 +9,7 @@ it: ``padding_mask`` True = padding token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 import torch
@@ -74,7 +75,10 @@ def draw_budgets(router, plan: LayerPlan, num_tokens: int, device: torch.device)
     data/context/sequence-parallel shards get independent draws; activation recompute replays the
     generator state, so recomputed layers see the same κ.
     """
-    num_shards, shard = token_shard(router)
+    cached = router.__dict__.get("_elastic_token_shard")
+    if cached is None:  # process groups are fixed for the router's life
+        cached = router.__dict__["_elastic_token_shard"] = token_shard(router)
+    num_shards, shard = cached
     if num_shards == 1:
         return plan.schedule.sample(num_tokens, plan.sampling, device=device)
     uniforms = torch.rand(num_shards * num_tokens, dtype=torch.float64, device=device)
@@ -231,12 +235,19 @@ def _record(router, plan: LayerPlan, budgets, candidate_ids, kept, retained_weig
 # ---------------------------------------------------------------------------------- aux losses
 def _attach_kwargs(router, needs_dp_avg: bool) -> dict[str, bool]:
     """0.16 names the flag ``reduce_group_has_dp`` (inverse meaning); 0.17+ ``needs_dp_avg``."""
-    parameters = inspect.signature(type(router).attach_and_log_load_balancing_loss).parameters
-    if "needs_dp_avg" in parameters:
+    flag = _attach_flag(type(router).attach_and_log_load_balancing_loss)
+    if flag == "needs_dp_avg":
         return {"needs_dp_avg": needs_dp_avg}
-    if "reduce_group_has_dp" in parameters:
+    if flag == "reduce_group_has_dp":
         return {"reduce_group_has_dp": not needs_dp_avg}
     return {}
+
+
+@functools.lru_cache(maxsize=8)
+def _attach_flag(method) -> str | None:
+    # inspect.signature costs tens of microseconds: once per method, not once per forward
+    parameters = inspect.signature(method).parameters
+    return next((name for name in ("needs_dp_avg", "reduce_group_has_dp") if name in parameters), None)
 
 
 def _realised_token_counts(routing_map: torch.Tensor, group, padding_mask: torch.Tensor | None):
