@@ -176,6 +176,13 @@ class _SigmoidRenormalize(torch.autograd.Function):
         return _simplex_grad(weights, grad) / denominator
 
 
+def _softmax_like_backward(ctx, grad: torch.Tensor):
+    """w ⊙ (g − Σ w g), centred: the VJP of every softmax-shaped weight (renormalised probabilities
+    or a masked softmax), to the first input; None for the second (a mask or detached values)."""
+    (weights,) = ctx.saved_tensors
+    return weights * _simplex_grad(weights, grad), None
+
+
 class _RenormalizedProbs(torch.autograd.Function):
     """w = p_S / Σ p_S from the (no-grad) top-κ probabilities; backward to the *selected logits*.
 
@@ -193,10 +200,7 @@ class _RenormalizedProbs(torch.autograd.Function):
         ctx.save_for_backward(weights)
         return weights
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (weights,) = ctx.saved_tensors
-        return weights * _simplex_grad(weights, grad), None
+    backward = staticmethod(lambda ctx, grad: _softmax_like_backward(ctx, grad))
 
 
 class _MaskedSoftmax(torch.autograd.Function):
@@ -216,10 +220,7 @@ class _MaskedSoftmax(torch.autograd.Function):
         ctx.save_for_backward(weights)
         return weights
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (weights,) = ctx.saved_tensors
-        return weights * _simplex_grad(weights, grad), None
+    backward = staticmethod(lambda ctx, grad: _softmax_like_backward(ctx, grad))
 
 
 # ------------------------------------------------------------------------------ shared weighing

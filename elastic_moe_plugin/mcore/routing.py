@@ -292,6 +292,14 @@ def _apply_realised_aux_losses(router, plan, probs, logits, realised_map, paddin
     host_topk = plan.schedule.center if plan.schedule.is_static else None
     with_mask = padding_mask is not None
 
+    def realised_switch_loss(probs, counts, total_tokens, coeff):
+        """Megatron's E·coeff·Σ_i P_i·f_i with f_i = c_i / Σ_j c_j = c_i / Σκ (its topk·T := Σκ)."""
+        effective_topk = host_topk if host_topk is not None else counts.sum() / total_tokens
+        return switch_load_balancing_loss_func(
+            probs=probs, tokens_per_expert=counts, total_num_tokens=total_tokens, topk=effective_topk,
+            num_experts=num_experts, moe_aux_loss_coeff=coeff, fused=False,
+        )
+
     def counts_for(routing_map, group, mask, topk_scale=1):
         if host_topk is not None:
             return get_tokens_per_expert_and_token_count(routing_map=routing_map, reduce_group=group,
@@ -301,11 +309,7 @@ def _apply_realised_aux_losses(router, plan, probs, logits, realised_map, paddin
     coeff = router.get_aux_loss_coeff("aux_loss")
     if coeff > 0:
         counts, local_tokens, total_tokens = counts_for(valid_map, router.tp_cp_group, padding_mask)
-        effective_topk = host_topk if host_topk is not None else counts.sum() / total_tokens
-        aux_loss = switch_load_balancing_loss_func(
-            probs=scores, tokens_per_expert=counts, total_num_tokens=total_tokens, topk=effective_topk,
-            num_experts=num_experts, moe_aux_loss_coeff=coeff, fused=False,
-        )
+        aux_loss = realised_switch_loss(scores, counts, total_tokens, coeff)
         probs = router.attach_and_log_load_balancing_loss(
             probs, coeff, aux_loss, "load_balancing_loss", router.tp_cp_group,
             valid_token_count=local_tokens, **_attach_kwargs(router, True),
@@ -345,11 +349,7 @@ def _apply_realised_aux_losses(router, plan, probs, logits, realised_map, paddin
         router.ga_steps += 1
         averaged_counts = router.global_tokens_per_expert / router.ga_steps
         # f_i = accumulated c_i / accumulated Σκ: the realised counts sum to the realised budgets.
-        effective_topk = host_topk if host_topk is not None else averaged_counts.sum() / total_tokens
-        aux_loss = switch_load_balancing_loss_func(
-            probs=scores, tokens_per_expert=averaged_counts, total_num_tokens=total_tokens, topk=effective_topk,
-            num_experts=num_experts, moe_aux_loss_coeff=coeff, fused=False,
-        )
+        aux_loss = realised_switch_loss(scores, averaged_counts, total_tokens, coeff)
         probs = router.attach_and_log_load_balancing_loss(
             probs, coeff, aux_loss, "global_load_balancing_loss", router.tp_dp_cp_group,
             valid_token_count=local_tokens, **_attach_kwargs(router, False),
