@@ -4,14 +4,17 @@ During training every token in every elastic MoE layer draws an expert budget κ
 discretised Gaussian on {low..high} centred at the model's top-k, and is dispatched to its top-κ
 experts; inference stays static top-k with the same weights and checkpoint format.
 
-Core modules (framework-free, torch only): :mod:`~elastic_moe_plugin.schedule`,
-:mod:`~elastic_moe_plugin.config`, :mod:`~elastic_moe_plugin.gates`. Framework adapters import
-them, never the other way round: :mod:`~elastic_moe_plugin.mcore` (Megatron-core),
-:mod:`~elastic_moe_plugin.hf` (transformers) and :mod:`~elastic_moe_plugin.swift` (ms-swift).
+Layers, each importing only those below it: :mod:`~elastic_moe_plugin.core` (framework-free:
+schedule, config, gate rules, plans, records, metrics, the patch lifecycle);
+:mod:`~elastic_moe_plugin.compat` (framework compatibility shims); the adapters
+:mod:`~elastic_moe_plugin.mcore` (Megatron-core), :mod:`~elastic_moe_plugin.hf` (transformers)
+and :mod:`~elastic_moe_plugin.swift` (ms-swift); :mod:`~elastic_moe_plugin.tools` (demo, bench,
+evaluation, diagnostics, recipes); :mod:`~elastic_moe_plugin.cli` (``elastic-moe``).
 """
 
-from elastic_moe_plugin.config import ConfigError, ElasticConfig
-from elastic_moe_plugin.schedule import BudgetSchedule
+from elastic_moe_plugin.core.config import ElasticConfig
+from elastic_moe_plugin.core.errors import ConfigError
+from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 __version__ = "0.1.0"
 __all__ = ["BudgetSchedule", "ConfigError", "ElasticConfig", "__version__"]

@@ -1,98 +1,10 @@
-"""Run a Megatron-LM training script with Elastic Expert Routing applied.
+"""``python -m elastic_moe_plugin.megatron_lm SCRIPT ...``: see :mod:`elastic_moe_plugin.mcore.megatron_lm`."""
 
-::
-
-    python -m elastic_moe_plugin.megatron_lm PATH/TO/pretrain_gpt.py <megatron args> \\
-        --elastic-moe-schedule 6-10 [--elastic-moe-layers 3-7 ...]
-
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m elastic_moe_plugin.megatron_lm \\
-        PATH/TO/pretrain_gpt.py <megatron args> --elastic-moe-schedule 6-10
-
-Every rank runs this module. It
-
-1. takes the ``--elastic-moe-*`` flags out of the command line (anywhere after the script path)
-   before Megatron parses its arguments, so Megatron never sees them; a misspelt
-   ``--elastic-moe-...`` flag is an error here rather than an "unrecognized arguments" there;
-2. builds the :class:`~elastic_moe_plugin.config.ElasticConfig` from defaults < YAML
-   (``--elastic-moe-config`` / ``ELASTIC_MOE_CONFIG``) < ``ELASTIC_MOE_*`` < the flags, and applies
-   :func:`elastic_moe_plugin.mcore.apply` (a class-level patch of ``TopKRouter``, so routers built
-   later by the script route elastically in training);
-3. runs the script in this process as ``__main__`` (``runpy.run_path``), with ``sys.argv`` set to
-   the script and the remaining Megatron arguments. The script's folder is put first on
-   ``sys.path`` before step 2 imports megatron, as ``python SCRIPT`` would have it, so a
-   Megatron-LM checkout's ``megatron`` package serves both the patch and the script.
-"""
-
-from __future__ import annotations
-
-import argparse
-import difflib
-import os
-import runpy
 import sys
-from typing import Sequence
 
-from elastic_moe_plugin.config import ConfigError, ElasticConfig, add_cli_arguments, config_from_cli
+from elastic_moe_plugin.mcore.megatron_lm import main, split_argv
 
-FLAG_PREFIX = "--elastic-moe-"
-USAGE = ("python -m elastic_moe_plugin.megatron_lm PATH/TO/pretrain_gpt.py [megatron args] "
-         "[--elastic-moe-schedule 6-10] [--elastic-moe-layers 3-7] [--elastic-moe-<field> VALUE ...]")
-
-
-def split_argv(argv: Sequence[str], environ=None) -> tuple[ElasticConfig, str, list[str]]:
-    """``argv`` (without the program name) -> (config, script path, Megatron's own arguments).
-
-    Raises:
-        ConfigError: no script given, an unknown ``--elastic-moe-*`` flag, or an invalid value.
-    """
-    parser = argparse.ArgumentParser(prog="elastic_moe_plugin.megatron_lm", add_help=False, allow_abbrev=False)
-    add_cli_arguments(parser, prefix=FLAG_PREFIX)
-    known, rest = parser.parse_known_args(list(argv))
-    flags = [a.split("=", 1)[0] for a in parser._option_string_actions]  # noqa: SLF001 - argparse's own table
-    stray = [a for a in rest if a.startswith(FLAG_PREFIX)]
-    if stray:
-        hints = []
-        for arg in stray:
-            name = arg.split("=", 1)[0]
-            close = difflib.get_close_matches(name, flags, n=1)
-            hints.append(name + (f" (did you mean {close[0]}?)" if close else ""))
-        raise ConfigError(f"unknown elastic-moe flag(s): {', '.join(hints)}. Accepted: {', '.join(sorted(flags))}.")
-    if not rest or rest[0].startswith("-"):
-        raise ConfigError(f"no training script given. Usage: {USAGE}")
-    script, megatron_args = rest[0], rest[1:]
-    if not script.endswith(".py"):
-        raise ConfigError(f"{script!r} is not a Python script. Usage: {USAGE}")
-    return config_from_cli(known, environ), script, megatron_args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(f"usage: {USAGE}\n\n{__doc__}")
-        return 0
-    try:
-        config, script, megatron_args = split_argv(argv)
-    except ConfigError as error:
-        print(f"elastic_moe_plugin.megatron_lm: error: {error}", file=sys.stderr)
-        return 2
-    if not os.path.isfile(script):
-        print(f"elastic_moe_plugin.megatron_lm: error: training script {script!r} does not exist.", file=sys.stderr)
-        return 2
-    # The script's folder goes first on sys.path *before* megatron is imported, as `python SCRIPT`
-    # would have it: a Megatron-LM checkout's own megatron/ package then serves both the patch and
-    # the script, even when a megatron-core wheel is installed as well.
-    script_dir = os.path.dirname(os.path.abspath(script))
-    if not sys.path or sys.path[0] != script_dir:
-        sys.path.insert(0, script_dir)
-    from elastic_moe_plugin import mcore
-
-    mcore.apply(config)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"elastic-moe: {config}; running {script}", file=sys.stderr, flush=True)
-    sys.argv = [script, *megatron_args]
-    runpy.run_path(script, run_name="__main__")
-    return 0
-
+__all__ = ["main", "split_argv"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -45,7 +45,8 @@ os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import torch
 
-from elastic_moe_plugin.bench import LiveBytes  # one implementation of the memory counter
+from elastic_moe_plugin.compat import megatron_tracker
+from elastic_moe_plugin.tools.bench import LiveBytes  # one implementation of the memory counter
 
 
 # ------------------------------------------------------------------------------------ memory
@@ -87,7 +88,7 @@ def measure_memory(step) -> tuple[int, int | None]:
 
 # ------------------------------------------------------------------------------------ set-up
 def build(num_experts: int, topk: int, hidden: int, schedule: str, aux_coeff: float):
-    from elastic_moe_plugin.testing import megatron_cpu
+    from elastic_moe_plugin.compat import megatron_cpu
 
     megatron_cpu.enable(force=True)
     from megatron.core import parallel_state
@@ -133,17 +134,6 @@ def make_steps(router, x, logits0, grad_probs):
     return {"router": router_step, "routing": routing_step}
 
 
-def clear_tracker():
-    try:
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        get_moe_metrics_tracker().clear()
-    except ImportError:
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-
-        clear_aux_losses_tracker()
-
-
 def bench(num_experts, topk, schedule, tokens, hidden, warmup, repeats, aux_coeff):
     stock, elastic = build(num_experts, topk, hidden, schedule, aux_coeff)
     torch.manual_seed(1)
@@ -164,9 +154,9 @@ def bench(num_experts, topk, schedule, tokens, hidden, warmup, repeats, aux_coef
                 start = time.perf_counter()
                 steps[name][scope]()
                 times[name].append(time.perf_counter() - start)
-            clear_tracker()
+            megatron_tracker.zero()
         memory = {name: measure_memory(steps[name][scope]) for name in ("stock", "elastic")}
-        clear_tracker()
+        megatron_tracker.zero()
         results[scope] = (times, memory)
     return results
 

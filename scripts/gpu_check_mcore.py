@@ -55,7 +55,7 @@ def setup(smoke: bool) -> dict:
 
     info = {"torch": torch.__version__, "smoke": smoke}
     if smoke:
-        from elastic_moe_plugin.testing import megatron_cpu
+        from elastic_moe_plugin.compat import megatron_cpu
 
         megatron_cpu.disable_torch_compile()
         megatron_cpu.enable(force=True)

@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from elastic_moe_plugin.core.errors import UnsupportedMegatronError
+
 #: tensor attributes set on an elastic routing map
 WIDTH_ATTR = "_elastic_moe_width"
 BALANCED_ATTR = "_elastic_moe_balanced"
@@ -180,8 +182,6 @@ def _indexed_setup_metadata(original: Callable) -> Callable:
         # The flex dispatcher folds TP into the expert axis: router_topk = tp_size · k at construction.
         folded_width = max(1, stock_topk // self.config.moe_router_topk) * width
         if getattr(self, "_bootstrapped", False) and folded_width > self.router_topk:
-            from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError
-
             raise UnsupportedMegatronError(
                 f"the NCCL-EP receive buffers were sized for {self.router_topk} experts per token before the first "
                 f"elastic step, but the schedule needs {folded_width}. Run an elastic training step before any "

@@ -17,7 +17,7 @@ import torch
 
 from packaging.version import Version
 
-from elastic_moe_plugin.config import ConfigError, ElasticConfig
+from elastic_moe_plugin.core.config import ConfigError, ElasticConfig
 from elastic_moe_plugin.mcore import dispatch
 from elastic_moe_plugin.mcore.routing import LayerPlan, UnsupportedMegatronError, elastic_routing
 

@@ -14,14 +14,13 @@ import inspect
 
 import torch
 
-from elastic_moe_plugin.gates import budget_mask, top_p_budgets, weigh_candidates
+from elastic_moe_plugin.core.errors import UnsupportedMegatronError
+from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
 from elastic_moe_plugin.mcore.dispatch import mark_elastic
-from elastic_moe_plugin.metrics import RoutingRecord
-from elastic_moe_plugin.schedule import BudgetSchedule
+from elastic_moe_plugin.core.metrics import RoutingRecord
+from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 
-class UnsupportedMegatronError(RuntimeError):
-    """The installed megatron-core, or a model option, cannot be routed elastically."""
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:

@@ -12,7 +12,7 @@ that never calls them pays nothing beyond the records and κ histograms the patc
 ``model`` is one module or a list of model chunks (virtual pipeline stages); every chunk's elastic
 routers count, keyed by their global 0-based layer index (``layer_number - 1``).
 
-The numbers are :func:`elastic_moe_plugin.metrics.layer_metrics` of each elastic router's latest
+The numbers are :func:`elastic_moe_plugin.core.metrics.layer_metrics` of each elastic router's latest
 :class:`~elastic_moe_plugin.mcore.RoutingRecord` and of its running κ histogram, with the schedule
 of :func:`elastic_moe_plugin.mcore.active_config` resolved against the router's
 ``TransformerConfig`` (``num_moe_experts``, ``moe_router_topk``): mean κ and κ shares, observed
@@ -40,7 +40,6 @@ max/mean are averaged, not recomputed from global counts.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -48,9 +47,10 @@ from typing import Any
 
 import torch
 
-from elastic_moe_plugin import metrics
-from elastic_moe_plugin.config import ElasticConfig
-from elastic_moe_plugin.schedule import BudgetSchedule
+from elastic_moe_plugin.compat import megatron_tracker
+from elastic_moe_plugin.core import metrics
+from elastic_moe_plugin.core.config import ElasticConfig
+from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 logger = logging.getLogger("elastic_moe_plugin.mcore.tracking")
 
@@ -114,7 +114,7 @@ def routing_metrics(model) -> dict[str, float]:
     """Flat scalars of the model's elastic routers (one host sync per layer; logging steps only).
 
     Returns ``{"elastic_moe/layer_<i>/<name>": value, "elastic_moe/<name>": mean over layers}``
-    as :func:`elastic_moe_plugin.metrics.routing_metrics` defines them; ``{}`` when no router has
+    as :func:`elastic_moe_plugin.core.metrics.routing_metrics` defines them; ``{}`` when no router has
     routed elastically yet or no elastic config is active.
     """
     chunks = _chunks(model)
@@ -147,15 +147,6 @@ def reset(model) -> None:
 
 
 # ---------------------------------------------------------------------------------- Megatron's tracker
-def _has_metrics_tracker() -> bool:
-    """megatron-core >= 0.17: ``moe_logging.MoEMetricsTracker``; 0.16: the aux-loss dict."""
-    try:
-        from megatron.core.transformer.moe import moe_logging  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _data_parallel_group():
     from megatron.core import parallel_state
 
@@ -220,56 +211,12 @@ def _record(chunks: Sequence[torch.nn.Module], flat: dict[str, float], loss_scal
                 table[row, column] = values[name] / loss_scale
     table = table.to(device=device, dtype=torch.float32)
     num_layers = int(model_config.num_layers)
-    if _has_metrics_tracker():
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        tracker = get_moe_metrics_tracker()
-
-        def record(name, value, layer_number):
-            tracker.record(name, value, layer_number=layer_number, num_layers=num_layers,
-                           reduce_group=None, avg_group=None, needs_dp_avg=True)
-    else:
-        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
-
-        dp_group = _data_parallel_group()
-
-        def record(name, value, layer_number):
-            # 0.16 averages over DP only through avg_group (reduce_group=None skips its DP step).
-            save_to_aux_losses_tracker(name, value, layer_number, num_layers, reduce_group=None, avg_group=dp_group)
-
+    dp_group = None if megatron_tracker.has_metrics_tracker() else _data_parallel_group()
     for row, name in enumerate(names):
         for column, layer in enumerate(layers):
             if name in layers[layer]:
-                record(TRACKER_PREFIX + name, table[row, column], layer + 1)
+                megatron_tracker.record(TRACKER_PREFIX + name, table[row, column], layer + 1, num_layers, dp_group)
     return [TRACKER_PREFIX + name for name in names]
-
-
-@contextlib.contextmanager
-def _own_tracker() -> Iterator[None]:
-    """Run a record + report on a tracker of our own, leaving the global one (this step's aux
-    losses) untouched: a report syncs, writes and then clears every entry it holds."""
-    if _has_metrics_tracker():
-        from megatron.core.transformer.moe import moe_logging
-
-        saved = moe_logging.get_moe_metrics_tracker()
-        moe_logging.set_moe_metrics_tracker(moe_logging.MoEMetricsTracker())
-        try:
-            yield
-        finally:
-            moe_logging.set_moe_metrics_tracker(saved)
-        return
-    from megatron.core.transformer.moe.moe_utils import (
-        get_moe_layer_wise_logging_tracker,
-    )
-
-    tracker = get_moe_layer_wise_logging_tracker()  # a module-global dict, mutated in place
-    saved = dict(tracker)
-    tracker.clear()
-    try:
-        yield
-    finally:
-        tracker.clear()
-        tracker.update(saved)
 
 
 def _megatron_lm_writers() -> tuple[Any, Any]:
@@ -329,25 +276,10 @@ def log_routing_metrics(
         elastic = next((getattr(r, "elastic_config", None) for r in _routers(chunks)
                         if getattr(r, "elastic_config", None) is not None), None)
     divisor = _num_elastic_moe_layers(model_config, elastic, set(records) | set(histograms))
-    with _own_tracker():
+    with megatron_tracker.isolated():
         names = _record(chunks, values, 1.0)
-        if _has_metrics_tracker():
-            from megatron.core.transformer.moe.moe_logging import (
-                get_moe_metrics_tracker,
-            )
-
-            get_moe_metrics_tracker().report(
-                loss_scale=1.0, iteration=iteration, writer=writer, wandb_writer=wandb_writer,
-                per_layer_logging=per_layer_logging, track_names=names, num_layers=divisor,
-                pg_collection=pg_collection,
-            )
-        else:
-            from megatron.core.transformer.moe.moe_utils import track_moe_metrics
-
-            track_moe_metrics(
-                loss_scale=1.0, iteration=iteration, writer=writer, wandb_writer=wandb_writer,
-                per_layer_logging=per_layer_logging, track_names=names, num_layers=divisor,
-            )
+        megatron_tracker.report(names, iteration, writer=writer, wandb_writer=wandb_writer,
+                                per_layer_logging=per_layer_logging, num_layers=divisor, pg_collection=pg_collection)
     if reset_histograms:
         reset(chunks)
     return values

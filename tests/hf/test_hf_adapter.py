@@ -15,8 +15,8 @@ from packaging.version import Version
 transformers = pytest.importorskip("transformers")
 
 from elastic_moe_plugin import ElasticConfig, hf
-from elastic_moe_plugin.config import ConfigError
-from elastic_moe_plugin.schedule import BudgetSchedule
+from elastic_moe_plugin.core.config import ConfigError
+from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 

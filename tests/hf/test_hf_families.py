@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from elastic_moe_plugin import ElasticConfig, hf
-from elastic_moe_plugin.schedule import BudgetSchedule
+from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 

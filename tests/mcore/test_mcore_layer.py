@@ -12,7 +12,7 @@ import torch
 
 from elastic_moe_plugin import ElasticConfig, mcore
 from elastic_moe_plugin.mcore import LayerPlan, elastic_routing
-from elastic_moe_plugin.schedule import BudgetSchedule
+from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
 

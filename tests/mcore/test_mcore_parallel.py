@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from elastic_moe_plugin import ElasticConfig, mcore
 from elastic_moe_plugin.mcore import routing as routing_module
 from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError
-from elastic_moe_plugin.testing import megatron_cpu
+from elastic_moe_plugin.compat import megatron_cpu
 
 pytestmark = [pytest.mark.megatron]
 

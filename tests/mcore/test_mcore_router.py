@@ -17,7 +17,7 @@ from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin import ElasticConfig, mcore
-from elastic_moe_plugin.config import ConfigError
+from elastic_moe_plugin.core.config import ConfigError
 from elastic_moe_plugin.mcore import (
     LayerPlan,
     RoutingRecord,
@@ -26,7 +26,7 @@ from elastic_moe_plugin.mcore import (
 )
 from elastic_moe_plugin.mcore import patch as patch_module
 from elastic_moe_plugin.mcore import routing as routing_module
-from elastic_moe_plugin.schedule import BudgetSchedule
+from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
 

@@ -3,7 +3,7 @@
 A 4-layer GPT (layers 1-2 elastic, schedule 1-3 around top-2) trains two steps with the aux loss
 on; then ``tracking.log_routing_metrics`` writes through Megatron's report path into a recording
 writer, and every value read back is checked against a hand computation from the routing records
-and κ histograms (no elastic_moe_plugin.metrics code in the reference). Runs on megatron-core
+and κ histograms (no elastic_moe_plugin.core.metrics code in the reference). Runs on megatron-core
 0.16.1 (``save_to_aux_losses_tracker`` / ``track_moe_metrics``) and 0.19.2 (``MoEMetricsTracker``).
 """
 

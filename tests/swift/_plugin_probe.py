@@ -5,7 +5,7 @@
 
 Each mode loads the plugin the way ms-swift does (``swift.utils.import_external_file``, i.e. under
 the hashed module name ``_swift_external_<sha256>``) from BOTH plugin paths, the checkout's
-``patches/elastic_moe.py`` and the package's ``elastic_moe_plugin/plugin/elastic_moe.py``, so the plugin
+``patches/elastic_moe.py`` (a link) and the package's ``elastic_moe_plugin/swift/plugin/elastic_moe.py``, so the plugin
 code runs twice in one process, and writes what it observed to RESULT.json.
 
 ``megatron`` mode mirrors Megatron-SWIFT's start-up order: ``megatron.core`` and
@@ -13,7 +13,7 @@ code runs twice in one process, and writes what it observed to RESULT.json.
 machine (``swift.megatron.utils`` imports mcore-bridge, which needs Transformer Engine), so the
 probe provides ``swift.megatron.callbacks`` from ms-swift's real ``callbacks/base.py`` plus a
 stand-in ``mapping`` module holding an empty ``megatron_callbacks_map``. It then builds a real
-2-layer Megatron MoE stack on CPU (``elastic_moe_plugin.testing.megatron_cpu``), runs one training
+2-layer Megatron MoE stack on CPU (``elastic_moe_plugin.compat.megatron_cpu``), runs one training
 forward and calls the registered callback's ``on_log`` the way ``BaseMegatronTrainer.on_log`` does.
 """
 
@@ -27,7 +27,7 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUGIN_PATHS = [ROOT / "patches" / "elastic_moe.py", ROOT / "elastic_moe_plugin" / "plugin" / "elastic_moe.py"]
+PLUGIN_PATHS = [ROOT / "patches" / "elastic_moe.py", ROOT / "elastic_moe_plugin" / "swift" / "plugin" / "elastic_moe.py"]
 MARKER = "__elastic_moe_patched__"
 
 
@@ -185,7 +185,7 @@ def _tiny_megatron_stack():
 
 def probe_megatron(result: dict) -> None:
     os.environ["ELASTIC_MOE_SCHEDULE"] = "1-3"
-    from elastic_moe_plugin.testing import megatron_cpu
+    from elastic_moe_plugin.compat import megatron_cpu
 
     megatron_cpu.disable_torch_compile()
     megatron_cpu.enable(force=True)  # megatron-core 0.19 imports a triton-only module

@@ -23,15 +23,17 @@ HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.u
 needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed")
 
 
-def test_plugin_files_are_identical():
-    """``patches/elastic_moe.py`` (checkout) and the packaged ``plugin/elastic_moe.py`` (plugin-path)."""
+def test_checkout_plugin_file_is_the_packaged_one():
+    """``patches/elastic_moe.py`` (checkout) is a link to the packaged ``swift/plugin/elastic_moe.py``
+    (what ``plugin-path`` prints): one file, identical by construction."""
     from elastic_moe_plugin.swift import plugin_path
 
     packaged = plugin_path()
-    assert packaged == ROOT / "elastic_moe_plugin" / "plugin" / "elastic_moe.py"
+    assert packaged == ROOT / "elastic_moe_plugin" / "swift" / "plugin" / "elastic_moe.py"
     # alone in its directory: ms-swift puts that directory first on sys.path
     assert sorted(p.name for p in packaged.parent.iterdir() if p.suffix == ".py") == ["elastic_moe.py"]
-    assert (ROOT / "patches" / "elastic_moe.py").read_bytes() == packaged.read_bytes()
+    checkout = ROOT / "patches" / "elastic_moe.py"
+    assert checkout.is_symlink() and checkout.resolve() == packaged.resolve()
 
 
 def _probe(swift_runs, name: str) -> dict:

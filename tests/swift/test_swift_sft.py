@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastic_moe_plugin.config import ElasticConfig
+from elastic_moe_plugin.core.config import ElasticConfig
 
 pytestmark = [pytest.mark.swift, pytest.mark.slow]
 

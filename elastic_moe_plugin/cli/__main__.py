@@ -1,0 +1,5 @@
+import sys
+
+from elastic_moe_plugin.cli import main
+
+sys.exit(main())

@@ -1,0 +1,16 @@
+"""``elastic-moe demo``: static vs elastic Megatron MoE GPT on CPU."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+_TOOL = "elastic_moe_plugin.tools.demo"
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    importlib.import_module(_TOOL).configure_parser(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    return importlib.import_module(_TOOL).run(args)

@@ -1,0 +1,11 @@
+"""The framework-free core: torch (and PyYAML for config files) only, nothing else of the package.
+
+- :mod:`~elastic_moe_plugin.core.schedule`: ``BudgetSchedule``, the distribution of κ (paper §3.1-3.3).
+- :mod:`~elastic_moe_plugin.core.config`: ``ElasticConfig``, the one validated source of settings.
+- :mod:`~elastic_moe_plugin.core.gates`: the gate-weighing rules (seed 000; ``docs/gates.md``).
+- :mod:`~elastic_moe_plugin.core.plan`: ``LayerPlan``, how one router routes in training.
+- :mod:`~elastic_moe_plugin.core.records`: routing records and κ histograms kept on routers.
+- :mod:`~elastic_moe_plugin.core.metrics`: logged scalars computed from those records.
+- :mod:`~elastic_moe_plugin.core.patching`: the one patch lifecycle the adapters share.
+- :mod:`~elastic_moe_plugin.core.errors`: the exception types.
+"""

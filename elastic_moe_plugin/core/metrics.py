@@ -1,0 +1,127 @@
+"""Live routing metrics from routing records: framework-free, computed only when a logger asks.
+
+Both adapters keep, per elastic layer, the latest training forward's :class:`RoutingRecord`
+(``budgets`` κ [T], ``expert_ids`` [T, b] with −1 beyond κ, ``retained_weight_sums`` [T]) and a
+running κ histogram [b+1] since the last reset. :func:`routing_metrics` turns them into flat
+scalars named ``elastic_moe/layer_{i}/{name}`` (plus ``elastic_moe/{name}`` averages over layers)
+for Megatron's tracker, TensorBoard, W&B or swift's log. Nothing here runs unless a logging hook
+calls it, so training without logging pays nothing.
+
+Per layer:
+    mean_kappa, kappa_frac_{r}          the κ histogram since the last reset, normalised
+    exposure_rank_{r}, survival_rank_{r}  observed P(κ ≥ r) against the schedule's a(r)
+    retained_weight_sum_mean / _min     Σ kept gate weights per token (1 for renormalised gates)
+    tokens_per_expert_max_over_mean     load imbalance of the latest step (1 = perfectly even)
+    tokens_per_expert_cv                coefficient of variation of the per-expert counts
+    topk_set_changed_frac               share of tokens whose top-κ set differs from their static
+                                        top-k set; top-κ is a prefix of the router ranking, so this
+                                        is exactly the share with κ ≠ k
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from elastic_moe_plugin.core.schedule import BudgetSchedule
+
+PREFIX = "elastic_moe"
+
+
+@dataclass(frozen=True)
+class RoutingRecord:
+    """What one elastic router did in its latest training forward (detached; seed 000's record).
+
+    Attributes:
+        budgets: LongTensor [T], the realised κ per token.
+        expert_ids: LongTensor [T, b], selected experts sorted by router rank, −1 beyond κ_t.
+        retained_weight_sums: Tensor [T], Σ of the kept gate weights before any scaling factor
+            (1 for ``renormalized``; < 1 for ``full_softmax``).
+    """
+
+    budgets: torch.Tensor
+    expert_ids: torch.Tensor
+    retained_weight_sums: torch.Tensor
+
+
+def expert_counts(record: RoutingRecord, num_experts: int) -> torch.Tensor:
+    """Tokens per expert [E] in ``record`` (−1 slots ignored; no host sync)."""
+    ids = record.expert_ids
+    used = ids >= 0
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, torch.where(used, ids, num_experts).reshape(-1), torch.ones_like(ids).reshape(-1))
+    return counts[:num_experts]
+
+
+def observed_survival(histogram: torch.Tensor) -> torch.Tensor:
+    """P(κ ≥ r) for r = 0..b from a κ histogram [b+1] indexed by budget: float64 [b+1], the
+    observed counterpart of the schedule's a(r) (paper Eq. 7); NaN when the histogram is empty."""
+    counts = histogram.double()
+    return torch.flip(torch.cumsum(torch.flip(counts, [0]), 0), [0]) / counts.sum()
+
+
+def max_over_mean(per_expert: torch.Tensor) -> float:
+    """Load imbalance max_e c_e / mean_e c_e of per-expert counts [E] (1 = perfectly even; 0 for
+    no tokens at all). Synchronises once."""
+    counts = per_expert.double()
+    mean = counts.mean()
+    return float(counts.max() / mean) if mean > 0 else 0.0
+
+
+def layer_metrics(
+    record: RoutingRecord | None,
+    histogram: torch.Tensor | None,
+    schedule: BudgetSchedule,
+    num_experts: int,
+) -> dict[str, float]:
+    """Scalars for one layer (see the module docstring). Synchronises once, by design: call it
+    only at logging steps."""
+    metrics: dict[str, float] = {}
+    if histogram is not None and int(histogram.sum()) > 0:
+        counts = histogram.double()
+        total = counts.sum()
+        budgets = torch.arange(counts.numel(), dtype=torch.float64, device=counts.device)
+        metrics["mean_kappa"] = float((counts * budgets).sum() / total)
+        fractions = (counts / total).tolist()
+        survival = observed_survival(counts)
+        for budget in schedule.budgets:
+            metrics[f"kappa_frac_{budget}"] = fractions[budget] if budget < len(fractions) else 0.0
+        for rank in range(1, schedule.high + 1):
+            metrics[f"exposure_rank_{rank}"] = float(survival[rank]) if rank < survival.numel() else 0.0
+            metrics[f"survival_rank_{rank}"] = schedule.survival(rank)
+    if record is not None and record.budgets.numel() > 0:
+        sums = record.retained_weight_sums.double()
+        metrics["retained_weight_sum_mean"] = float(sums.mean())
+        metrics["retained_weight_sum_min"] = float(sums.min())
+        per_expert = expert_counts(record, num_experts).double()
+        mean = per_expert.mean()
+        metrics["tokens_per_expert_max_over_mean"] = max_over_mean(per_expert)
+        metrics["tokens_per_expert_cv"] = float(per_expert.std(unbiased=False) / mean) if mean > 0 else 0.0
+        metrics["topk_set_changed_frac"] = float((record.budgets != schedule.center).double().mean())
+        if "mean_kappa" not in metrics:
+            metrics["mean_kappa"] = float(record.budgets.double().mean())
+    return metrics
+
+
+def routing_metrics(
+    records: Mapping[int, RoutingRecord],
+    histograms: Mapping[int, torch.Tensor],
+    schedule: BudgetSchedule,
+    num_experts: int,
+) -> dict[str, float]:
+    """``{"elastic_moe/layer_{i}/{name}": value, "elastic_moe/{name}": mean over layers}``."""
+    flat: dict[str, float] = {}
+    per_name: dict[str, list[float]] = {}
+    for layer in sorted(set(records) | set(histograms)):
+        values = layer_metrics(records.get(layer), histograms.get(layer), schedule, num_experts)
+        for name, value in values.items():
+            flat[f"{PREFIX}/layer_{layer}/{name}"] = value
+            per_name.setdefault(name, []).append(value)
+    for name in ("mean_kappa", "retained_weight_sum_mean", "tokens_per_expert_max_over_mean", "topk_set_changed_frac"):
+        if per_name.get(name):
+            flat[f"{PREFIX}/{name}"] = sum(per_name[name]) / len(per_name[name])
+    if per_name.get("retained_weight_sum_min"):
+        flat[f"{PREFIX}/retained_weight_sum_min"] = min(per_name["retained_weight_sum_min"])
+    return flat

@@ -1,0 +1,285 @@
+"""Check rendered recipe commands with the frameworks' own argument parsers, building no model.
+
+::
+
+    python -m elastic_moe_plugin.tools.recipes.argcheck [RECIPE ...] [--json]     # default: every recipe
+    elastic-moe recipes --check-args
+
+Each recipe is rendered for its own 2 x 8 cluster (exactly what ``elastic-moe launch --dry-run``
+prints) and the framework flags are checked as follows.
+
+ms-swift 4.6 (``swift sft`` -> ``SftArguments``, ``megatron sft`` -> ``MegatronSftArguments``):
+the parser ms-swift itself builds (``HfArgumentParser([cls])`` under swift's
+``_patch_get_type_hints``, as ``swift.utils.parse_args`` does), run as ``parse_known_args`` - the
+first half of ``parse_args_into_dataclasses``. Checked: every flag exists, every value converts to
+the field's type (ints, floats, bools via ``string_to_bool``, ``Literal`` choices, list fields), and
+nothing is left over (swift raises on leftovers). Then: JSON-valued flags parse to dicts,
+``megatron_extra_kwargs`` keys are ``TransformerConfig`` fields, and, for ``swift sft``,
+``SftArguments._check_padding_free`` (packing needs flash attention) runs on the parsed values.
+Not checked: the rest of ``__post_init__`` (it resolves and downloads the model, reads its HF
+config, initialises torch.distributed and Megatron), so model/template/dataset existence, the
+hub, DeepSpeed config loading and Megatron's cross-field rules are only exercised by a real run.
+``swift.megatron`` needs ``mcore_bridge`` (GPU-only: it imports Transformer Engine) at import
+time; on a machine without it an import stub that raises if anything is *called* stands in, and
+only the dataclass definitions are used.
+
+Megatron-LM (``pretrain_gpt.py``; Megatron-LM itself is not on PyPI): the real parser of the
+``megatron/training/arguments.py`` that ships in the megatron-core wheel
+(``add_megatron_arguments``), run strictly (``parse_args``: unknown flags and bad values fail),
+then Megatron's own ``validate_args`` with ``world_size`` = the recipe's 16 ranks, which checks the
+parallel layout, batch arithmetic and MoE option rules. Python 3.11 needs a
+``typing.override`` shim for that module, and ``validate_args`` asks
+``torch.cuda.get_device_capability`` for grouped GEMM: it is answered (9, 0) (Hopper). Finally the
+padded vocabulary Megatron will build from a 151,669-token Qwen3 tokenizer is checked to equal
+``model.vocab_size``. Not checked: ``pretrain_gpt.py``'s own extra arguments (none in core_r0.19
+without ModelOpt) and anything after argument validation (tokenizer download, data paths).
+
+On a machine without triton, megatron-core 0.19's unconditional triton import is answered by
+``elastic_moe_plugin.compat.megatron_cpu``'s stand-in module. Every shim used is listed in the
+result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import sys
+import traceback
+import types
+from typing import Any, Iterable
+
+from elastic_moe_plugin.tools.recipes.render import framework_args, render, resolve_topology
+from elastic_moe_plugin.tools.recipes.load import Recipe, list_recipe_files, load_recipe
+
+#: len() of the Qwen3 tokenizer (151,643 BPE tokens + 26 special tokens) [external].
+QWEN3_TOKENIZER_LENGTH = 151669
+
+
+class _ParseError(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------ shims
+class _Stub:
+    """Stands in for any mcore_bridge object at import time; raises if called."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self._name} is an import stub (mcore_bridge is not installed); it cannot run")
+
+    def __getattr__(self, name: str) -> "_Stub":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Stub(f"{self._name}.{name}")
+
+    def __mro_entries__(self, bases: tuple) -> tuple:
+        return (object,)
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Stub(f"{self.__name__}.{name}")
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, package: str) -> None:
+        self.package = package
+
+    def find_spec(self, name, path, target=None):  # noqa: D401 - importlib protocol
+        if name == self.package or name.startswith(self.package + "."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _StubModule(spec.name)
+
+    def exec_module(self, module) -> None:
+        module.__path__ = []
+
+
+def _available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def install_import_shims() -> list[str]:
+    """Make ms-swift's Megatron arguments and Megatron-LM's argument module importable here."""
+    used = []
+    if not _available("triton"):
+        from elastic_moe_plugin.compat import megatron_cpu
+
+        megatron_cpu.disable_torch_compile()
+        megatron_cpu.enable(force=True)
+        used.append("megatron_cpu (stand-in for megatron-core's triton-only paged_stash module)")
+    if not _available("mcore_bridge"):
+        sys.meta_path.insert(0, _StubFinder("mcore_bridge"))
+        used.append("mcore_bridge import stub (raises if called; only dataclass definitions are used)")
+    import typing
+
+    if not hasattr(typing, "override"):
+        typing.override = lambda function: function  # type: ignore[attr-defined]
+        used.append("typing.override (Python 3.12) for megatron/training on 3.11")
+    return used
+
+
+def _strict(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def error(message: str) -> None:
+        raise _ParseError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
+# ------------------------------------------------------------------------------------ ms-swift
+class SwiftChecker:
+    def __init__(self) -> None:
+        from transformers import HfArgumentParser
+
+        try:
+            from swift.utils.utils import _patch_get_type_hints
+        except ImportError:  # pragma: no cover - older/newer swift
+            _patch_get_type_hints = contextlib.nullcontext
+        from swift.arguments import SftArguments
+
+        self.classes = {"swift_sft": SftArguments}
+        with contextlib.redirect_stdout(sys.stderr):
+            from swift.megatron.arguments import MegatronSftArguments
+        self.classes["megatron_sft"] = MegatronSftArguments
+        self.parsers = {}
+        for launcher, cls in self.classes.items():
+            with _patch_get_type_hints():
+                self.parsers[launcher] = _strict(HfArgumentParser([cls]))
+
+    def check(self, recipe: Recipe, argv: list[str]) -> list[str]:
+        checked = [f"{self.classes[recipe.launcher].__name__} parser (ms-swift)"]
+        namespace, remaining = self.parsers[recipe.launcher].parse_known_args(argv)
+        if remaining:
+            raise _ParseError(f"{self.classes[recipe.launcher].__name__} does not accept: {remaining}")
+        from swift.utils import json_parse_to_dict
+
+        for key in ("megatron_extra_kwargs", "model_kwargs"):
+            value = getattr(namespace, key, None)
+            if value is not None:
+                parsed = json_parse_to_dict(value)
+                if not isinstance(parsed, dict):
+                    raise _ParseError(f"--{key} {value!r} is not a JSON object")
+                if key == "megatron_extra_kwargs":
+                    from megatron.core.transformer.transformer_config import TransformerConfig
+
+                    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+                    unknown = sorted(set(parsed) - fields)
+                    if unknown:
+                        raise _ParseError(f"megatron_extra_kwargs keys {unknown} are not TransformerConfig fields")
+                    checked.append("megatron_extra_kwargs keys are TransformerConfig fields")
+        if recipe.launcher == "swift_sft":
+            probe = types.SimpleNamespace(**vars(namespace))
+            try:
+                self.classes["swift_sft"]._check_padding_free(probe)
+            except ValueError as error:
+                raise _ParseError(f"SftArguments._check_padding_free: {error}") from None
+            checked.append("SftArguments._check_padding_free")
+        return checked
+
+
+# ------------------------------------------------------------------------------------ Megatron-LM
+class MegatronLMChecker:
+    def __init__(self) -> None:
+        import torch
+
+        torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)  # only validate_args asks
+        with contextlib.redirect_stdout(sys.stderr):
+            import megatron.training.arguments as arguments
+            from megatron.training.vocab_utils import calculate_padded_vocab_size
+        self.arguments = arguments
+        self.padded = calculate_padded_vocab_size
+
+    def check(self, recipe: Recipe, argv: list[str], world_size: int) -> list[str]:
+        parser = _strict(self.arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+        namespace = parser.parse_args(argv)
+        namespace.world_size, namespace.rank = world_size, 0
+        with contextlib.redirect_stdout(sys.stderr):
+            try:
+                self.arguments.validate_args(namespace, {})
+            except (AssertionError, ValueError) as error:
+                frame = traceback.extract_tb(error.__traceback__)[-1]
+                where = f"{frame.filename.rsplit('/megatron/', 1)[-1]}:{frame.lineno}: {frame.line}"
+                raise _ParseError(f"megatron validate_args: {str(error) or 'assertion failed'} ({where})") from None
+        padded = self.padded(QWEN3_TOKENIZER_LENGTH, namespace.make_vocab_size_divisible_by,
+                             namespace.tensor_model_parallel_size, logging_enabled=False)
+        if padded != recipe.model.vocab_size:
+            raise _ParseError(f"Megatron pads a {QWEN3_TOKENIZER_LENGTH}-token vocabulary to {padded}, "
+                              f"not model.vocab_size={recipe.model.vocab_size}")
+        return [
+            "megatron/training/arguments.py parser (megatron-core wheel), strict",
+            f"validate_args with world_size={world_size}",
+            f"padded vocab {QWEN3_TOKENIZER_LENGTH} -> {padded}",
+        ]
+
+
+# ------------------------------------------------------------------------------------ driver
+def check_recipes(paths: Iterable[str]) -> dict[str, Any]:
+    shims = install_import_shims()
+    results: dict[str, Any] = {"shims": shims, "recipes": {}}
+    checkers: dict[str, Any] = {}
+    for path in paths:
+        recipe = load_recipe(path)
+        topology = resolve_topology(recipe, environ={})
+        command = render(recipe, topology)
+        argv = framework_args(command)
+        entry: dict[str, Any] = {"launcher": recipe.launcher, "argv": argv, "ok": False}
+        kind = "swift" if recipe.launcher in ("swift_sft", "megatron_sft") else "mlm"
+        if kind not in checkers:
+            try:
+                checkers[kind] = SwiftChecker() if kind == "swift" else MegatronLMChecker()
+            except ImportError as error:
+                checkers[kind] = error
+        checker = checkers[kind]
+        try:
+            if isinstance(checker, ImportError):
+                entry["skipped"] = f"{'ms-swift' if kind == 'swift' else 'megatron/training'} is not importable: {checker}"
+            elif kind == "swift":
+                entry["checked"] = checker.check(recipe, argv)
+                entry["ok"] = True
+            else:
+                entry["checked"] = checker.check(recipe, argv, topology.world_size)
+                entry["ok"] = True
+        except _ParseError as error:
+            entry["error"] = str(error)
+        results["recipes"][f"{recipe.setting}/{recipe.name}"] = entry
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m elastic_moe_plugin.tools.recipes.argcheck", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipes", nargs="*", help="recipe files (default: every recipe under configs/)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    paths = args.recipes or [str(path) for _, path in list_recipe_files()]
+    with contextlib.redirect_stdout(sys.stderr):
+        results = check_recipes(paths)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        for shim in results["shims"]:
+            print(f"shim: {shim}")
+        for name, entry in results["recipes"].items():
+            status = "ok  " if entry["ok"] else "SKIP" if "skipped" in entry else "FAIL"
+            detail = "; ".join(entry["checked"]) if entry["ok"] else entry.get("skipped") or entry["error"]
+            print(f"{status} {name}: {detail}")
+    return 0 if all(e["ok"] or "skipped" in e for e in results["recipes"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

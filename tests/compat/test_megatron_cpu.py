@@ -1,0 +1,507 @@
+"""The opt-in CPU layer runs the real megatron-core MoE code; results are checked by hand.
+
+Every reference below is written out from the definitions (softmax over the top-k logits, a
+dense sum over experts, the Switch aux loss) with the weights the layer holds; no Megatron code.
+The two-process test spawns workers that import this module by name (pytest's default
+``prepend`` import mode).
+"""
+
+import logging
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elastic_moe_plugin.compat import megatron_cpu
+
+pytestmark = pytest.mark.megatron
+
+megatron_cpu.disable_torch_compile()
+with megatron_cpu.enabled():
+    pytest.importorskip("megatron.core")
+
+HIDDEN, FFN, EXPERTS, TOPK = 16, 32, 8, 2
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32 throughout
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cpu_layer():
+    with megatron_cpu.enabled():
+        yield
+
+
+@pytest.fixture
+def single_process():
+    megatron_cpu.initialize_model_parallel(seed=1234)
+    try:
+        yield
+    finally:
+        _clear_moe_tracker()
+        megatron_cpu.destroy()
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers shared by the single- and multi-process tests
+# ------------------------------------------------------------------------------------------------
+
+
+def _clear_moe_tracker():
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:  # 0.16
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()
+    else:
+        get_moe_metrics_tracker().clear()
+
+
+def _config(dispatcher="alltoall", tp=1, ep=1, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = {
+        "num_layers": 1,
+        "hidden_size": HIDDEN,
+        "ffn_hidden_size": FFN,
+        "moe_ffn_hidden_size": FFN,
+        "num_attention_heads": 2,
+        "num_moe_experts": EXPERTS,
+        "moe_router_topk": TOPK,
+        "moe_token_dispatcher_type": dispatcher,
+        "moe_grouped_gemm": False,
+        "use_cpu_initialization": True,
+        # With EP=TP=1 the expert RowParallelLinear returns its input as-is and MLP's expert bias
+        # add modifies it in place: an autograd error on any device. References stay bias-free.
+        "add_bias_linear": False,
+        "activation_func": F.gelu,
+        "gated_linear_unit": False,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "tensor_model_parallel_size": tp,
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": tp,
+        "sequence_parallel": tp > 1,
+    }
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _moe_submodules():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    mlp = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False).submodules.mlp
+    # 0.16: a ModuleSpec; 0.19: a functools.partial carrying the same MoESubmodules.
+    return mlp.submodules if hasattr(mlp, "submodules") else mlp.keywords["submodules"]
+
+
+def _moe_layer(config):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    layer = MoELayer(config=config, submodules=_moe_submodules())
+    layer.set_layer_number(1)
+    assert isinstance(layer.experts, SequentialMLP)
+    return layer
+
+
+def _seeded(shape, seed, scale=0.3):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _full_weights():
+    """Deterministic weights for all experts: router [E, H], fc1 [E, F, H], fc2 [E, H, F]."""
+    router = _seeded((EXPERTS, HIDDEN), 1, scale=1.0)
+    fc1 = torch.stack([_seeded((FFN, HIDDEN), 100 + e) for e in range(EXPERTS)])
+    fc2 = torch.stack([_seeded((HIDDEN, FFN), 200 + e) for e in range(EXPERTS)])
+    return router, fc1, fc2
+
+
+def _load_weights(layer, router, fc1, fc2, tp_rank=0, tp=1):
+    """Copy the full weights into the layer: fc1 is split by rows, fc2 by columns across TP."""
+    shard = FFN // tp
+    cols = slice(tp_rank * shard, (tp_rank + 1) * shard)
+    with torch.no_grad():
+        layer.router.weight.copy_(router)
+        for e, expert in zip(layer.local_expert_indices, layer.experts.local_experts):
+            expert.linear_fc1.weight.copy_(fc1[e][cols])
+            expert.linear_fc2.weight.copy_(fc2[e][:, cols])
+
+
+def _dense_reference(x2d, router, fc1, fc2):
+    """Σ_e p_te · fc2_e(gelu(fc1_e x_t)), p = softmax over the top-k logits (Megatron default)."""
+    logits = x2d @ router.t()
+    chosen = torch.zeros_like(logits, dtype=torch.bool)
+    chosen.scatter_(1, logits.topk(TOPK, dim=-1).indices, True)
+    probs = torch.softmax(logits.masked_fill(~chosen, float("-inf")), dim=-1)
+    out = torch.zeros_like(x2d)
+    for e in range(EXPERTS):
+        out = out + probs[:, e : e + 1] * (F.gelu(x2d @ fc1[e].t()) @ fc2[e].t())
+    return out, probs, chosen
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _run_layer(layer, x, upstream):
+    """Forward + backward through the real layer; returns the output and the input gradient."""
+    x = _leaf(x)
+    out, bias = layer(x)
+    assert bias is None
+    out.backward(upstream)
+    return out.detach(), x.grad
+
+
+# ------------------------------------------------------------------------------------------------
+# the compatibility layer itself
+# ------------------------------------------------------------------------------------------------
+
+
+def _attribute_snapshot():
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    owners = [torch.cuda, torch.cuda.random, torch.distributed, mrandom, moe_utils]
+    snapshot = {o.__name__: {k: id(v) for k, v in vars(o).items()} for o in owners}
+    snapshot["sys.modules"] = megatron_cpu.PAGED_STASH_MODULE in sys.modules
+    snapshot["meta_path"] = [id(f) for f in sys.meta_path]
+    snapshot["filters"] = [id(f) for f in logging.getLogger(mrandom.__name__).filters]
+    return snapshot
+
+
+def test_disable_restores_every_attribute_by_identity():
+    megatron_cpu.disable()
+    try:
+        import megatron.core.tensor_parallel.random as mrandom
+
+        before = _attribute_snapshot()
+        originals = (torch.cuda.current_device, torch.cuda.Stream, mrandom._lazy_call)
+        megatron_cpu.enable()
+        megatron_cpu.enable()  # idempotent
+        assert megatron_cpu.is_enabled()
+        assert torch.cuda.current_device() == torch.device("cpu")
+        assert torch.cuda.Stream is not originals[1]
+        assert mrandom._lazy_call is not originals[2]
+        assert _attribute_snapshot() != before
+        megatron_cpu.disable()
+        megatron_cpu.disable()  # idempotent
+        assert not megatron_cpu.is_enabled()
+        assert _attribute_snapshot() == before
+        restored = (torch.cuda.current_device, torch.cuda.Stream, mrandom._lazy_call)
+        assert all(now is then for now, then in zip(restored, originals))
+    finally:
+        megatron_cpu.enable()
+
+
+def test_refuses_when_cuda_is_available_unless_forced(monkeypatch):
+    megatron_cpu.disable()
+    try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        with pytest.raises(megatron_cpu.MegatronCPUError, match="force=True"):
+            megatron_cpu.enable()
+        assert not megatron_cpu.is_enabled()
+        with megatron_cpu.enabled(force=True):
+            assert megatron_cpu.is_enabled()
+        assert not megatron_cpu.is_enabled()
+    finally:
+        monkeypatch.undo()
+        megatron_cpu.enable()
+
+
+def test_enable_before_import_fixes_megatron_modules_as_they_load():
+    # A fresh interpreter: here megatron is imported after enable(), through the import hook.
+    code = textwrap.dedent(
+        """
+        import torch
+        from elastic_moe_plugin.compat import megatron_cpu
+        megatron_cpu.enable()
+        import megatron.core.tensor_parallel.random as mrandom
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+        assert mrandom._lazy_call is not torch.cuda._lazy_call
+        assert moe_utils.te_general_gemm is None  # 0.16.1 without TE lacks the name
+        megatron_cpu.disable()
+        assert mrandom._lazy_call is torch.cuda._lazy_call
+        print("hook ok")
+        """
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0 and "hook ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_paged_stash_stand_in_raises_clearly():
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None:
+        pytest.skip("triton is installed, so the real module is used")
+    stand_in = sys.modules[megatron_cpu.PAGED_STASH_MODULE]
+    assert stand_in.GLOBAL_BLOCK_SIZE > 0
+    with pytest.raises(megatron_cpu.MegatronCPUError, match="moe_paged_stash=False"):
+        stand_in.paged_stash_copy_kernel[(1,)](None)
+
+
+def test_initialize_requires_the_layer():
+    megatron_cpu.disable()
+    try:
+        with pytest.raises(megatron_cpu.MegatronCPUError, match="enable"):
+            megatron_cpu.initialize_model_parallel()
+    finally:
+        megatron_cpu.enable()
+
+
+def test_rng_tracker_forks_on_the_cpu_generator(single_process):
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    # model_parallel_cuda_manual_seed(1234): default stream seeded 1234, TP stream 1234 + 2718.
+    default = torch.Generator().manual_seed(1234)
+    model_parallel = torch.Generator().manual_seed(1234 + 2718)
+    with tracker.fork():
+        a = torch.rand(5)
+    b = torch.rand(5)
+    with tracker.fork():
+        c = torch.rand(5)
+    torch.testing.assert_close(a, torch.rand(5, generator=model_parallel), rtol=0, atol=0)
+    torch.testing.assert_close(b, torch.rand(5, generator=default), rtol=0, atol=0)
+    torch.testing.assert_close(c, torch.rand(5, generator=model_parallel), rtol=0, atol=0)
+
+
+def test_activation_recompute_replays_forked_dropout(single_process):
+    from megatron.core import tensor_parallel
+
+    def block(x):
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return F.dropout(x, p=0.5, training=True) * x
+
+    x = _leaf(_seeded((64,), 7, scale=1.0) + 2.0)
+    y = tensor_parallel.checkpoint(block, False, x)
+    y.sum().backward()
+    # d/dx [m·x/(1-p) · x] = 2·m·x/(1-p) = 2·y/x: holds only if recompute drew the same mask.
+    assert 0 < int((y != 0).sum()) < 64
+    torch.testing.assert_close(x.grad, 2 * y.detach() / x.detach(), **TOL)
+
+
+# ------------------------------------------------------------------------------------------------
+# real Megatron MoE modules on CPU
+# ------------------------------------------------------------------------------------------------
+
+
+def test_topk_router_matches_softmax_topk_reference(single_process):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    router = TopKRouter(_config(), pg_collection=get_default_pg_collection())
+    router.set_layer_number(1)
+    x = _seeded((6, 3, HIDDEN), 3, scale=1.0)
+    probs, routing_map = router(x)
+
+    assert routing_map.dtype == torch.bool and routing_map.shape == (18, EXPERTS)
+    assert routing_map.sum(dim=1).tolist() == [TOPK] * 18
+    logits = x.reshape(-1, HIDDEN) @ router.weight.detach().t()
+    ref_map = torch.zeros_like(routing_map).scatter(1, logits.topk(TOPK, dim=1).indices, True)
+    ref_probs = torch.softmax(logits.masked_fill(~ref_map, float("-inf")), dim=1)
+    assert torch.equal(routing_map, ref_map)
+    torch.testing.assert_close(probs, ref_probs, rtol=0, atol=1e-6)
+
+
+def test_topk_router_aux_loss_gradient_matches_switch_formula(single_process):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    coeff = 0.1
+    config = _config(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=coeff)
+    router = TopKRouter(config, pg_collection=get_default_pg_collection())
+    router.set_layer_number(1)
+    x = _seeded((8, 2, HIDDEN), 4, scale=1.0)
+    upstream = _seeded((16, EXPERTS), 5, scale=1.0)
+    probs, _ = router(x)
+    (probs * upstream).sum().backward()
+
+    weight = _leaf(router.weight)
+    logits = x.reshape(-1, HIDDEN) @ weight.t()
+    chosen = torch.zeros_like(logits, dtype=torch.bool)
+    chosen.scatter_(1, logits.topk(TOPK, dim=1).indices, True)
+    sparse = torch.softmax(logits.masked_fill(~chosen, float("-inf")), dim=1)
+    # Switch loss: E · Σ_i f_i P_i, f_i = c_i / (T·k) from a static top-k, P_i = mean_t p_ti.
+    scores = torch.softmax(logits, dim=1)
+    tokens = logits.shape[0]
+    f = chosen.sum(0).float() / (tokens * TOPK)
+    aux = coeff * EXPERTS * (f * scores.mean(0)).sum()
+    main = (sparse * upstream).sum()
+    (without_aux,) = torch.autograd.grad(main, weight, retain_graph=True)
+    (main + aux).backward()
+    torch.testing.assert_close(router.weight.grad, weight.grad, **TOL)
+    assert (router.weight.grad - without_aux).abs().max() > 1e-4, "aux loss had no effect"
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_moe_layer_matches_dense_reference(single_process, dispatcher):
+    layer = _moe_layer(_config(dispatcher))
+    router_w, fc1, fc2 = _full_weights()
+    _load_weights(layer, router_w, fc1, fc2)
+    x = _seeded((8, 2, HIDDEN), 11, scale=1.0)
+    upstream = _seeded((8, 2, HIDDEN), 12, scale=1.0)
+    out, x_grad = _run_layer(layer, x, upstream)
+
+    ref_x, ref_router, ref_fc1, ref_fc2 = map(_leaf, (x.reshape(-1, HIDDEN), router_w, fc1, fc2))
+    ref_out, _, chosen = _dense_reference(ref_x, ref_router, ref_fc1, ref_fc2)
+    ref_out.backward(upstream.reshape(-1, HIDDEN))
+
+    assert chosen.sum(0).min() > 0, "pick inputs that reach every expert"
+    torch.testing.assert_close(out.reshape(-1, HIDDEN), ref_out.detach(), **TOL)
+    torch.testing.assert_close(x_grad.reshape(-1, HIDDEN), ref_x.grad, **TOL)
+    torch.testing.assert_close(layer.router.weight.grad, ref_router.grad, **TOL)
+    for e, expert in enumerate(layer.experts.local_experts):
+        torch.testing.assert_close(expert.linear_fc1.weight.grad, ref_fc1.grad[e], **TOL)
+        torch.testing.assert_close(expert.linear_fc2.weight.grad, ref_fc2.grad[e], **TOL)
+
+
+def test_tiny_gpt_model_trains_on_cpu(single_process):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = _config(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        moe_ffn_hidden_size=64,
+        num_attention_heads=4,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=8
+    )
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.router")]
+    assert len(routers) == 2
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(8).expand(2, 8)
+    # Megatron builds the default causal mask with device="cuda"; pass it explicitly.
+    causal = torch.triu(torch.ones(8, 8, dtype=torch.bool), diagonal=1)[None, None]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(4):
+        optimizer.zero_grad()
+        loss = model(ids, positions, causal, labels=ids)
+        assert loss.shape == (2, 8)
+        loss.mean().backward()
+        losses.append(loss.mean().item())
+        for router in routers:
+            assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+        optimizer.step()
+    assert math.isfinite(losses[0]) and abs(losses[0] - math.log(64)) < 0.5
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+# ------------------------------------------------------------------------------------------------
+# two processes over gloo
+# ------------------------------------------------------------------------------------------------
+
+WORLD, BATCH = 2, 2
+_MP_SCENARIOS = {
+    # name: (dispatcher, tp, ep, local sequence length per rank). The alltoall dispatcher takes
+    # unequal token counts per rank; with tp=2 they make the TP all_gather/reduce_scatter
+    # unequal, which gloo's all_gather rejects (this is what megatron_cpu pads).
+    "ep2_alltoall": ("alltoall", 1, 2, (4, 3)),
+    "ep2_allgather": ("allgather", 1, 2, (4, 4)),
+    "tp2_alltoall": ("alltoall", 2, 1, (4, 3)),
+}
+
+
+def _rank_inputs(rank, seq_lens):
+    shape = (seq_lens[rank], BATCH, HIDDEN)
+    return _seeded(shape, 300 + rank, scale=1.0), _seeded(shape, 400 + rank, scale=1.0)
+
+
+def _mp_worker(rank, tmpdir):
+    torch.set_num_threads(1)
+    megatron_cpu.enable()
+    from megatron.core import parallel_state
+
+    results = {}
+    for name, (dispatcher, tp, ep, seq_lens) in _MP_SCENARIOS.items():
+        megatron_cpu.initialize_model_parallel(
+            tp=tp,
+            ep=ep,
+            etp=tp,
+            init_method=f"file://{tmpdir}/store_{name}",
+            rank=rank,
+            world_size=WORLD,
+        )
+        try:
+            layer = _moe_layer(_config(dispatcher, tp=tp, ep=ep))
+            tp_rank = parallel_state.get_expert_tensor_parallel_rank()
+            router_w, fc1, fc2 = _full_weights()
+            _load_weights(layer, router_w, fc1, fc2, tp_rank=tp_rank, tp=tp)
+            x, upstream = _rank_inputs(rank, seq_lens)
+            out, x_grad = _run_layer(layer, x, upstream)
+
+            # Reference over every rank's tokens: experts see all of them, the router (replicated,
+            # grads reduced later by finalize_model_grads) and the input only their own.
+            inputs = [_rank_inputs(r, seq_lens) for r in range(WORLD)]
+            leaves = [_leaf(xr.reshape(-1, HIDDEN)) for xr, _ in inputs]
+            ref_router, ref_fc1, ref_fc2 = map(_leaf, (router_w, fc1, fc2))
+            total = 0
+            for r, xr in enumerate(leaves):
+                ref_out, _, _ = _dense_reference(xr, ref_router, ref_fc1, ref_fc2)
+                total = total + (ref_out * inputs[r][1].reshape(-1, HIDDEN)).sum()
+                if r == rank:
+                    mine = ref_out.detach()
+            own_router_grad = torch.autograd.grad(
+                (
+                    _dense_reference(leaves[rank], ref_router, ref_fc1, ref_fc2)[0]
+                    * upstream.reshape(-1, HIDDEN)
+                ).sum(),
+                ref_router,
+            )[0]
+            total.backward()
+
+            torch.testing.assert_close(out.reshape(-1, HIDDEN), mine, **TOL)
+            torch.testing.assert_close(x_grad.reshape(-1, HIDDEN), leaves[rank].grad, **TOL)
+            torch.testing.assert_close(layer.router.weight.grad, own_router_grad, **TOL)
+            shard = FFN // tp
+            cols = slice(tp_rank * shard, (tp_rank + 1) * shard)
+            for e, expert in zip(layer.local_expert_indices, layer.experts.local_experts):
+                torch.testing.assert_close(
+                    expert.linear_fc1.weight.grad, ref_fc1.grad[e][cols], **TOL
+                )
+                torch.testing.assert_close(
+                    expert.linear_fc2.weight.grad, ref_fc2.grad[e][:, cols], **TOL
+                )
+            results[name] = out
+        finally:
+            megatron_cpu.destroy()
+    torch.save(results, os.path.join(tmpdir, f"out_{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_two_process_gloo_matches_single_process(single_process, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_mp_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+
+    outputs = [torch.load(tmp_path / f"out_{rank}.pt") for rank in range(WORLD)]
+    # The same tokens through one process (EP=TP=1) with the same weights.
+    layer = _moe_layer(_config("alltoall"))
+    _load_weights(layer, *_full_weights())
+    for name, (_, _, _, seq_lens) in _MP_SCENARIOS.items():
+        x = torch.cat([_rank_inputs(r, seq_lens)[0] for r in range(WORLD)], dim=0)
+        single = layer(x)[0].detach().split(list(seq_lens), dim=0)
+        for rank in range(WORLD):
+            torch.testing.assert_close(
+                outputs[rank][name], single[rank], **TOL, msg=f"{name} rank {rank}"
+            )

@@ -1,0 +1,182 @@
+"""ElasticConfig: one validated source of truth across Python, YAML, environment and CLI flags."""
+
+import argparse
+
+import pytest
+
+from elastic_moe_plugin import BudgetSchedule, ConfigError, ElasticConfig
+from elastic_moe_plugin.core.config import ENV_VARS, add_cli_arguments, config_from_cli, parse_layers
+
+
+def test_defaults_are_the_papers():
+    config = ElasticConfig()
+    assert (config.schedule, config.center, config.sigma, config.layers) == ("6-10", None, 1.5, None)
+    assert (config.gate, config.sampling, config.enabled) == ("auto", "iid", True)
+    assert config.budget_schedule(8) == BudgetSchedule(6, 10, 8, 1.5)
+    assert config.layer_is_elastic(0) and config.layer_is_elastic(47)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [("3-7", {3, 4, 5, 6, 7}), ("0,2,5-7", {0, 2, 5, 6, 7}), ("4", {4}), (" 1 - 2 , 9", {1, 2, 9}), ("0-0", {0})],
+)
+def test_parse_layers(spec, expected):
+    assert parse_layers(spec) == frozenset(expected)
+    config = ElasticConfig(layers=spec)
+    assert {i for i in range(12) if config.layer_is_elastic(i)} == expected
+
+
+@pytest.mark.parametrize("spec", ["", "3-", "-3", "a-b", "3..7", "1,,2", "7-3", "L3-L7"])
+def test_malformed_layers(spec):
+    with pytest.raises(ConfigError, match=r"layers="):
+        ElasticConfig(layers=spec)
+
+
+def test_disabled_config_routes_nothing_elastically():
+    assert not ElasticConfig(enabled=False).layer_is_elastic(0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"schedule": "0-4"}, r"low=0 is invalid"),
+        ({"schedule": "11-5"}, r"low=11 > high=5"),
+        ({"schedule": "1-4"}, r"mean 2.2729, not 2"),
+        ({"schedule": "x"}, r"schedule='x' does not parse"),
+        ({"schedule": ""}, r"schedule='' is invalid"),
+        ({"schedule": "6-10", "center": 5}, r"center=5 lies outside the support 6-10"),
+        ({"sigma": 0.0}, r"sigma=0.0 is invalid"),
+        ({"sigma": float("nan")}, r"sigma=nan is invalid"),
+        ({"center": 0}, r"center=0 is invalid"),
+        ({"gate": "softmax"}, r"gate='softmax' is not a gate convention.*full_softmax"),
+        ({"sampling": "stratified"}, r"sampling='stratified' is not a sampling mode.*balanced"),
+        ({"enabled": "yes"}, r"enabled='yes' is invalid"),
+        ({"mode": "nucleus"}, r"mode='nucleus' is not a router mode.*top_p"),
+        ({"mode": "top_p", "top_p": 0.0}, r"top_p=0.0 is invalid: expected a number in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p=1.5 is invalid"),
+        ({"top_p_max_experts": 0}, r"top_p_max_experts=0 is invalid"),
+    ],
+)
+def test_bad_values_raise_config_error(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ElasticConfig(**kwargs)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_resolve_against_a_model():
+    config = ElasticConfig(layers="3-7")
+    assert config.resolve(num_experts=64, topk=8, num_layers=16) == BudgetSchedule(6, 10, 8)
+    with pytest.raises(ConfigError, match=r"selects layer\(s\) \[6, 7\], but the model has 6 decoder layers"):
+        config.resolve(num_experts=64, topk=8, num_layers=6)
+    with pytest.raises(ConfigError, match=r"reaches budget 10, but the model has only 8 experts"):
+        ElasticConfig().resolve(num_experts=8, topk=8)
+    with pytest.raises(ConfigError, match=r"centred at 8, but the model routes to top-2"):
+        ElasticConfig(center=8).resolve(num_experts=64, topk=2)
+    with pytest.raises(ConfigError, match=r"point mass at 8, but center=2"):
+        ElasticConfig(schedule="8").resolve(num_experts=64, topk=2)
+
+
+def test_yaml_round_trip(tmp_path):
+    path = tmp_path / "elastic.yaml"
+    path.write_text("schedule: 5-11\nsigma: 3.0\nlayers: '3-7'\ngate: renormalized\nsampling: balanced\n")
+    config = ElasticConfig.from_yaml(path)
+    assert config == ElasticConfig(schedule="5-11", sigma=3.0, layers="3-7", gate="renormalized", sampling="balanced")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("elastic_moe:\n  schedule: 7-9\n")
+    assert ElasticConfig.from_yaml(nested).schedule == "7-9"
+
+
+def test_yaml_errors_name_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("schedul: 6-10\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key\(s\) 'schedul' \(did you mean 'schedule'\?\)"):
+        ElasticConfig.from_yaml(path)
+    path.write_text("schedule: 11-5\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: schedule='11-5' has low=11 > high=5"):
+        ElasticConfig.from_yaml(path)
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match=r"expected a mapping"):
+        ElasticConfig.from_yaml(path)
+    path.write_text("schedule: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML"):
+        ElasticConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        ElasticConfig.from_yaml(tmp_path / "missing.yaml")
+    # safe loading: no arbitrary Python objects
+    path.write_text("schedule: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML"):
+        ElasticConfig.from_yaml(path)
+
+
+def test_env_variables_cover_every_field():
+    assert set(ENV_VARS.values()) == {
+        "ELASTIC_MOE_SCHEDULE", "ELASTIC_MOE_CENTER", "ELASTIC_MOE_SIGMA", "ELASTIC_MOE_LAYERS",
+        "ELASTIC_MOE_GATE", "ELASTIC_MOE_SAMPLING", "ELASTIC_MOE_ENABLED", "ELASTIC_MOE_ALLOW_OFF_CENTER",
+        "ELASTIC_MOE_MODE", "ELASTIC_MOE_TOP_P", "ELASTIC_MOE_TOP_P_MAX_EXPERTS",
+    }
+
+
+def test_from_env():
+    environ = {
+        "ELASTIC_MOE_SCHEDULE": "7-9", "ELASTIC_MOE_CENTER": "8", "ELASTIC_MOE_SIGMA": "1.0",
+        "ELASTIC_MOE_LAYERS": "3-7", "ELASTIC_MOE_GATE": "full_softmax", "ELASTIC_MOE_SAMPLING": "balanced",
+        "ELASTIC_MOE_ENABLED": "false", "UNRELATED": "x",
+    }
+    assert ElasticConfig.from_env(environ) == ElasticConfig(
+        schedule="7-9", center=8, sigma=1.0, layers="3-7", gate="full_softmax", sampling="balanced", enabled=False
+    )
+    assert ElasticConfig.from_env({}) == ElasticConfig()
+    assert ElasticConfig.from_env({"ELASTIC_MOE_LAYERS": "all", "ELASTIC_MOE_CENTER": "auto"}) == ElasticConfig()
+
+
+def test_operational_variables_are_not_config_errors():
+    environ = {"ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE": "1", "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS": "1",
+               "ELASTIC_MOE_DEBUG": "1", "ELASTIC_MOE_SCHEDULE": "7-9"}
+    assert ElasticConfig.from_env(environ) == ElasticConfig(schedule="7-9")
+
+
+def test_top_p_from_env():
+    config = ElasticConfig.from_env({"ELASTIC_MOE_MODE": "top_p", "ELASTIC_MOE_TOP_P": "0.4", "ELASTIC_MOE_TOP_P_MAX_EXPERTS": "16"})
+    assert (config.mode, config.top_p, config.top_p_max_experts) == ("top_p", 0.4, 16)
+    with pytest.raises(ConfigError, match=r"ELASTIC_MOE_TOP_P_MAX_EXPERTS='many' is invalid"):
+        ElasticConfig.from_env({"ELASTIC_MOE_TOP_P_MAX_EXPERTS": "many"})
+
+
+def test_env_over_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("schedule: 5-11\nlayers: 3-7\n")
+    config = ElasticConfig.from_env({"ELASTIC_MOE_CONFIG": str(path), "ELASTIC_MOE_SCHEDULE": "7-9"})
+    assert (config.schedule, config.layers) == ("7-9", "3-7")
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"ELASTIC_MOE_SCHEDULE": "11-5"}, r"environment: schedule='11-5' has low=11 > high=5"),
+        ({"ELASTIC_MOE_SIGMA": "wide"}, r"ELASTIC_MOE_SIGMA='wide' is invalid"),
+        ({"ELASTIC_MOE_CENTER": "eight"}, r"ELASTIC_MOE_CENTER='eight' is invalid"),
+        ({"ELASTIC_MOE_ENABLED": "maybe"}, r"ELASTIC_MOE_ENABLED='maybe' is invalid"),
+        ({"ELASTIC_MOE_GATE": "topk"}, r"gate='topk' is not a gate convention"),
+        ({"ELASTIC_MOE_SAMPLIN": "iid"}, r"ELASTIC_MOE_SAMPLIN is not an elastic-moe setting \(did you mean ELASTIC_MOE_SAMPLING\?\)"),
+        ({"ELASTIC_MOE_CONFIG": "/nonexistent/x.yaml"}, r"does not exist"),
+    ],
+)
+def test_env_errors(environ, message):
+    with pytest.raises(ConfigError, match=message):
+        ElasticConfig.from_env(environ)
+
+
+def test_cli_flags_map_onto_the_same_config(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    path = tmp_path / "c.yaml"
+    path.write_text("schedule: 5-11\nsigma: 3.0\n")
+    args = parser.parse_args(["--elastic-moe-config", str(path), "--elastic-moe-layers", "3-7", "--elastic-moe-sampling", "balanced"])
+    config = config_from_cli(args, environ={"ELASTIC_MOE_SIGMA": "1.0"})
+    assert config == ElasticConfig(schedule="5-11", sigma=1.0, layers="3-7", sampling="balanced")
+    bad = parser.parse_args(["--elastic-moe-schedule", "11-5"])
+    with pytest.raises(ConfigError, match=r"command line: schedule='11-5'"):
+        config_from_cli(bad, environ={})

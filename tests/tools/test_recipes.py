@@ -1,0 +1,676 @@
+"""Recipes (configs/), the launcher, the budget, the wrappers and the Megatron-LM entry point.
+
+Two checks run in subprocesses, started together as soon as a test that needs them is collected
+so they overlap with the in-process tests:
+
+- ``python -m elastic_moe_plugin.tools.recipes.argcheck``: every recipe's rendered flags through
+  ms-swift's and Megatron-LM's own argument parsers (plus negative controls that must fail);
+- the Megatron-LM entry point under torchrun on CPU, running a stand-in ``pretrain_gpt.py``
+  (``tests/fixtures/megatron_lm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from elastic_moe_plugin import cli
+from elastic_moe_plugin.core.config import ENV_VARS, ElasticConfig
+from elastic_moe_plugin.megatron_lm import split_argv
+from elastic_moe_plugin.tools.recipes.render import first_slurm_host, prepare_model_override, render, resolve_topology
+from elastic_moe_plugin.tools.recipes.load import (
+    CONFIGS_DIR,
+    RecipeError,
+    _load_tree,
+    display_path,
+    list_recipe_files,
+    load_recipe,
+    setting_dirs,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs" / "recipes.md"
+FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm"
+SETTINGS = ("olmoe_sft", "qwen3_sft", "pretrain")
+RECIPES = list_recipe_files()
+RECIPE_IDS = [name for name, _ in RECIPES]
+OWN_YAML = sorted(
+    [p for d in setting_dirs() for p in d.glob("*.yaml")] + list((CONFIGS_DIR / "overlays").glob("*.yaml"))
+)
+CLEAN_ENV_PREFIXES = ("SLURM_", "PET_", "ELASTIC_MOE_", "TORCHELASTIC_")
+CLEAN_ENV_NAMES = {"NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "LOCAL_RANK",
+                   "GROUP_RANK", "RANK", "WORLD_SIZE", "MEGATRON_LM_DIR"}
+
+HAVE_SWIFT = importlib.util.find_spec("swift") is not None
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+BAD_ARGCHECK = {
+    # file name -> (extends, args, expected error fragment)
+    "bad_swift_flag": ("olmoe_sft", {"no_such_flag": 1}, "does not accept: ['--no_such_flag', '1']"),
+    "bad_swift_packing": ("olmoe_sft", {"attn_impl": "sdpa"}, "requires a flash attention implementation"),
+    "bad_megatron_sft_choice": ("qwen3_sft", {"moe_token_dispatcher_type": "alltoal"}, "invalid choice: 'alltoal'"),
+    "bad_megatron_extra_kwargs": ("qwen3_sft", {"megatron_extra_kwargs": {"moe_router_topkk": 9}},
+                                  "['moe_router_topkk'] are not TransformerConfig fields"),
+    "bad_mlm_flag": ("pretrain", {"moe-token-dispatcher": "alltoall"}, "unrecognized arguments: --moe-token-dispatcher"),
+    "bad_mlm_validate": ("pretrain", {"save-interval": None}, "assert args.save_interval is not None"),
+}
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(CLEAN_ENV_PREFIXES) and k not in CLEAN_ENV_NAMES}
+    env.update(extra)
+    return env
+
+
+def _run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+# ====================================================================================== subprocesses
+class _Background:
+    """Heavy subprocess checks, started once and together."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.results: dict[str, tuple[int, str, str]] = {}
+
+    def start(self, names: set[str]) -> None:
+        env = _clean_env(TORCH_COMPILE_DISABLE="1", PYTHONUNBUFFERED="1")
+        if "argcheck" in names and "argcheck" not in self.procs:
+            bad = []
+            for name, (setting, args, _) in BAD_ARGCHECK.items():
+                path = self.tmp / setting / f"{name}.yaml"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(yaml.safe_dump({"extends": [str(CONFIGS_DIR / setting / "base.yaml")], "args": args}))
+                bad.append(str(path))
+            self.procs["argcheck"] = subprocess.Popen(
+                [sys.executable, "-m", "elastic_moe_plugin.tools.recipes.argcheck", "--json", *[str(p) for _, p in RECIPES], *bad],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+            )
+        if "entry" in names and "entry" not in self.procs:
+            self.procs["entry"] = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                 str(FIXTURES / "run_on_cpu.py"), str(FIXTURES / "checkout" / "pretrain_gpt.py"),
+                 "--num-layers", "4", "--hidden-size", "32", "--elastic-moe-schedule", "6-10",
+                 "--num-attention-heads", "4", "--num-experts", "16", "--moe-router-topk", "8",
+                 "--moe-ffn-hidden-size", "32", "--seq-length", "16", "--micro-batch-size", "2",
+                 "--elastic-moe-layers=1-2", "--train-iters", "2", "--result-file", str(self.tmp / "entry.json")],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+            )
+
+    def result(self, name: str) -> tuple[int, str, str]:
+        if name not in self.results:
+            self.start({name})
+            out, err = self.procs[name].communicate(timeout=600)
+            self.results[name] = (self.procs[name].returncode, out, err or "")
+        return self.results[name]
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def background(tmp_path_factory, request):
+    runner = _Background(tmp_path_factory.mktemp("recipes_bg"))
+    wanted = set()
+    for item in request.session.items:
+        if item.module is not None and item.module.__name__ == __name__:
+            if "argcheck" in item.fixturenames:
+                wanted.add("argcheck")
+            if "entry_run" in item.fixturenames:
+                wanted.add("entry")
+    runner.start(wanted)
+    yield runner
+    runner.stop()
+
+
+@pytest.fixture(autouse=True)
+def _start_background_early(background):
+    """Every test of this module pulls the fixture in, so the subprocesses start with the first test."""
+
+
+@pytest.fixture(scope="module")
+def argcheck(background):
+    if not HAVE_SWIFT:
+        pytest.skip("ms-swift is not installed")
+    code, out, err = background.result("argcheck")
+    assert out.strip(), f"recipe_argcheck printed nothing (exit {code}):\n{err[-4000:]}"
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def entry_run(background):
+    if not HAVE_MEGATRON:
+        pytest.skip("megatron-core is not installed")
+    code, out, _ = background.result("entry")
+    assert code == 0, f"torchrun ... elastic_moe_plugin.megatron_lm failed (exit {code}):\n{out[-6000:]}"
+    return json.loads((background.tmp / "entry.json").read_text()), out
+
+
+# ====================================================================================== recipes load and render
+def test_every_setting_has_the_eleven_schedules():
+    names = {name for name, _ in RECIPES}
+    for setting in SETTINGS:
+        for schedule in ("top8", "7-9", "6-10", "5-11", "6-10_sigma1.0", "6-10_sigma3.0", "6-10_L3-7", "6-10_L8-12",
+                         "top9", "top10", "top-p0.4"):
+            assert f"{setting}/{schedule}" in names
+
+
+@pytest.mark.parametrize("path", OWN_YAML, ids=[f"{p.parent.name}/{p.name}" for p in OWN_YAML])
+def test_every_yaml_file_loads(path):
+    data, origin = _load_tree(path, ())
+    assert data
+    if path.parent.name != "overlays":
+        recipe = load_recipe(path)
+        assert recipe.setting == path.parent.name
+        assert origin[("launcher",)].endswith("base.yaml")
+
+
+@pytest.mark.parametrize("path", [p for _, p in RECIPES], ids=RECIPE_IDS)
+def test_recipe_renders_for_2x8_with_its_elastic_environment(path):
+    recipe = load_recipe(path)
+    command = render(recipe, resolve_topology(recipe, environ={}))
+    elastic_env = {k: v for k, v in command.env.items() if k.startswith("ELASTIC_MOE_")}
+    assert set(elastic_env) == set(ENV_VARS.values())
+    assert ElasticConfig.from_env(elastic_env) == recipe.elastic
+    text = command.shell()
+    assert f"ELASTIC_MOE_SCHEDULE={recipe.elastic.schedule}" in text
+    if recipe.launcher == "megatron_lm":
+        assert command.argv[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]
+        assert "-m elastic_moe_plugin.megatron_lm" in text
+        assert f"--moe-router-topk {recipe.model.training_topk}" in text
+    else:
+        assert command.argv[:2] == (["swift", "sft"] if recipe.launcher == "swift_sft" else ["megatron", "sft"])
+        assert command.env["NNODES"] == "2" and command.env["NPROC_PER_NODE"] == "8"
+        assert "--external_plugins" in command.argv
+        assert command.argv[command.argv.index("--external_plugins") + 1].endswith(".py")
+
+
+def test_top9_control_is_trained_at_9_and_evaluated_at_8():
+    olmoe = load_recipe("configs/olmoe_sft/top9.yaml")
+    command = render(olmoe, resolve_topology(olmoe, environ={}))
+    assert command.prepare == [("allenai/OLMoE-1B-7B-0924", {"num_experts_per_tok": 9}, "output/olmoe_sft/top9/model-top9")]
+    assert command.argv[command.argv.index("--model") + 1] == "output/olmoe_sft/top9/model-top9"
+    qwen = load_recipe("configs/qwen3_sft/top10.yaml")
+    argv = render(qwen, resolve_topology(qwen, environ={})).argv
+    assert json.loads(argv[argv.index("--megatron_extra_kwargs") + 1]) == {"moe_router_topk": 10}
+    for recipe in (olmoe, qwen, load_recipe("configs/pretrain/top9.yaml")):
+        assert recipe.model.topk == 8 and recipe.elastic.budget_schedule(recipe.model.training_topk).is_static
+
+
+def test_prepare_model_override_writes_config_and_links_weights(tmp_path):
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"num_experts_per_tok": 8, "model_type": "olmoe"}))
+    (source / "model.safetensors").write_text("weights")
+    dest = prepare_model_override(str(source), {"num_experts_per_tok": 9}, tmp_path / "out" / "model-top9")
+    assert json.loads((dest / "config.json").read_text()) == {"num_experts_per_tok": 9, "model_type": "olmoe"}
+    assert (dest / "model.safetensors").is_symlink() and (dest / "model.safetensors").read_text() == "weights"
+    assert prepare_model_override(str(source), {"num_experts_per_tok": 9}, dest) == dest  # idempotent
+
+
+# ====================================================================================== framework argument parsers
+SWIFT_RECIPES = [(n, p) for n, p in RECIPES if not n.startswith("pretrain/")]
+MLM_RECIPES = [(n, p) for n, p in RECIPES if n.startswith("pretrain/")]
+
+
+@pytest.mark.swift
+@pytest.mark.parametrize("name", [n for n, _ in SWIFT_RECIPES])
+def test_ms_swift_accepts_the_rendered_arguments(argcheck, name):
+    entry = argcheck["recipes"][name]
+    assert entry.get("ok"), entry.get("error") or entry.get("skipped")
+    assert any(c.endswith("parser (ms-swift)") for c in entry["checked"])
+
+
+@pytest.mark.parametrize("name", [n for n, _ in MLM_RECIPES])
+def test_megatron_lm_accepts_the_rendered_arguments(argcheck, name):
+    entry = argcheck["recipes"][name]
+    if "skipped" in entry:
+        pytest.skip(entry["skipped"])
+    assert entry.get("ok"), entry.get("error")
+    assert "validate_args with world_size=16" in entry["checked"]
+    assert "padded vocab 151669 -> 151936" in entry["checked"]
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ARGCHECK))
+def test_framework_parsers_reject_bad_arguments(argcheck, name):
+    setting, _, fragment = BAD_ARGCHECK[name]
+    entry = argcheck["recipes"][f"{setting}/{name}"]
+    if "skipped" in entry:
+        pytest.skip(entry["skipped"])
+    assert not entry["ok"]
+    assert fragment in entry["error"]
+
+
+# ====================================================================================== the paper table
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _tables() -> list[tuple[str, str, list[str], list[list[str]]]]:
+    """[(heading, file named in the heading, header cells, rows)] of docs/recipes.md's tables."""
+    tables, heading, lines = [], None, DOCS.read_text().splitlines()
+    for index, line in enumerate(lines):
+        if line.startswith("### "):
+            heading = line[4:].strip()
+        if heading and line.startswith("|") and index + 1 < len(lines) and re.match(r"^\|[-| ]+\|$", lines[index + 1]):
+            rows = []
+            for row in lines[index + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append(_cells(row))
+            match = re.search(r"`([^`]+\.yaml)`", heading)
+            tables.append((heading, match.group(1) if match else "", _cells(line), rows))
+    return tables
+
+
+def _value(cell: str):
+    text = cell.strip()
+    if text.startswith("`") and text.endswith("`"):
+        text = text[1:-1]
+    return yaml.safe_load(text)
+
+
+def _number(value):
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return float(str(value).replace(",", ""))
+    except ValueError:
+        return None
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    x, y = _number(a), _number(b)
+    if x is not None and y is not None:
+        return math.isclose(x, y, rel_tol=1e-12)
+    return a == b
+
+
+def _get(data: dict, dotted: str):
+    node = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(dotted)
+        node = node[part]
+    return node
+
+
+def _leaves(data: dict, path=()):
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, path + (key,))
+        else:
+            yield ".".join(path + (key,))
+
+
+KEY_TABLES = [t for t in _tables() if t[2][:5] == ["Item", "Key", "Paper", "Recipe", "Source"]]
+KEY_ROWS = [(file, row) for _, file, _, rows in KEY_TABLES for row in rows]
+SOURCES = {"paper", "derived", "external", "unspecified", "operational"}
+
+
+def test_docs_have_a_key_table_per_setting():
+    files = {file for _, file, _, _ in KEY_TABLES}
+    for setting in SETTINGS:
+        assert f"configs/{setting}/base.yaml" in files
+    assert len(KEY_ROWS) > 150
+
+
+@pytest.mark.parametrize("file,row", KEY_ROWS, ids=[f"{Path(f).parent.name}/{Path(f).stem}:{r[1].strip('`')}" for f, r in KEY_ROWS])
+def test_paper_table_row_matches_the_yaml(file, row):
+    item, key, paper, recipe_cell, source = row
+    key = key.strip("`")
+    assert source in SOURCES, f"{key}: source {source!r} is not one of {sorted(SOURCES)}"
+    data, _ = _load_tree(REPO / file, ())
+    actual = _get(data, key)
+    expected = _value(recipe_cell)
+    assert _same(actual, expected), f"{file}: {key} is {actual!r} in the YAML but {expected!r} in docs/recipes.md"
+    if source == "paper":
+        number = _number(paper)
+        if number is not None:
+            assert _same(number, actual), f"{key}: the paper says {paper}, the recipe has {actual!r}"
+    if source == "unspecified":
+        assert paper.startswith("unspecified"), f"{key}: an unspecified row must say so in the Paper column"
+
+
+@pytest.mark.parametrize("file", sorted({f for f, _ in KEY_ROWS if f.endswith("base.yaml")}))
+def test_paper_table_covers_every_key_of_the_base(file):
+    data, _ = _load_tree(REPO / file, ())
+    documented = {row[1].strip("`") for f, row in KEY_ROWS if f == file}
+    missing = sorted(set(_leaves(data)) - documented)
+    extra = sorted(documented - set(_leaves(data)))
+    assert not missing, f"{file}: keys without a row in docs/recipes.md: {missing}"
+    assert not extra, f"docs/recipes.md has rows for keys {file} does not set: {extra}"
+
+
+_KEY_LINE = re.compile(r"^(\s*)([A-Za-z0-9_.\-]+):(.*)$")
+
+
+def _unspecified_keys(path: Path) -> set[str]:
+    """Dotted keys whose YAML line carries ``# unspecified in the paper:`` (block-style YAML)."""
+    found, stack = set(), []
+    for line in path.read_text().splitlines():
+        match = _KEY_LINE.match(line)
+        if not match:
+            continue
+        indent = len(match.group(1))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, match.group(2)))
+        if "# unspecified in the paper:" in match.group(3):
+            found.add(".".join(key for _, key in stack))
+    return found
+
+
+def test_unspecified_rows_and_yaml_comments_agree():
+    in_yaml = {(str(p.resolve()), key) for p in OWN_YAML for key in _unspecified_keys(p)}
+    in_docs = set()
+    for file, row in KEY_ROWS:
+        if row[4] == "unspecified":
+            _, origin = _load_tree(REPO / file, ())
+            key = row[1].strip("`")
+            in_docs.add((origin[tuple(key.split("."))], key))
+    rel = lambda items: sorted(f"{os.path.relpath(f, REPO)}:{k}" for f, k in items)  # noqa: E731
+    assert not in_yaml - in_docs, f"marked unspecified in the YAML but not in docs/recipes.md: {rel(in_yaml - in_docs)}"
+    assert not in_docs - in_yaml, f"unspecified in docs/recipes.md but the YAML line has no comment: {rel(in_docs - in_yaml)}"
+    assert len(in_yaml) > 40
+
+
+SCHEDULE_TABLE = next(t for t in _tables() if t[2][0] == "Recipe")
+SCHEDULE_KEYS = [re.search(r"`([^`]+)`", cell).group(1) for cell in SCHEDULE_TABLE[2][2:]]
+SCHEDULE_CASES = [(setting, row) for setting in SETTINGS for row in SCHEDULE_TABLE[3]]
+
+
+@pytest.mark.parametrize("setting,row", SCHEDULE_CASES, ids=[f"{s}/{r[0].strip('`')}" for s, r in SCHEDULE_CASES])
+def test_schedule_table_row_matches_the_recipe(setting, row):
+    recipe = load_recipe(CONFIGS_DIR / setting / f"{row[0].strip('`')}.yaml")
+    for key, cell in zip(SCHEDULE_KEYS, row[2:]):
+        try:
+            actual = recipe.get(key)
+        except KeyError:
+            actual = None
+        assert _same(actual, _value(cell)), f"{setting}/{row[0]}: {key} is {actual!r}, docs say {cell}"
+
+
+def test_schedule_table_lists_every_recipe():
+    documented = {row[0].strip("`") for row in SCHEDULE_TABLE[3]}
+    for name, _ in RECIPES:
+        assert name.split("/")[1] in documented, f"{name} has no row in the schedule table of docs/recipes.md"
+
+
+# ====================================================================================== budget
+def test_budget_of_the_pretraining_recipe():
+    code, out, err = _run_cli("budget", "configs/pretrain/6-10.yaml", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["params"]["total"] == pytest.approx(1.427e9, rel=0.01)
+    assert report["params"]["active"] == pytest.approx(0.365e9, rel=0.01)
+    assert report["params"]["total"] == 1_426_784_256 and report["params"]["active"] == 365_101_056
+    assert report["tokens"]["D"] == 25_034 * 256 * 4096
+    assert report["compute"]["C"] == pytest.approx(6.0e19, rel=0.02)
+    rows = {row["recipe"]: row for row in report["schedules"]}
+    elastic = ["7-9", "6-10", "5-11", "6-10_sigma1.0", "6-10_sigma3.0", "6-10_L3-7", "6-10_L8-12"]
+    for name in elastic:
+        assert f"{rows[name]['expected_per_layer']:.3f}" == "8.000"
+        assert f"{rows[name]['expected_mean']:.3f}" == "8.000"
+    assert (rows["7-9"]["worst_per_layer"], rows["6-10"]["worst_per_layer"], rows["5-11"]["worst_per_layer"]) == (9, 10, 11)
+    assert rows["6-10_L3-7"]["worst_mean"] == pytest.approx((5 * 10 + 15 * 8) / 20)
+    assert rows["top9"]["expected_mean"] == 9 and rows["top10"]["expected_mean"] == 10 and rows["top8"]["expected_mean"] == 8
+    assert rows["top-p0.4"]["expected_per_layer"] is None
+
+    code, text, _ = _run_cli("budget", "configs/pretrain/6-10.yaml")
+    assert code == 0
+    assert "total 1.4268B" in text and "active 0.3651B" in text and "C = M * D = 6.0383e+19" in text
+    for name in elastic:
+        line = next(line for line in text.splitlines() if line[2:].startswith(name + " "))
+        assert re.search(r"\s8\.000\s+8\.000\s", line), line
+    assert "unknown" in next(line for line in text.splitlines() if "top-p0.4" in line)
+
+
+@pytest.mark.parametrize("setting,total,active", [("olmoe_sft", 6.92e9, 1.28e9), ("qwen3_sft", 30.5e9, 3.35e9)])
+def test_budget_of_the_sft_checkpoints(setting, total, active):
+    code, out, _ = _run_cli("budget", f"configs/{setting}/6-10.yaml", "--json")
+    report = json.loads(out)
+    assert report["params"]["total"] == pytest.approx(total, rel=0.01)
+    assert report["params"]["active"] == pytest.approx(active, rel=0.01)
+    assert report["tokens"]["D"] is None and report["compute"]["C"] is None
+
+
+# ====================================================================================== wrappers
+WRAPPERS = {
+    # script, schedule, extra args -> fragments that must appear in the dry run
+    "olmoe_sft": ("6-10_L3-7", [], ["NNODES=2", "NPROC_PER_NODE=8", "ELASTIC_MOE_SCHEDULE=6-10",
+                                     "ELASTIC_MOE_LAYERS=3-7", "swift sft", "--gradient_accumulation_steps 16",
+                                     "python -m torch.distributed.run --nproc_per_node 8", "--nnodes 2"]),
+    "qwen3_sft": ("top-p0.4", [], ["NNODES=2", "NPROC_PER_NODE=8", "ELASTIC_MOE_MODE=top_p", "ELASTIC_MOE_TOP_P=0.4",
+                                   "megatron sft", "--pipeline_model_parallel_size 2",
+                                   "--expert_model_parallel_size 8", "python -m torch.distributed.run --nproc_per_node 8",
+                                   "--nnodes 2"]),
+    "pretrain": ("6-10", ["--node-rank", "1", "--master-addr", "node0", "--", "--exit-interval", "10"],
+                 ["torchrun", "--nnodes 2", "--nproc-per-node 8", "--node-rank 1", "--master-addr node0",
+                  "ELASTIC_MOE_SCHEDULE=6-10", "ELASTIC_MOE_SIGMA=1.5", "-m elastic_moe_plugin.megatron_lm",
+                  "--expert-model-parallel-size 4", "--exit-interval 10"]),
+}
+
+
+def test_wrapper_dry_runs_print_a_2x8_launch():
+    procs = {}
+    for setting, (schedule, extra, _) in WRAPPERS.items():
+        procs[setting] = subprocess.Popen(
+            ["bash", str(REPO / "scripts" / f"{setting}.sh"), schedule, *extra], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=_clean_env(DRY_RUN="1", PYTHON=sys.executable), cwd=REPO,
+        )
+    for setting, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        flat = re.sub(r"\s*\\\n\s*", " ", out)
+        for fragment in WRAPPERS[setting][2]:
+            assert fragment in flat, f"scripts/{setting}.sh: {fragment!r} missing from:\n{out}"
+        assert re.search(r"--nnodes[ =]2\b", flat) and re.search(r"--nproc[-_]per[-_]node[ =]8\b", flat)
+
+
+def test_wrapper_lists_schedules_on_a_bad_name():
+    result = subprocess.run(["bash", str(REPO / "scripts" / "pretrain.sh"), "6-11"], capture_output=True, text=True,
+                            env=_clean_env(DRY_RUN="1", PYTHON=sys.executable))
+    assert result.returncode == 2
+    assert "no recipe configs/pretrain/6-11.yaml" in result.stderr and "6-10_L3-7" in result.stderr
+
+
+def test_slurm_example_runs_a_wrapper_once_per_node():
+    text = (REPO / "scripts" / "slurm_example.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text and "--gpus-per-node=8" in text
+    assert re.search(r"srun .*scripts/\$\{SETTING\}\.sh", text)
+
+
+# ====================================================================================== launch CLI and topology
+def test_launch_dry_run_through_the_cli(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(CLEAN_ENV_PREFIXES) or key in CLEAN_ENV_NAMES:
+            monkeypatch.delenv(key)
+    code, out, err = _run_cli("launch", "pretrain/6-10_L8-12", "--dry-run", "--nnodes", "4",
+                              "--set", "args.train-iters=10", "--", "--exit-interval", "5")
+    assert code == 0, err
+    flat = re.sub(r"\s*\\\n\s*", " ", out)
+    assert "torchrun --nnodes 4 --nproc-per-node 8" in flat
+    assert "global batch 256 = micro 4 x DP 32 x accumulation 2" in out
+    assert "ELASTIC_MOE_LAYERS=8-12" in flat and "--train-iters 10" in flat and flat.rstrip().endswith("--exit-interval 5")
+    code, _, err = _run_cli("launch", "pretrain/6-10", "--dry-run", "--exit-interval", "5")
+    assert code == 2 and "framework flags go after '--'" in err
+
+
+def test_topology_from_slurm_and_environment():
+    recipe = load_recipe("configs/qwen3_sft/6-10.yaml")
+    slurm = {"SLURM_JOB_ID": "42", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+             "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_GPUS_ON_NODE": "8", "MASTER_PORT": "31000"}
+    topology = resolve_topology(recipe, environ=slurm)
+    assert (topology.nnodes, topology.node_rank, topology.master_addr, topology.master_port) == (2, 1, "gpu07", 31000)
+    assert topology.sources["node_rank"] == "SLURM" and topology.sources["master_port"] == "environment"
+    assert resolve_topology(recipe, node_rank=0, environ=slurm).node_rank == 0  # the flag wins
+    env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "PET_NPROC_PER_NODE": "8"}
+    topology = resolve_topology(recipe, environ=env)
+    assert (topology.node_rank, topology.master_addr, topology.nproc_per_node) == (1, "10.0.0.1", 8)
+    command = render(recipe, topology)
+    assert (command.env["NODE_RANK"], command.env["MASTER_ADDR"]) == ("1", "10.0.0.1")
+    with pytest.raises(RecipeError, match="inside a torchrun worker"):
+        resolve_topology(recipe, environ={"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0"})
+    with pytest.raises(RecipeError, match="node_rank=2 .* outside 0..1"):
+        resolve_topology(recipe, node_rank=2, environ={})
+
+
+@pytest.mark.parametrize("nodelist,first", [("gpu[07-08,11],cpu1", "gpu07"), ("node-3,node-4", "node-3"),
+                                            ("a[001-004]", "a001"), ("single", "single"), ("r[5,7]x", "r5x")])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+# ====================================================================================== bad recipes fail clearly
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _base(setting: str) -> str:
+    return str(CONFIGS_DIR / setting / "base.yaml")
+
+
+def test_unknown_top_level_key_names_key_and_file(tmp_path):
+    path = _write(tmp_path, "r.yaml", f"extends: {_base('pretrain')}\nelastik: {{schedule: 6-10}}\n")
+    with pytest.raises(RecipeError) as error:
+        load_recipe(path)
+    assert str(path.resolve()) in str(error.value) and "'elastik'" in str(error.value) and "did you mean 'elastic'" in str(error.value)
+
+
+def test_unknown_nested_key_names_the_file_that_wrote_it(tmp_path):
+    overlay = _write(tmp_path, "overlay.yaml", "batch:\n  globl: 512\n")
+    path = _write(tmp_path, "r.yaml", f"extends: [{_base('olmoe_sft')}, overlay.yaml]\n")
+    with pytest.raises(RecipeError) as error:
+        load_recipe(path)
+    assert str(overlay.resolve()) in str(error.value) and "'batch.globl'" in str(error.value)
+    assert "did you mean 'global'" in str(error.value)
+    path = _write(tmp_path, "r2.yaml", f"extends: {_base('olmoe_sft')}\nelastic:\n  sigmaa: 2.0\n")
+    with pytest.raises(RecipeError, match=r"r2\.yaml: unknown key 'elastic\.sigmaa' \(did you mean 'sigma'\?\)"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize("schedule", ["6-11", "5-9"])
+def test_off_center_schedule_is_refused(tmp_path, schedule):
+    path = _write(tmp_path, "r.yaml", f"extends: {_base('qwen3_sft')}\nelastic:\n  schedule: {schedule}\n")
+    with pytest.raises(RecipeError) as error:
+        load_recipe(path)
+    message = str(error.value)
+    assert message.startswith(display_path(path)) and "elastic.schedule" in message and schedule in message
+
+
+def test_layer_range_outside_the_model_is_refused(tmp_path):
+    path = _write(tmp_path, "r.yaml", f"extends: [{_base('olmoe_sft')}, {CONFIGS_DIR / 'overlays' / '6-10.yaml'}]\n"
+                                      f"elastic:\n  layers: 12-17\n")
+    with pytest.raises(RecipeError) as error:
+        load_recipe(path)
+    message = str(error.value)
+    assert message.startswith(display_path(path)) and "elastic.layers" in message
+    assert "[16, 17]" in message and "16 decoder layers" in message
+
+
+@pytest.mark.parametrize("top_p", ["1.5", "0", "-0.1"])
+def test_top_p_outside_unit_interval_is_refused(tmp_path, top_p):
+    path = _write(tmp_path, "r.yaml", f"extends: [{_base('olmoe_sft')}, {CONFIGS_DIR / 'overlays' / 'top-p0.4.yaml'}]\n"
+                                      f"elastic:\n  top_p: {top_p}\n")
+    with pytest.raises(RecipeError) as error:
+        load_recipe(path)
+    assert str(error.value).startswith(display_path(path)) and "elastic.top_p" in str(error.value)
+    assert "(0, 1]" in str(error.value)
+
+
+def test_world_size_that_does_not_divide_is_refused_with_the_arithmetic(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(CLEAN_ENV_PREFIXES) or key in CLEAN_ENV_NAMES:
+            monkeypatch.delenv(key)
+    code, out, err = _run_cli("launch", "configs/pretrain/6-10.yaml", "--dry-run", "--nnodes", "1", "--nproc-per-node", "6")
+    assert code == 2 and not out
+    assert "configs/pretrain/6-10.yaml does not fit world size 6" in err
+    assert "EP x ETP = 4 x 1 = 4 does not divide DP x CP x TP = 6 x 1 x 1 = 6" in err
+    assert "global batch 256 is not divisible by micro batch x DP = 4 x 6 = 24" in err
+    assert "World sizes this recipe accepts: 4, 8, 16, 32, 64" in err
+    code, _, err = _run_cli("launch", "configs/qwen3_sft/6-10.yaml", "--dry-run", "--nnodes", "3", "--nproc-per-node", "8")
+    assert code == 2 and "EP x ETP = 8 x 1 = 8 does not divide DP x CP x TP = 12 x 1 x 1 = 12" in err
+    assert "global batch 16 is not divisible by micro batch x DP = 1 x 12 = 12" in err
+    code, _, err = _run_cli("launch", "configs/olmoe_sft/6-10.yaml", "--dry-run", "--nnodes", "3", "--nproc-per-node", "8")
+    assert code == 2 and "global batch 256 is not divisible by micro batch x DP = 1 x 24 = 24" in err
+
+
+def test_other_recipe_mistakes_are_named(tmp_path):
+    cases = {
+        "args:\n  global_batch_size: 32\n": ("qwen3_sft", "args.global_batch_size is rendered from batch.global"),
+        "env:\n  ELASTIC_MOE_SCHEDULE: 6-10\n": ("qwen3_sft", "put elastic settings in the 'elastic:' block"),
+        "parallel:\n  ep: 2\n": ("olmoe_sft", "pure data parallel"),
+        "args:\n  output_dir: out/${run}\n": ("olmoe_sft", "args.output_dir uses ${run}"),
+        "model:\n  train_topk: 65\n": ("olmoe_sft", "training top-k 65 exceeds model.num_experts=64"),
+    }
+    for index, (body, (setting, fragment)) in enumerate(cases.items()):
+        path = _write(tmp_path, f"r{index}.yaml", f"extends: {_base(setting)}\n{body}")
+        with pytest.raises(RecipeError) as error:
+            load_recipe(path)
+        assert fragment in str(error.value), str(error.value)
+    overlay = _write(tmp_path, "only_overlay.yaml", "elastic:\n  schedule: 6-10\n")
+    with pytest.raises(RecipeError, match="this file is an overlay"):
+        load_recipe(overlay)
+    a = _write(tmp_path, "a.yaml", "extends: b.yaml\n")
+    _write(tmp_path, "b.yaml", "extends: a.yaml\n")
+    with pytest.raises(RecipeError, match="forms a cycle"):
+        load_recipe(a)
+    with pytest.raises(RecipeError, match="extends 'missing.yaml'"):
+        load_recipe(_write(tmp_path, "c.yaml", "extends: missing.yaml\n"))
+    with pytest.raises(RecipeError, match="unknown key 'batch.globl'"):
+        load_recipe("configs/pretrain/6-10.yaml", ["batch.globl=3"])
+    assert load_recipe("configs/pretrain/6-10.yaml", ["elastic.schedule=7-9"]).elastic.schedule == "7-9"
+
+
+# ====================================================================================== the Megatron-LM entry point
+def test_entry_point_takes_the_elastic_flags_out():
+    config, script, rest = split_argv(
+        ["train.py", "--num-layers", "2", "--elastic-moe-schedule", "5-11", "--lr", "-1e-3",
+         "--elastic-moe-layers=3-7", "--data-path", "a", "b"], environ={})
+    assert (config.schedule, config.layers, script) == ("5-11", "3-7", "train.py")
+    assert rest == ["--num-layers", "2", "--lr", "-1e-3", "--data-path", "a", "b"]
+    with pytest.raises(ValueError, match="did you mean --elastic-moe-schedule"):
+        split_argv(["train.py", "--elastic-moe-shedule", "6-10"], environ={})
+    with pytest.raises(ValueError, match="no training script"):
+        split_argv(["--elastic-moe-schedule", "6-10"], environ={})
+    with pytest.raises(ValueError, match="top_p"):
+        split_argv(["train.py", "--elastic-moe-top-p", "2"], environ={})
+
+
+@pytest.mark.megatron
+def test_megatron_lm_entry_runs_a_stand_in_pretrain_gpt_under_torchrun(entry_run):
+    result, log = entry_run
+    assert "STAND-IN OK" in log
+    assert not any(arg.startswith("--elastic-moe") for arg in result["argv"])
+    assert result["argv"][0].endswith("pretrain_gpt.py") and "--train-iters" in result["argv"]
+    assert (result["schedule"], result["layers"], result["sigma"]) == ("6-10", "1-2", 1.5)
+    assert result["elastic_layers"] == [1, 2]
+    for layer in ("1", "2"):
+        assert len(result["budgets"][layer]) > 1 and set(result["budgets"][layer]) <= set(range(6, 11))
+    assert result["budgets"]["0"] == [8] and result["budgets"]["3"] == [8]
+    assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
