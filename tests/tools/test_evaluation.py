@@ -379,7 +379,7 @@ def test_suite_errors(tmp_path, body, message):
 
 
 def test_task_requirements_name_the_lm_eval_extra(monkeypatch):
-    from elastic_moe_plugin.tools import eval as evaluation
+    from elastic_moe_plugin.tools.eval import harness as evaluation
 
     absent = {"langdetect", "math_verify"}  # pretend everything else is installed
     monkeypatch.setattr(

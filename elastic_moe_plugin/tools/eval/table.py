@@ -15,18 +15,17 @@ computed against an average over a different set of tasks (``n/c``).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_moe_plugin.tools.eval import SUMMARY_JSON, SUMMARY_SCHEMA, EvaluationError, format_score
+from elastic_moe_plugin.tools.eval.errors import EvaluationError
+from elastic_moe_plugin.tools.eval.summary import SUMMARY_JSON, SUMMARY_SCHEMA, format_score
 
 
 class TableError(EvaluationError, ValueError):
@@ -248,27 +247,3 @@ def write_table(table: Table, out: str | os.PathLike[str]) -> tuple[Path, Path]:
     md.write_text(to_markdown(table))
     csv_path.write_text(to_csv(table))
     return md, csv_path
-
-
-# ------------------------------------------------------------------------------------- CLI
-
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="eval output folders (or their summary.json)")
-    parser.add_argument(
-        "--baseline", default=None, metavar="NAME", help="run to take deltas against (default: the first)"
-    )
-    parser.add_argument("--out", default=None, metavar="FILE", help="also write FILE.md and FILE.csv")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        table = merge([load_summary(path) for path in args.runs], baseline=args.baseline)
-    except EvaluationError as error:
-        print(f"elastic-moe {args.command}: error: {error}", file=sys.stderr)
-        return 2
-    print(to_markdown(table), end="")
-    if args.out:
-        md, csv_path = write_table(table, args.out)
-        print(f"wrote {md} and {csv_path}")
-    return 0
