@@ -7,8 +7,9 @@
 - ``kappa_histogram.png``: realised κ shares (mean over layers, per-layer markers) against the
   schedule's pmf q(κ) (Eq. 5).
 
-Every function takes the plain dicts of :mod:`elastic_moe_plugin.tools.diagnose` and returns the
-path written.
+Every function takes the plain dicts of :func:`~elastic_moe_plugin.tools.diagnose.compare.compare`
+(``results["pairs"]``, ``results["topk_sweep"]``) or of
+:func:`~elastic_moe_plugin.tools.diagnose.kappa.load_kappa`, and returns the path written.
 """
 
 from __future__ import annotations

@@ -1,0 +1,248 @@
+"""Loaded checkpoints behind one interface: a forward that also returns every MoE layer's router logits.
+
+:class:`RoutedModel` gives logits [B, S, V] and, on request, {layer: router logits [B·S, E]}
+(batch-major rows, whatever the framework's layout), the router's distribution over all E
+experts, and a static top-k override for the inference sweep. :class:`HFRoutedModel` wraps a
+transformers checkpoint (routers of the families :mod:`elastic_moe_plugin.hf` covers);
+:class:`MegatronDemoModel` an ``elastic-moe demo`` ``GPTModel``, run by Megatron on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from elastic_moe_plugin.compat import inference_topk
+from elastic_moe_plugin.tools.diagnose.checkpoints import CheckpointSpec
+from elastic_moe_plugin.tools.diagnose.errors import DiagnosticsError
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """What ``compare`` needs to know about a checkpoint."""
+
+    label: str
+    kind: str  # "hf" | "megatron-demo"
+    path: str
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    topk: int
+    vocab_size: int
+    max_positions: int | None
+    run: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"moe_layers": list(self.moe_layers)}
+
+
+class RoutedModel:
+    """A loaded checkpoint: a forward that also returns each MoE layer's router logits."""
+
+    info: ModelInfo
+
+    def forward(self, ids: torch.Tensor, valid: torch.Tensor, capture: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Logits [B, S, V] and, if ``capture``, {layer: router logits [B·S, E]} (batch-major rows)."""
+        raise NotImplementedError
+
+    def topk(self, k: int) -> contextlib.AbstractContextManager:
+        """Static top-``k`` routing in every MoE layer inside the block (inference only)."""
+        raise NotImplementedError
+
+    def router_distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The router's per-token distribution over all experts: softmax(z) in fp32."""
+        return torch.softmax(logits.float(), dim=-1)
+
+
+class HFRoutedModel(RoutedModel):
+    """A transformers MoE checkpoint; routers of the families :mod:`elastic_moe_plugin.hf` covers."""
+
+    def __init__(self, path: str, label: str, dtype: str = "float32") -> None:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        except (OSError, ValueError) as error:
+            raise DiagnosticsError(f"cannot load the transformers checkpoint {path!r}: {error}") from None
+        self.routers = self._find_routers(path)
+        config = self.model.config
+        text = getattr(config, "text_config", None) or config
+        first = next(iter(self.routers.values()))
+        self.info = ModelInfo(
+            label=label, kind="hf", path=path, num_layers=int(text.num_hidden_layers),
+            moe_layers=tuple(sorted(self.routers)), num_experts=int(first.num_experts), topk=int(first.top_k),
+            vocab_size=int(text.vocab_size), max_positions=getattr(text, "max_position_embeddings", None),
+        )
+        self._captured: dict[int, torch.Tensor] | None = None
+        for layer, router in self.routers.items():
+            router.register_forward_hook(self._hook(layer))
+
+    def _find_routers(self, path: str) -> dict[int, torch.nn.Module]:
+        """{layer index: router module} of every covered ``<layer>.mlp.gate``."""
+        from elastic_moe_plugin import hf
+
+        covered = hf.covered_router_classes()
+        routers: dict[int, torch.nn.Module] = {}
+        for name, module in self.model.named_modules():
+            if type(module) in covered:
+                match = re.search(r"(?:^|\.)(\d+)\.mlp\.gate$", name)
+                if match is None:
+                    raise DiagnosticsError(f"{path}: cannot tell the layer index of router {name!r}.")
+                routers[int(match.group(1))] = module
+        if not routers:
+            raise DiagnosticsError(
+                f"{path} ({type(self.model).__name__}) has no router of a family elastic-moe covers "
+                f"({', '.join(f.router for f in hf.FAMILIES)})."
+            )
+        return routers
+
+    def _hook(self, layer: int):
+        def hook(module, inputs, output):
+            if self._captured is not None:
+                logits = output[0] if isinstance(output, tuple) else output
+                self._captured[layer] = logits.detach().reshape(-1, logits.shape[-1])
+
+        return hook
+
+    @torch.no_grad()
+    def forward(self, ids, valid, capture):
+        self._captured = {} if capture else None
+        try:
+            logits = self.model(input_ids=ids, attention_mask=valid.long(), use_cache=False).logits
+            return logits, self._captured or {}
+        finally:
+            self._captured = None
+
+    def topk(self, k):
+        return inference_topk.transformers(self.model, k)
+
+
+class MegatronDemoModel(RoutedModel):
+    """A CPU-demo Megatron ``GPTModel`` (``elastic-moe demo`` output), run by Megatron on the CPU."""
+
+    def __init__(self, out_dir: str, run: str, label: str) -> None:
+        from elastic_moe_plugin.tools import demo
+
+        model, config = demo.load_trained(out_dir, run)
+        self.model = model.eval()
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = {int(m.layer_number) - 1: m for m in self.model.modules() if isinstance(m, TopKRouter)}
+        transformer = config["transformer_config"]
+        self.score_function = next(iter(self.routers.values())).score_function if self.routers else "softmax"
+        self.info = ModelInfo(
+            label=label, kind="megatron-demo", path=out_dir, run=run, num_layers=int(transformer["num_layers"]),
+            moe_layers=tuple(sorted(self.routers)), num_experts=int(transformer["num_moe_experts"]),
+            topk=int(transformer["moe_router_topk"]), vocab_size=int(config["gpt_model"]["vocab_size"]),
+            max_positions=int(config["gpt_model"]["max_sequence_length"]),
+        )
+        self._captured: dict[int, torch.Tensor] | None = None
+        for layer, router in self.routers.items():
+            self._wrap_routing(layer, router)
+
+    def _wrap_routing(self, layer: int, router) -> None:
+        # An instance attribute shadows TopKRouter.routing (stock or elastic-patched alike), so the
+        # logits are seen exactly as the router's own routing step receives them.
+        routing = router.routing
+
+        def capture_routing(logits, *args, **kwargs):
+            if self._captured is not None:
+                # [S, B, E] (Megatron is sequence-major) -> [B·S, E], batch-major like transformers
+                rows = logits.detach().transpose(0, 1) if logits.dim() == 3 else logits.detach()
+                self._captured[layer] = rows.reshape(-1, logits.shape[-1])
+            return routing(logits, *args, **kwargs)
+
+        router.routing = capture_routing
+
+    @torch.no_grad()
+    def forward(self, ids, valid, capture):
+        batch, seq = ids.shape
+        # explicit causal mask (True = masked): GPTModel's default mask is allocated on "cuda"
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+        positions = torch.arange(seq).expand(batch, seq)
+        self._captured = {} if capture else None
+        try:
+            logits = self.model(ids, positions, attention_mask=mask)
+            return logits, self._captured or {}
+        finally:
+            self._captured = None
+
+    def router_distribution(self, logits):
+        if self.score_function == "softmax":
+            return torch.softmax(logits.float(), dim=-1)
+        # sigmoid / sqrtsoftplus routers: their scores, normalised to a distribution
+        scores = torch.sigmoid(logits.float()) if self.score_function == "sigmoid" else \
+            torch.nn.functional.softplus(logits.float()).sqrt()
+        return scores / scores.sum(-1, keepdim=True)
+
+    def topk(self, k):
+        if not 1 <= k <= self.info.num_experts:
+            raise DiagnosticsError(f"top-k {k} is invalid for {self.info.label}: it has {self.info.num_experts} experts.")
+        return inference_topk.megatron(self.model, k)
+
+
+@contextlib.contextmanager
+def megatron_session() -> Iterator[None]:
+    """Megatron on the CPU for demo checkpoints: the compatibility layer and model-parallel state
+    (TP=PP=EP=1), reusing what the process already has and undoing only what it set up."""
+    from elastic_moe_plugin.compat import megatron_cpu
+
+    megatron_cpu.disable_torch_compile()
+    # force: a GPU machine still runs the demo's CPU models on the CPU (as ``elastic-moe demo`` does)
+    with megatron_cpu.enabled(force=torch.cuda.is_available()):
+        from megatron.core import parallel_state
+
+        created = False
+        if not parallel_state.model_parallel_is_initialized():
+            megatron_cpu.initialize_model_parallel()
+            created = True
+        try:
+            yield
+        finally:
+            if created:
+                megatron_cpu.destroy()
+
+
+@contextlib.contextmanager
+def _quiet_megatron() -> Iterator[None]:
+    import logging
+    import warnings
+
+    logger = logging.getLogger("megatron")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
+
+
+def load_models(specs: Sequence[CheckpointSpec], stack: contextlib.ExitStack, dtype: str = "float32") -> list[RoutedModel]:
+    """Load every spec; the first demo checkpoint enters :func:`megatron_session` on ``stack``.
+
+    Raises:
+        DiagnosticsError: an unloadable checkpoint, or two models with one label.
+    """
+    models: list[RoutedModel] = []
+    session = False
+    for spec in specs:
+        if spec.kind == "hf":
+            models.append(HFRoutedModel(spec.path, spec.label, dtype))
+        else:
+            if not session:
+                stack.enter_context(_quiet_megatron())
+                stack.enter_context(megatron_session())
+                session = True
+            models.append(MegatronDemoModel(spec.path, spec.run, spec.label))
+    labels = [m.info.label for m in models]
+    if len(set(labels)) != len(labels):
+        raise DiagnosticsError(f"checkpoint labels must differ, got {labels}; name them with LABEL=PATH.")
+    return models
