@@ -12,9 +12,29 @@ and :mod:`~elastic_moe_plugin.swift` (ms-swift); :mod:`~elastic_moe_plugin.tools
 evaluation, diagnostics, recipes); :mod:`~elastic_moe_plugin.cli` (``elastic-moe``).
 """
 
-from elastic_moe_plugin.core.config import ElasticConfig
-from elastic_moe_plugin.core.errors import ConfigError
-from elastic_moe_plugin.core.schedule import BudgetSchedule
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastic_moe_plugin.core.config import ElasticConfig
+    from elastic_moe_plugin.core.errors import ConfigError
+    from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 __version__ = "0.1.0"
 __all__ = ["BudgetSchedule", "ConfigError", "ElasticConfig", "__version__"]
+
+#: public name -> its module; imported on first access, so ``import elastic_moe_plugin`` (the CLI's
+#: ``--help``, the ms-swift launcher hook) does not import torch
+_EXPORTS = {
+    "BudgetSchedule": "elastic_moe_plugin.core.schedule",
+    "ConfigError": "elastic_moe_plugin.core.errors",
+    "ElasticConfig": "elastic_moe_plugin.core.config",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

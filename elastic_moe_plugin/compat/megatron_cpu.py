@@ -89,6 +89,8 @@ from typing import Any
 
 import torch
 
+from elastic_moe_plugin.core.patching import AttributePatches
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -108,7 +110,6 @@ PAGED_STASH_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
 _RNG_LOGGER_NAME = "megatron.core.tensor_parallel.random"
 _RNG_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
 
-_MISSING = object()
 _CPU = torch.device("cpu")
 
 
@@ -122,7 +123,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.active = False
-        self.patches: list[tuple[Any, str, Any]] = []
+        self.patches = AttributePatches()
         self.originals: dict = {}
         self.stand_in: types.ModuleType | None = None
         self.log_filter: logging.Filter | None = None
@@ -451,18 +452,11 @@ class _DropEmulatedRngWarning(logging.Filter):
 
 
 def _patch(owner: Any, name: str, replacement: Any) -> None:
-    original = getattr(owner, name, _MISSING)
-    _STATE.patches.append((owner, name, original))
-    setattr(owner, name, replacement)
+    _STATE.patches.set(owner, name, replacement)
 
 
 def _undo() -> None:
-    for owner, name, original in reversed(_STATE.patches):
-        if original is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
-    _STATE.patches.clear()
+    _STATE.patches.restore()
     _STATE.originals.clear()
     while _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)

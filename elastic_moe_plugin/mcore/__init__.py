@@ -10,22 +10,12 @@ Usage (call before building the model, on every rank)::
     with mcore.patched(ElasticConfig()):       # or scoped
         ...
 
-What is patched (all on ``megatron.core.transformer.moe.router.TopKRouter``, so subclasses such as
-mcore-bridge's router and layers built from every stock spec are covered, whenever they were built):
-
-- ``TopKRouter.routing``: in training, elastic layers run :func:`elastic_routing`; in eval mode,
-  in layers outside ``ElasticConfig.layers``, in MTP layers, and for ``schedule="static"`` the
-  original method runs unchanged, so results are bit-for-bit stock.
-- ``TopKRouter.__init__``: runs the original, then validates the config against the router's
-  model config (top-k, expert count, layer count, unsupported options), so a bad setting stops the
-  run at model build on every rank instead of mid-training.
-
-Not patched: the ``TopKRouter`` name itself. ``MoESubmodules.router`` binds its default at import
-time, so rebinding the name would silently do nothing. The router's parameters and buffers are
-untouched, so checkpoints stay interchangeable with stock Megatron and transformers.
-
-For explicit specs instead of monkey-patching, use :class:`ElasticTopKRouter` via
-:func:`elastic_router_spec`; both routes share :func:`elastic_routing`.
+Modules: :mod:`.patch` (what is patched: ``TopKRouter.routing`` and ``__init__`` at class level,
+plus the dispatcher fixes of :mod:`.dispatch`; the lifecycle; validation and plans),
+:mod:`.routing` (one elastic router forward), :mod:`.aux_loss` (load balancing on the realised
+map), :mod:`.records` and :mod:`.tracking` (routing records, metrics in Megatron's MoE tracker),
+:mod:`.spec` (``ElasticTopKRouter`` for explicit specs), :mod:`.megatron_lm` (Megatron-LM's
+scripts with the patch applied). ``docs/parallelism.md`` covers the parallelisms and dispatchers.
 
 Elastic routing, one MoE layer in training (paper §3.2, Eq. 4-5)::
 
@@ -33,7 +23,7 @@ Elastic routing, one MoE layer in training (paper §3.2, Eq. 4-5)::
     (2) κ [T] ~ q on {a..b}                         (BudgetSchedule, torch's default generator)
     (3) top-b candidates by the stock selection rule (softmax / sigmoid / sqrtsoftplus score,
         expert bias for selection only, group-limited routing with b), sorted by rank
-    (4) keep the first κ_t candidates of token t; weights by the gate convention (seed 000):
+    (4) keep the first κ_t candidates of token t; weights by the gate convention (docs/gates.md):
         full_softmax  w = p_e                       (Switch/OLMoE; Megatron pre-softmax)
         renormalized  w = p_e / Σ_kept p            (Qwen3; Megatron post-softmax), computed as a
                                                      softmax over the kept logits like Megatron
@@ -48,42 +38,40 @@ Elastic routing, one MoE layer in training (paper §3.2, Eq. 4-5)::
 Padding-mask polarity, as Megatron's code uses it: ``padding_mask`` True = padding token.
 """
 
+from elastic_moe_plugin.core.errors import UnsupportedMegatronError
+from elastic_moe_plugin.core.metrics import RoutingRecord
+from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.mcore.patch import (
     ALLOW_UNSUPPORTED_ENV,
     SUPPORTED_MCORE_RANGE,
     active_config,
     apply,
     check_megatron_version,
-    elastic_router_spec,
     is_applied,
     megatron_core_version,
     patched,
+    patched_symbols,
     remove,
     validate_router,
 )
-from elastic_moe_plugin.mcore.routing import (
-    LayerPlan,
-    RoutingRecord,
-    UnsupportedMegatronError,
-    budget_histograms,
-    elastic_routing,
-    reset_budget_histograms,
-    routing_records,
-)
+from elastic_moe_plugin.mcore.records import budget_histograms, reset_budget_histograms, routing_records
+from elastic_moe_plugin.mcore.routing import elastic_routing
+from elastic_moe_plugin.mcore.spec import elastic_router_spec
 from elastic_moe_plugin.mcore.tracking import log_routing_metrics, routing_metrics
 
 
 def __getattr__(name: str):
-    if name == "ElasticTopKRouter":
-        from elastic_moe_plugin.mcore import patch
+    if name == "ElasticTopKRouter":  # built on first use: it subclasses Megatron's TopKRouter
+        from elastic_moe_plugin.mcore import spec
 
-        return patch.__getattr__(name)
+        return spec.__getattr__(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "ALLOW_UNSUPPORTED_ENV", "SUPPORTED_MCORE_RANGE", "ElasticTopKRouter", "LayerPlan", "RoutingRecord",
     "UnsupportedMegatronError", "active_config", "apply", "budget_histograms", "check_megatron_version",
-    "elastic_router_spec", "elastic_routing", "is_applied", "megatron_core_version", "patched", "remove",
-    "log_routing_metrics", "reset_budget_histograms", "routing_metrics", "routing_records", "validate_router",
+    "elastic_router_spec", "elastic_routing", "is_applied", "log_routing_metrics", "megatron_core_version",
+    "patched", "patched_symbols", "remove", "reset_budget_histograms", "routing_metrics", "routing_records",
+    "validate_router",
 ]

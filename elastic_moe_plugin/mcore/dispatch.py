@@ -38,12 +38,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
+from elastic_moe_plugin.core.patching import AttributePatches
 
 #: tensor attributes set on an elastic routing map
 WIDTH_ATTR = "_elastic_moe_width"
 BALANCED_ATTR = "_elastic_moe_balanced"
 DEBUG_ENV = "ELASTIC_MOE_DEBUG"
-_PATCH_MARKER = "__elastic_moe_patched__"
 
 
 def mark_elastic(routing_map: torch.Tensor, width: int, balanced: bool) -> torch.Tensor:
@@ -212,8 +212,8 @@ def _targets() -> list[tuple[Any, str, Callable]]:
     return targets
 
 
-#: {(class, name): original} while the fixes are installed
-_installed: dict[tuple[Any, str], Any] | None = None
+#: the dispatcher replacements while installed, else None
+_installed: AttributePatches | None = None
 #: holders that need the fixes: "patch" (mcore.apply) and "spec" (ElasticTopKRouter instances)
 _holders: set[str] = set()
 
@@ -225,17 +225,14 @@ def install(holder: str = "patch") -> None:
     _holders.add(holder)
     if _installed is not None:
         return
-    originals = {}
-    for owner, name, factory in _targets():
-        original = owner.__dict__[name]
-        while getattr(original, _PATCH_MARKER, False):  # another copy of this module patched it
-            original = original.__wrapped__
-        replacement = factory(original)
-        setattr(replacement, _PATCH_MARKER, True)
-        replacement.__wrapped__ = original
-        setattr(owner, name, replacement)
-        originals[(owner, name)] = original
-    _installed = originals
+    patches = AttributePatches()
+    try:
+        for owner, name, factory in _targets():
+            patches.wrap(owner, name, factory)
+    except BaseException:
+        patches.restore()
+        raise
+    _installed = patches
 
 
 def uninstall(holder: str = "patch") -> None:
@@ -244,10 +241,9 @@ def uninstall(holder: str = "patch") -> None:
     _holders.discard(holder)
     if _holders or _installed is None:
         return
-    for (owner, name), original in _installed.items():
-        setattr(owner, name, original)
+    _installed.restore()
     _installed = None
 
 
 def installed_targets() -> list[str]:
-    return [f"{owner.__name__}.{name}" for owner, name in (_installed or {})]
+    return _installed.symbols() if _installed is not None else []

@@ -1,77 +1,97 @@
-"""The patch layer: version guard, ``apply``/``remove``/``patched``, start-up validation, per-router
-plans, and the explicit-spec route (``ElasticTopKRouter``)."""
+"""The Megatron-core patch: version guard, install targets, start-up validation and per-router plans.
+
+What is patched (all on ``megatron.core.transformer.moe.router.TopKRouter``, so subclasses such as
+mcore-bridge's router and layers built from every stock spec are covered, whenever they were built):
+
+- ``TopKRouter.routing``: in training, elastic layers run :func:`.routing.elastic_routing`; in eval
+  mode, in layers outside ``ElasticConfig.layers``, in MTP layers, and for ``schedule="static"``
+  the original method runs unchanged, so results are bit-for-bit stock.
+- ``TopKRouter.__init__``: runs the original, then validates the config against the router's model
+  config (top-k, expert count, layer count, unsupported options), so a bad setting stops the run at
+  model build on every rank instead of mid-training.
+- the token-dispatcher fixes of :mod:`.dispatch`.
+
+Not patched: the ``TopKRouter`` name itself. ``MoESubmodules.router`` binds its default at import
+time, so rebinding the name would silently do nothing. The router's parameters and buffers are
+untouched, so checkpoints stay interchangeable with stock Megatron and transformers. The lifecycle
+(lock, idempotence, identity restore) is :class:`~elastic_moe_plugin.core.patching.PatchLifecycle`.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import functools
 import importlib.metadata
 import logging
-import os
-import threading
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
-
 from packaging.version import Version
 
-from elastic_moe_plugin.core.config import ConfigError, ElasticConfig
+from elastic_moe_plugin.core.config import ElasticConfig
+from elastic_moe_plugin.core.errors import ConfigError, UnsupportedMegatronError
+from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
+from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.mcore import dispatch
-from elastic_moe_plugin.mcore.routing import LayerPlan, UnsupportedMegatronError, elastic_routing
+from elastic_moe_plugin.mcore.routing import elastic_routing
 
 logger = logging.getLogger("elastic_moe_plugin.mcore")
 
-SUPPORTED_MCORE_MIN = Version("0.16")
-SUPPORTED_MCORE_MAX = Version("0.20")  # exclusive
-SUPPORTED_MCORE_RANGE = ">=0.16,<0.20"
-#: set to 1 to try an untested megatron-core version anyway
-ALLOW_UNSUPPORTED_ENV = "ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE"
+VERSION_GUARD = VersionGuard("megatron-core", Version("0.16"), Version("0.20"),
+                             "ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE", UnsupportedMegatronError, extra="megatron")
+SUPPORTED_MCORE_RANGE, ALLOW_UNSUPPORTED_ENV = VERSION_GUARD.range, VERSION_GUARD.override_env
 
-_PATCH_MARKER = "__elastic_moe_patched__"
 
-# ---------------------------------------------------------------------------------- version
 def megatron_core_version() -> Version:
+    """The installed megatron-core's version."""
     return Version(importlib.metadata.version("megatron-core"))
 
 
-def check_megatron_version() -> Version:
-    """Raise :class:`UnsupportedMegatronError` outside ``>=0.16,<0.20`` unless overridden."""
-    found = megatron_core_version()
-    if not SUPPORTED_MCORE_MIN <= Version(found.base_version) < SUPPORTED_MCORE_MAX:
-        if os.environ.get(ALLOW_UNSUPPORTED_ENV, "").lower() in ("1", "true", "yes"):
-            logger.warning("elastic-moe: megatron-core %s is outside the tested range %s; %s is set, trying anyway.",
-                           found, SUPPORTED_MCORE_RANGE, ALLOW_UNSUPPORTED_ENV)
-        else:
-            raise UnsupportedMegatronError(
-                f"elastic-moe supports megatron-core {SUPPORTED_MCORE_RANGE}, found {found}. Install a "
-                f"supported version (pip install 'megatron-core{SUPPORTED_MCORE_RANGE}'), or set "
-                f"{ALLOW_UNSUPPORTED_ENV}=1 to try anyway."
-            )
-    return found
-
-
-# ---------------------------------------------------------------------------------- patch state
-@dataclasses.dataclass
-class _PatchState:
-    config: ElasticConfig
-    originals: dict[str, Any]
-    generation: int
-
-
-_state: _PatchState | None = None
-_generation = 0
-_lock = threading.Lock()
-_warned: set[str] = set()
-
-
-def _router_module():
+# ---------------------------------------------------------------------------------- install
+def router_module():
     from megatron.core.transformer.moe import router
 
     return router
 
 
+def _install(config: ElasticConfig, patches: AttributePatches) -> None:
+    router_class = router_module().TopKRouter
+    patches.wrap(router_class, "routing", _patched_routing)
+    patches.wrap(router_class, "__init__", _patched_init)
+    dispatch.install("patch")
+    patches.on_restore(lambda: dispatch.uninstall("patch"))
+
+
+# The lambda reads megatron_core_version at call time (tests substitute it).
+_PATCH = PatchLifecycle("mcore", _install, VERSION_GUARD, lambda: megatron_core_version(), logger)
+#: raise UnsupportedMegatronError outside the tested range unless ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE=1
+check_megatron_version = _PATCH.check_version
+
+
+def _patched_routing(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        config = _PATCH.config
+        plan = training_plan(self, config, _PATCH.generation) if config is not None else None
+        if plan is None:
+            return original(self, logits, padding_mask=padding_mask)
+        return elastic_routing(self, plan, logits, padding_mask)
+
+    return routing
+
+
+def _patched_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        config = _PATCH.config
+        if config is not None:
+            validate_router(self, config)
+
+    return __init__
+
+
+# ---------------------------------------------------------------------------------- lifecycle
 def apply(config: ElasticConfig | None = None) -> None:
     """Patch ``TopKRouter`` so elastic layers route with ``config`` in training.
 
@@ -79,101 +99,22 @@ def apply(config: ElasticConfig | None = None) -> None:
     again does nothing; applying a different one replaces it (routers built earlier pick it up at
     their next forward). Call before building the model so the start-up checks run.
     """
-    global _state, _generation
-    config = ElasticConfig.from_env() if config is None else config
-    if not isinstance(config, ElasticConfig):
-        raise TypeError(f"mcore.apply expects an ElasticConfig, got {type(config).__name__}.")
-    check_megatron_version()
-    with _lock:
-        if _state is not None and _state.config == config:
-            return
-        if _state is not None:
-            _remove_locked()
-        router_module = _router_module()
-        cls = router_module.TopKRouter
-        originals = {name: _unpatched(cls.__dict__[name]) for name in ("routing", "__init__")}
-        cls.routing = _make_patched_routing(originals["routing"])
-        cls.__init__ = _make_patched_init(originals["__init__"])
-        dispatch.install("patch")
-        _generation += 1
-        _state = _PatchState(config=config, originals=originals, generation=_generation)
-    logger.info("elastic-moe: patched megatron.core.transformer.moe.router.TopKRouter.{routing,__init__} and %s "
-                "with %s", ", ".join(dispatch.installed_targets()), config)
+    _PATCH.apply(config)
 
 
-def _unpatched(function: Callable) -> Callable:
-    """The stock function under any elastic patch: a second copy of this module (ms-swift loads
-    ``--external_plugins`` files under a hashed module name) must not wrap the first one's patch."""
-    while getattr(function, _PATCH_MARKER, False):
-        function = function.__wrapped__
-    return function
-
-
-def remove() -> None:
-    """Restore every patched attribute of ``TopKRouter`` by identity. A no-op if not applied."""
-    with _lock:
-        _remove_locked()
-
-
-def _remove_locked() -> None:
-    global _state
-    if _state is None:
-        return
-    cls = _router_module().TopKRouter
-    for name, original in _state.originals.items():
-        setattr(cls, name, original)
-    dispatch.uninstall("patch")
-    _state = None
-
-
-def is_applied() -> bool:
-    return _state is not None
-
-
-def active_config() -> ElasticConfig | None:
-    """The config of the current :func:`apply`, or None."""
-    return _state.config if _state is not None else None
+#: restore every patched attribute by identity (a no-op when not applied)
+remove = _PATCH.remove
+is_applied = _PATCH.is_applied
+active_config = _PATCH.active_config
+#: dotted names of everything the active patch replaced (empty when not applied)
+patched_symbols = _PATCH.symbols
 
 
 @contextlib.contextmanager
 def patched(config: ElasticConfig | None = None) -> Iterator[None]:
     """Context manager: :func:`apply` on entry; on exit restore whatever was applied before."""
-    previous = active_config()
-    apply(config)
-    try:
+    with _PATCH.patched(apply, config):
         yield
-    finally:
-        if previous is None:
-            remove()
-        else:
-            apply(previous)
-
-
-def _make_patched_routing(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
-        state = _state
-        plan = _training_plan(self, state.config, state.generation) if state is not None else None
-        if plan is None:
-            return original(self, logits, padding_mask=padding_mask)
-        return elastic_routing(self, plan, logits, padding_mask)
-
-    setattr(routing, _PATCH_MARKER, True)
-    routing.__wrapped__ = original
-    return routing
-
-
-def _make_patched_init(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        state = _state
-        if state is not None:
-            validate_router(self, state.config)
-
-    setattr(__init__, _PATCH_MARKER, True)
-    __init__.__wrapped__ = original
-    return __init__
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -239,13 +180,7 @@ def validate_router(router, config: ElasticConfig) -> None:
         raise UnsupportedMegatronError(
             f"elastic-moe cannot route {what} with this Megatron config: " + "; ".join(problems) + "."
         )
-    if schedule.low == 1 and _gate_for(model, config) in ("renormalized", "sigmoid_auto") and "low1" not in _warned:
-        _warned.add("low1")
-        layers = config.layers or "all MoE layers"
-        logger.warning(
-            "elastic-moe: schedule %s with a renormalised gate (layers %s): tokens drawn with κ=1 get "
-            "gate weight 1 and no task gradient through the router gate (seed 000). Consider low >= 2 "
-            "or gate='full_softmax'.", schedule.describe(), layers)
+    warn_if_top1_gate_is_constant(schedule, _gate_for(model, config), f"layers {config.layers or 'all MoE layers'}")
 
 
 def _top_p_width(model_config, config: ElasticConfig) -> int:
@@ -285,17 +220,11 @@ def _gate_for(model_config, config: ElasticConfig) -> str:
     return "full_softmax" if model_config.moe_router_pre_softmax else "renormalized"
 
 
-def _training_plan(router, config: ElasticConfig, generation: int) -> LayerPlan | None:
+def training_plan(router, config: ElasticConfig, generation: int) -> LayerPlan | None:
     """The plan for this forward, or None when the stock path must run (cached per router)."""
     if not router.training or not config.enabled:
         return None
-    key = (generation, router.layer_number)
-    cached = router.__dict__.get("_elastic_plan_cache")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    plan = _resolve_plan(router, config)
-    router.__dict__["_elastic_plan_cache"] = (key, plan)
-    return plan
+    return cached_plan(router, (generation, router.layer_number), lambda: _resolve_plan(router, config))
 
 
 def _resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:
@@ -327,93 +256,3 @@ def _resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:
         return LayerPlan(schedule=schedule, gate=_gate_for(model, config), sampling="iid", layer_index=layer_index,
                          top_p=config.top_p, top_p_width=_top_p_width(model, config))
     return LayerPlan(schedule=schedule, gate=_gate_for(model, config), sampling=config.sampling, layer_index=layer_index)
-
-
-# ---------------------------------------------------------------------------------- explicit spec
-def _stock_routing() -> Callable:
-    """The unpatched ``TopKRouter.routing``, whether or not :func:`apply` is active."""
-    state = _state
-    return state.originals["routing"] if state is not None else _unpatched(_router_module().TopKRouter.__dict__["routing"])
-
-
-def _elastic_router_class():
-    router_module = _router_module()
-
-    class ElasticTopKRouter(router_module.TopKRouter):
-        """A ``TopKRouter`` that routes elastically with its class's ``elastic_config``.
-
-        Build one bound to a config with :meth:`with_config` (what :func:`elastic_router_spec`
-        does). Shares :func:`elastic_routing` with the monkey-patch.
-        """
-
-        elastic_config: ElasticConfig = ElasticConfig()
-
-        def __init__(self, *args, **kwargs):
-            check_megatron_version()
-            super().__init__(*args, **kwargs)
-            validate_router(self, self.elastic_config)
-            # Its maps reach stock dispatchers too; the fixes stay for the life of the process.
-            dispatch.install("spec")
-
-        @classmethod
-        def with_config(cls, config: ElasticConfig) -> type:
-            return type(cls.__name__, (cls,), {"elastic_config": config, "__module__": __name__})
-
-        def routing(self, logits, padding_mask=None):
-            plan = _training_plan(self, self.elastic_config, -id(self.elastic_config))
-            if plan is None:
-                return _stock_routing()(self, logits, padding_mask=padding_mask)
-            return elastic_routing(self, plan, logits, padding_mask)
-
-    return ElasticTopKRouter
-
-
-_elastic_router_cls = None
-
-
-def __getattr__(name: str):
-    global _elastic_router_cls
-    if name == "ElasticTopKRouter":
-        if _elastic_router_cls is None:
-            _elastic_router_cls = _elastic_router_class()
-        return _elastic_router_cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def elastic_router_spec(spec, config: ElasticConfig):
-    """A deep copy of a layer/block/MoE ``ModuleSpec`` whose MoE routers are ``ElasticTopKRouter``
-    bound to ``config``. Raises ValueError if the spec contains no MoE submodules."""
-    from megatron.core.transformer.moe.moe_layer import MoESubmodules
-
-    router_class = __getattr__("ElasticTopKRouter").with_config(config)
-    spec = copy.deepcopy(spec)
-    replaced = 0
-
-    def visit(node, seen):
-        nonlocal replaced
-        if id(node) in seen:
-            return
-        seen.add(id(node))
-        if isinstance(node, MoESubmodules):
-            node.router = router_class
-            replaced += 1
-        if dataclasses.is_dataclass(node) and not isinstance(node, type):
-            for field in dataclasses.fields(node):
-                visit(getattr(node, field.name), seen)
-        elif isinstance(node, functools.partial):
-            # megatron-core >= 0.19 specs are partials, e.g. partial(MoELayer, submodules=MoESubmodules(...))
-            visit(node.args, seen)
-            visit(node.keywords, seen)
-        elif isinstance(node, (list, tuple)):
-            for item in node:
-                visit(item, seen)
-        elif isinstance(node, dict):
-            for item in node.values():
-                visit(item, seen)
-        elif hasattr(node, "submodules") and not isinstance(node, type):
-            visit(node.submodules, seen)
-
-    visit(spec, set())
-    if replaced == 0:
-        raise ValueError("elastic_router_spec: the spec contains no MoE layer (no MoESubmodules found).")
-    return spec

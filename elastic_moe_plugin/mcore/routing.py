@@ -8,35 +8,15 @@ it: ``padding_mask`` True = padding token.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
-
 import torch
 
+from elastic_moe_plugin.core import records
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
+from elastic_moe_plugin.core.plan import LayerPlan
+from elastic_moe_plugin.mcore.aux_loss import apply_realised_aux_losses, realised_assignments
 from elastic_moe_plugin.mcore.dispatch import mark_elastic
-from elastic_moe_plugin.core.metrics import RoutingRecord
-from elastic_moe_plugin.core.schedule import BudgetSchedule
 
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerPlan:
-    """How one router routes in training, resolved from the config and the model."""
-
-    schedule: BudgetSchedule
-    gate: str  # "full_softmax" | "renormalized" | "sigmoid_auto"
-    sampling: str
-    layer_index: int | None
-    top_p: float | None = None  # mode="top_p": κ from the cumulative full-softmax probability
-    top_p_width: int | None = None
-
-    @property
-    def width(self) -> int:
-        """b: the number of candidate slots per token (every expert, or the cap, in top-p mode)."""
-        return self.top_p_width if self.top_p is not None else self.schedule.high
 
 
 # ---------------------------------------------------------------------------------- routing
@@ -208,177 +188,12 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
         )
 
     if router.training and torch.is_grad_enabled() and router.is_aux_loss_enabled():
-        probs = _apply_realised_aux_losses(router, plan, probs, logits, realised_map, padding_mask, seq_length, bsz)
+        assignments = realised_assignments(router, plan, logits, realised_map, padding_mask, seq_length, bsz)
+        probs = apply_realised_aux_losses(router, assignments, probs)
 
     router._apply_expert_bias(routing_map, padding_mask=padding_mask)
-    _record(router, plan, budgets, candidate_ids, kept, retained_weight_sums)
+    # Counted once per real step: recompute's first pass runs without grad (as stock expert-bias counting).
+    records.remember(router, plan.width, budgets, candidate_ids, kept, retained_weight_sums,
+                     count=torch.is_grad_enabled())
     # Dispatchers size buffers from k unless told otherwise (see mcore.dispatch).
     return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced")
-
-
-def _record(router, plan: LayerPlan, budgets, candidate_ids, kept, retained_weight_sums) -> None:
-    router.__dict__["_elastic_record"] = RoutingRecord(
-        budgets=budgets.detach(),
-        expert_ids=torch.where(kept, candidate_ids, -1).detach(),
-        retained_weight_sums=retained_weight_sums,
-    )
-    # Counted once per real step: recompute's first pass runs without grad (as stock expert-bias counting).
-    if torch.is_grad_enabled():
-        histogram = router.__dict__.get("_elastic_budget_histogram")
-        if histogram is None or histogram.numel() != plan.width + 1 or histogram.device != budgets.device:
-            histogram = torch.zeros(plan.width + 1, dtype=torch.long, device=budgets.device)
-            router.__dict__["_elastic_budget_histogram"] = histogram
-        histogram.scatter_add_(0, budgets, torch.ones_like(budgets))
-
-
-# ---------------------------------------------------------------------------------- aux losses
-def _attach_kwargs(router, needs_dp_avg: bool) -> dict[str, bool]:
-    """0.16 names the flag ``reduce_group_has_dp`` (inverse meaning); 0.17+ ``needs_dp_avg``."""
-    flag = _attach_flag(type(router).attach_and_log_load_balancing_loss)
-    if flag == "needs_dp_avg":
-        return {"needs_dp_avg": needs_dp_avg}
-    if flag == "reduce_group_has_dp":
-        return {"reduce_group_has_dp": not needs_dp_avg}
-    return {}
-
-
-@functools.lru_cache(maxsize=8)
-def _attach_flag(method) -> str | None:
-    # inspect.signature costs tens of microseconds: once per method, not once per forward
-    parameters = inspect.signature(method).parameters
-    return next((name for name in ("needs_dp_avg", "reduce_group_has_dp") if name in parameters), None)
-
-
-def _realised_token_counts(routing_map: torch.Tensor, group, padding_mask: torch.Tensor | None):
-    """(global realised counts [E], local valid tokens, global valid tokens) without a host sync.
-
-    Valid tokens are counted from the mask (not counts/k, which is wrong once κ varies); with a
-    mask, counts and the token count travel in one all-reduce.
-    """
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    local_counts = routing_map.sum(dim=0)
-    if padding_mask is None:
-        local_tokens = routing_map.shape[0]
-        return reduce_from_tensor_model_parallel_region(local_counts, group), local_tokens, local_tokens * group.size()
-    local_tokens = (~padding_mask).sum()
-    packed = reduce_from_tensor_model_parallel_region(torch.cat([local_counts, local_tokens.view(1)]), group)
-    return packed[:-1], local_tokens, packed[-1]
-
-
-def _apply_realised_aux_losses(router, plan, probs, logits, realised_map, padding_mask, seq_length, bsz):
-    """aux / seq_aux / global_aux load balancing on the realised routing map (step 6)."""
-    from megatron.core.transformer.moe.moe_utils import (
-        compute_routing_scores_for_aux_loss,
-        get_tokens_per_expert_and_token_count,
-        switch_load_balancing_loss_func,
-    )
-
-    model = router.config
-    num_experts = model.num_moe_experts
-    # Full-distribution scores P exactly as stock computes them. For softmax the same two ops as
-    # compute_routing_scores_for_aux_loss, without the static top-k map it would also build (a
-    # top-k over [T, E] is the costliest op of a CPU router); other score functions call it.
-    if router.score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        if padding_mask is not None:
-            scores = scores * (~padding_mask).unsqueeze(-1)
-    else:
-        _, scores = compute_routing_scores_for_aux_loss(logits, 1, router.score_function, fused=False,
-                                                        padding_mask=padding_mask)
-    valid_map = realised_map if padding_mask is None else realised_map & (~padding_mask).unsqueeze(-1)
-    # Σκ is known on the host only for a point mass; then the stock normalisation applies verbatim.
-    host_topk = plan.schedule.center if plan.schedule.is_static else None
-    with_mask = padding_mask is not None
-
-    def realised_switch_loss(probs, counts, total_tokens, coeff):
-        """Megatron's E·coeff·Σ_i P_i·f_i with f_i = c_i / Σ_j c_j = c_i / Σκ (its topk·T := Σκ)."""
-        effective_topk = host_topk if host_topk is not None else counts.sum() / total_tokens
-        return switch_load_balancing_loss_func(
-            probs=probs, tokens_per_expert=counts, total_num_tokens=total_tokens, topk=effective_topk,
-            num_experts=num_experts, moe_aux_loss_coeff=coeff, fused=False,
-        )
-
-    def counts_for(routing_map, group, mask, topk_scale=1):
-        if host_topk is not None:
-            return get_tokens_per_expert_and_token_count(routing_map=routing_map, reduce_group=group,
-                                                         topk=host_topk * topk_scale, with_padding_mask=with_mask)
-        return _realised_token_counts(routing_map, group, mask)
-
-    coeff = router.get_aux_loss_coeff("aux_loss")
-    if coeff > 0:
-        counts, local_tokens, total_tokens = counts_for(valid_map, router.tp_cp_group, padding_mask)
-        aux_loss = realised_switch_loss(scores, counts, total_tokens, coeff)
-        probs = router.attach_and_log_load_balancing_loss(
-            probs, coeff, aux_loss, "load_balancing_loss", router.tp_cp_group,
-            valid_token_count=local_tokens, **_attach_kwargs(router, True),
-        )
-
-    coeff = router.get_aux_loss_coeff("seq_aux_loss")
-    if coeff > 0:
-        # Fold the batch into the expert axis, as stock: column (b, e) counts sequence b's tokens.
-        seq_scores = scores.reshape(seq_length, -1)
-        seq_map = valid_map.reshape(seq_length, -1)
-        if host_topk is not None:
-            counts, local_tokens, total_tokens = counts_for(seq_map, router.tp_cp_group, None, topk_scale=bsz)
-            aux_loss = switch_load_balancing_loss_func(
-                probs=seq_scores, tokens_per_expert=counts, total_num_tokens=total_tokens, topk=host_topk,
-                num_experts=num_experts, moe_aux_loss_coeff=coeff, fused=False,
-            ) / bsz
-        else:
-            counts, local_tokens, total_tokens = _realised_token_counts(seq_map, router.tp_cp_group, padding_mask)
-            if padding_mask is not None:
-                # tokens per sequence, averaged over the micro-batch (stock's convention for P)
-                local_tokens, total_tokens = local_tokens / bsz, total_tokens / bsz
-            per_sequence_counts = counts.view(bsz, num_experts)
-            # Σ_{t∈s} κ_t, realised; a fully padded sequence has 0 here and weighted = 0, so clamp
-            # instead of producing 0/0 = NaN
-            sequence_budgets = per_sequence_counts.sum(dim=-1).clamp(min=1)
-            weighted = (seq_scores.sum(dim=0).view(bsz, num_experts) * per_sequence_counts).sum(dim=-1)
-            aux_loss = (weighted / (sequence_budgets * total_tokens)).sum() * (num_experts * coeff / bsz)
-        probs = router.attach_and_log_load_balancing_loss(
-            probs, coeff, aux_loss, "seq_load_balancing_loss", router.tp_cp_group,
-            valid_token_count=local_tokens * bsz, **_attach_kwargs(router, True),
-        )
-
-    coeff = router.get_aux_loss_coeff("global_aux_loss")
-    if coeff > 0:
-        counts, local_tokens, total_tokens = counts_for(valid_map, router.tp_dp_cp_group, padding_mask)
-        router.global_tokens_per_expert += counts
-        router.ga_steps += 1
-        averaged_counts = router.global_tokens_per_expert / router.ga_steps
-        # f_i = accumulated c_i / accumulated Σκ: the realised counts sum to the realised budgets.
-        aux_loss = realised_switch_loss(scores, averaged_counts, total_tokens, coeff)
-        probs = router.attach_and_log_load_balancing_loss(
-            probs, coeff, aux_loss, "global_load_balancing_loss", router.tp_dp_cp_group,
-            valid_token_count=local_tokens, **_attach_kwargs(router, False),
-        )
-    return probs
-
-
-# ---------------------------------------------------------------------------------- records
-def routing_records(model: torch.nn.Module) -> dict[int, RoutingRecord]:
-    """{0-based layer index: RoutingRecord} of every elastic router's latest training forward."""
-    records = {}
-    for module in model.modules():
-        record = module.__dict__.get("_elastic_record")
-        if record is not None:
-            layer_number = getattr(module, "layer_number", None)
-            records[int(layer_number) - 1 if layer_number is not None else len(records)] = record
-    return records
-
-
-def budget_histograms(model: torch.nn.Module) -> dict[int, torch.Tensor]:
-    """{0-based layer index: LongTensor [b+1]} running κ counts since the last reset (bounded)."""
-    histograms = {}
-    for module in model.modules():
-        histogram = module.__dict__.get("_elastic_budget_histogram")
-        if histogram is not None:
-            histograms[int(module.layer_number) - 1 if module.layer_number is not None else len(histograms)] = histogram
-    return histograms
-
-
-def reset_budget_histograms(model: torch.nn.Module) -> None:
-    for histogram in budget_histograms(model).values():
-        histogram.zero_()
-

@@ -51,6 +51,8 @@ from elastic_moe_plugin.compat import megatron_tracker
 from elastic_moe_plugin.core import metrics
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.mcore import patch
+from elastic_moe_plugin.mcore import records as layer_records
 
 logger = logging.getLogger("elastic_moe_plugin.mcore.tracking")
 
@@ -79,13 +81,11 @@ def _routers(chunks: Iterable[torch.nn.Module]) -> Iterator[torch.nn.Module]:
 
 
 def _records_and_histograms(chunks: Sequence[torch.nn.Module]):
-    from elastic_moe_plugin import mcore
-
     records: dict[int, Any] = {}
     histograms: dict[int, torch.Tensor] = {}
     for chunk in chunks:
-        records.update(mcore.routing_records(chunk))
-        histograms.update(mcore.budget_histograms(chunk))
+        records.update(layer_records.routing_records(chunk))
+        histograms.update(layer_records.budget_histograms(chunk))
     return records, histograms
 
 
@@ -96,9 +96,7 @@ def resolve_schedule(model) -> tuple[BudgetSchedule, int, Any] | None:
     ``ElasticTopKRouter`` (the explicit-spec route); it is resolved against the router's own
     ``TransformerConfig`` exactly as the router resolves it, so ``center`` is the model's top-k.
     """
-    from elastic_moe_plugin import mcore
-
-    active = mcore.active_config()
+    active = patch.active_config()
     for router in _routers(_chunks(model)):
         config: ElasticConfig | None = active if active is not None else getattr(router, "elastic_config", None)
         if config is None or not config.enabled:
@@ -110,6 +108,17 @@ def resolve_schedule(model) -> tuple[BudgetSchedule, int, Any] | None:
 
 
 # ---------------------------------------------------------------------------------- metrics
+def _layer_inputs(model):
+    """(records, histograms, schedule, num_experts) of the model's elastic routers, or None."""
+    chunks = _chunks(model)
+    records, histograms = _records_and_histograms(chunks)
+    resolved = resolve_schedule(chunks) if (records or histograms) else None
+    if resolved is None:
+        return None
+    schedule, num_experts, _ = resolved
+    return records, histograms, schedule, num_experts
+
+
 def routing_metrics(model) -> dict[str, float]:
     """Flat scalars of the model's elastic routers (one host sync per layer; logging steps only).
 
@@ -117,33 +126,24 @@ def routing_metrics(model) -> dict[str, float]:
     as :func:`elastic_moe_plugin.core.metrics.routing_metrics` defines them; ``{}`` when no router has
     routed elastically yet or no elastic config is active.
     """
-    chunks = _chunks(model)
-    records, histograms = _records_and_histograms(chunks)
-    resolved = resolve_schedule(chunks) if (records or histograms) else None
-    if resolved is None:
-        return {}
-    schedule, num_experts, _ = resolved
-    return metrics.routing_metrics(records, histograms, schedule, num_experts)
+    inputs = _layer_inputs(model)
+    return metrics.routing_metrics(*inputs) if inputs is not None else {}
 
 
 def per_layer_metrics(model) -> dict[int, dict[str, float]]:
     """{0-based layer index: {metric name: value}} (the per-layer part of :func:`routing_metrics`)."""
-    chunks = _chunks(model)
-    records, histograms = _records_and_histograms(chunks)
-    resolved = resolve_schedule(chunks) if (records or histograms) else None
-    if resolved is None:
+    inputs = _layer_inputs(model)
+    if inputs is None:
         return {}
-    schedule, num_experts, _ = resolved
+    records, histograms, schedule, num_experts = inputs
     return {layer: metrics.layer_metrics(records.get(layer), histograms.get(layer), schedule, num_experts)
             for layer in sorted(set(records) | set(histograms))}
 
 
 def reset(model) -> None:
     """Zero every elastic router's κ histogram, so the next log covers only the steps after this one."""
-    from elastic_moe_plugin import mcore
-
     for chunk in _chunks(model):
-        mcore.reset_budget_histograms(chunk)
+        layer_records.reset_budget_histograms(chunk)
 
 
 # ---------------------------------------------------------------------------------- Megatron's tracker
@@ -268,10 +268,8 @@ def log_routing_metrics(
     if writer is None and wandb_writer is None:
         writer, wandb_writer = _megatron_lm_writers()
     _, _, model_config = resolve_schedule(chunks)
-    from elastic_moe_plugin import mcore
-
     records, histograms = _records_and_histograms(chunks)
-    elastic = mcore.active_config()
+    elastic = patch.active_config()
     if elastic is None:
         elastic = next((getattr(r, "elastic_config", None) for r in _routers(chunks)
                         if getattr(r, "elastic_config", None) is not None), None)

@@ -16,7 +16,10 @@ transformers = pytest.importorskip("transformers")
 
 from elastic_moe_plugin import ElasticConfig, hf
 from elastic_moe_plugin.core.config import ConfigError
+from elastic_moe_plugin.core.patching import PATCH_MARKER
 from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.hf import families as hf_families
+from elastic_moe_plugin.hf import patch as hf_patch
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 
@@ -58,13 +61,13 @@ def _assert_bitwise(a, b):
 
 def _family_objects(name):
     family = next(f for f in hf.FAMILIES if f.name == name)
-    return family, hf._load_family(family)
+    return family, hf_families.load_family(family)
 
 
 def _all_patch_points():
     points = []
     for family in hf.FAMILIES:
-        loaded = hf._load_family(family)
+        loaded = hf_families.load_family(family)
         if isinstance(loaded, str):
             continue
         module, router_cls, layer_cls = loaded
@@ -81,7 +84,7 @@ def test_apply_and_remove_restore_every_attribute_by_identity():
     for owner, name in points:
         current = owner.__dict__[name]
         assert current is not originals[(id(owner), name)]
-        assert getattr(current, hf._PATCH_MARKER, False)
+        assert getattr(current, PATCH_MARKER, False)
     # one loss function per module (Qwen3-Omni's thinker and talker share theirs)
     assert len(hf.patched_symbols()) == len({(id(owner), name) for owner, name in points})
     assert "transformers.models.olmoe.modeling_olmoe.OlmoeTopKRouter.forward" in hf.patched_symbols()
@@ -114,7 +117,7 @@ def test_apply_is_idempotent_replaces_and_patched_restores():
 
 @pytest.mark.parametrize("found", ["5.20.0", "4.57.1"])
 def test_version_guard_names_range_and_override(monkeypatch, found):
-    monkeypatch.setattr(hf, "transformers_version", lambda: Version(found))
+    monkeypatch.setattr(hf_patch, "transformers_version", lambda: Version(found))
     monkeypatch.delenv(hf.ALLOW_UNSUPPORTED_ENV, raising=False)
     with pytest.raises(hf.UnsupportedTransformersError, match=rf"{found}.*>=5.0,<5.20.*{hf.ALLOW_UNSUPPORTED_ENV}=1"):
         hf.apply(ElasticConfig(schedule="1-3"))

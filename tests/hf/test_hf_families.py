@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from elastic_moe_plugin import ElasticConfig, hf
 from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.hf import families as hf_families
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 
@@ -36,7 +37,7 @@ def _routers(model):
     found = []
     for name, module in model.named_modules():
         if type(module) in classes:
-            found.append((hf._index_from_name(name), module, classes[type(module)]))
+            found.append((hf_families.layer_index_from_name(name), module, classes[type(module)]))
     return found
 
 
@@ -58,8 +59,8 @@ def test_router_at_kappa_equal_k_reproduces_the_stock_router(tiny, family_name, 
     stock_logits, stock_weights, stock_ids = router(x)  # unpatched
     k = router.top_k
     plan = hf.LayerPlan(schedule=BudgetSchedule.static(k), gate=hf.gate_for(router, family, ElasticConfig()),
-                        sampling="iid", layer_index=None, family=family)
-    logits, weights, ids = hf.elastic_route(router, plan, x, budgets=torch.full((32,), k))
+                        sampling="iid", layer_index=None, cast_weights_to_logits=family.casts_weights)
+    logits, weights, ids = hf.elastic_routing(router, plan, x, budgets=torch.full((32,), k))
     assert torch.equal(logits, stock_logits)
     assert torch.equal(ids, stock_ids)
     assert weights.dtype == stock_weights.dtype

@@ -1,0 +1,296 @@
+"""The one patch lifecycle of the plugin: class-level replacements, restored by identity.
+
+Two pieces, used by every adapter (``mcore``, ``hf``), the dispatcher fixes and the CPU layer:
+
+- :class:`AttributePatches`: an ordered record of ``(owner, name, original)``. :meth:`wrap`
+  builds the replacement from the *stock* object (any earlier elastic wrapper is unwrapped first,
+  so a second copy of this package, e.g. ms-swift importing the plugin file under a hashed module
+  name, never stacks a patch on a patch), marks it (``__elastic_moe_patched__``, ``__wrapped__``)
+  and remembers the stock object. :meth:`set` redirects an attribute and remembers what was there.
+  :meth:`restore` puts the originals back by identity, in reverse order, and deletes attributes
+  that did not exist before.
+- :class:`PatchLifecycle`: ``apply(config)`` / ``remove()`` / ``patched(config)`` for one
+  framework. One re-entrant lock (a failed ``apply(config, model=...)`` re-applies the previous
+  config while holding it), the framework's version guard on every apply, idempotence (the same
+  config again changes nothing), and a generation number that routers key their cached plans on.
+
+An adapter supplies only its version guard and an ``install(config, patches)`` function that
+calls :meth:`AttributePatches.wrap` for each target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import inspect
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from packaging.version import Version
+
+from elastic_moe_plugin.core.config import ElasticConfig
+from elastic_moe_plugin.core.errors import UnsupportedFrameworkError
+
+#: set on every replacement this package installs; its ``__wrapped__`` is what it replaced
+PATCH_MARKER = "__elastic_moe_patched__"
+#: the "original" of an attribute that did not exist before a patch
+MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
+
+
+def is_patched(obj: Any) -> bool:
+    """Whether ``obj`` is a replacement installed by (some copy of) this package."""
+    return bool(getattr(obj, PATCH_MARKER, False))
+
+
+def unwrap(obj: Any) -> Any:
+    """The stock object under any chain of elastic replacements."""
+    while is_patched(obj):
+        obj = obj.__wrapped__
+    return obj
+
+
+def _qualified(owner: Any, name: str) -> str:
+    prefix = owner.__name__ if inspect.ismodule(owner) else f"{owner.__module__}.{owner.__qualname__}"
+    return f"{prefix}.{name}"
+
+
+class AttributePatches:
+    """Replacements of attributes on classes and modules, undone in reverse order by identity."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[Any, str, Any]] = []
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, owner: Any, name: str, factory: Callable[[Any], Any]) -> Any:
+        """Replace ``owner.<name>`` by ``factory(stock)`` and mark it.
+
+        ``stock`` is the attribute as defined on ``owner`` itself (``vars(owner)``, not inherited),
+        unwrapped of earlier elastic replacements; :meth:`restore` puts ``stock`` back, so removing
+        a patch leaves stock code even where another copy of this package had patched first.
+        Returns the replacement.
+
+        Raises:
+            AttributeError: ``owner`` defines no ``name`` of its own.
+        """
+        found = vars(owner).get(name, MISSING)
+        if found is MISSING:
+            raise AttributeError(f"{_qualified(owner, name)} does not exist: nothing to wrap.")
+        stock = unwrap(found)
+        replacement = factory(stock)
+        setattr(replacement, PATCH_MARKER, True)
+        replacement.__wrapped__ = stock
+        self._record(owner, name, stock)
+        setattr(owner, name, replacement)
+        return replacement
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        """Set ``owner.<name> = value`` (unmarked: a redirect, not a wrapper), remembering what was there."""
+        self._record(owner, name, vars(owner).get(name, MISSING))
+        setattr(owner, name, value)
+
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` when :meth:`restore` runs (after the attributes are put back)."""
+        self._undo.append(undo)
+
+    def _record(self, owner: Any, name: str, original: Any) -> None:
+        self._entries.append((owner, name, original))
+
+    def restore(self) -> None:
+        """Put every original back, newest first; delete attributes that did not exist."""
+        for owner, name, original in reversed(self._entries):
+            if original is MISSING:
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._entries.clear()
+        undo, self._undo = self._undo, []
+        for callback in reversed(undo):
+            callback()
+
+    def symbols(self) -> list[str]:
+        """Dotted names of the replaced attributes, in the order they were patched."""
+        return [_qualified(owner, name) for owner, name, _ in self._entries]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionGuard:
+    """The tested version range of a framework, and the variable that overrides it.
+
+    Attributes:
+        framework: the distribution name users install (``"megatron-core"``, ``"transformers"``).
+        minimum / maximum: the tested range ``[minimum, maximum)`` (pre-releases count as their base).
+        override_env: setting it to 1 tries an untested version anyway, with a warning.
+        error: the :class:`UnsupportedFrameworkError` subclass to raise.
+        extra: the package extra that installs the framework (``pip install 'elastic-moe-plugin[extra]'``).
+    """
+
+    framework: str
+    minimum: Version
+    maximum: Version
+    override_env: str
+    error: type[UnsupportedFrameworkError]
+    extra: str
+
+    @property
+    def range(self) -> str:
+        return f">={self.minimum},<{self.maximum}"
+
+    def check(self, read_version: Callable[[], Version]) -> Version:
+        """The version ``read_version()`` finds if inside the range (or overridden, with a warning).
+
+        Raises:
+            error: the framework is missing, or outside the range and not overridden.
+        """
+        try:
+            found = read_version()
+        except importlib.metadata.PackageNotFoundError:
+            raise self.error(
+                f"elastic-moe needs {self.framework} {self.range}, which is not installed: pip install "
+                f"'elastic-moe-plugin[{self.extra}]' (or '{self.framework}{self.range}')."
+            ) from None
+        if self.minimum <= Version(found.base_version) < self.maximum:
+            return found
+        if os.environ.get(self.override_env, "").lower() in ("1", "true", "yes"):
+            logging.getLogger("elastic_moe_plugin").warning(
+                "elastic-moe: %s %s is outside the tested range %s; %s is set, trying anyway.",
+                self.framework, found, self.range, self.override_env)
+            return found
+        raise self.error(
+            f"elastic-moe supports {self.framework} {self.range}, found {found}. Install a supported "
+            f"version (pip install '{self.framework}{self.range}'), or set {self.override_env}=1 to try anyway."
+        )
+
+
+class PatchLifecycle:
+    """``apply`` / ``remove`` / ``patched`` of one framework adapter.
+
+    Args:
+        name: the adapter (``"mcore"``, ``"hf"``), for messages.
+        install: ``install(config, patches)`` makes every replacement through ``patches``. If it
+            raises, whatever it already replaced is restored before the error propagates.
+        guard: the framework's tested range, checked on every :meth:`apply`.
+        read_version: the version of the framework code being patched.
+        logger: where the one INFO line per apply goes.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        install: Callable[[ElasticConfig, AttributePatches], None],
+        guard: VersionGuard,
+        read_version: Callable[[], Version],
+        logger: logging.Logger,
+    ) -> None:
+        self.name = name
+        self._install = install
+        self._guard = guard
+        self._read_version = read_version
+        self._logger = logger
+        # Re-entrant: rolling back a failed apply re-applies the previous config under the lock.
+        self._lock = threading.RLock()
+        self._config: ElasticConfig | None = None
+        self._patches: AttributePatches | None = None
+        self._generation = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def config(self) -> ElasticConfig | None:
+        """The active config, or None when not applied."""
+        return self._config
+
+    @property
+    def generation(self) -> int:
+        """Incremented by every apply that changes the config: routers key cached plans on it."""
+        return self._generation
+
+    def active_config(self) -> ElasticConfig | None:
+        """The config of the current apply, or None."""
+        return self._config
+
+    def is_applied(self) -> bool:
+        """Whether the patch is installed."""
+        return self._config is not None
+
+    def symbols(self) -> list[str]:
+        """Dotted names of everything the active patch replaced (empty if not applied)."""
+        patches = self._patches
+        return patches.symbols() if patches is not None else []
+
+    # ------------------------------------------------------------------ verbs
+    def resolve(self, config: ElasticConfig | None) -> ElasticConfig:
+        """``config``, or :meth:`ElasticConfig.from_env` when None; a TypeError for anything else."""
+        config = ElasticConfig.from_env() if config is None else config
+        if not isinstance(config, ElasticConfig):
+            raise TypeError(f"{self.name}.apply expects an ElasticConfig, got {type(config).__name__}.")
+        return config
+
+    def check_version(self) -> Version:
+        """The framework's version, if supported; else raise (see :meth:`VersionGuard.check`)."""
+        return self._guard.check(self._read_version)
+
+    def apply(self, config: ElasticConfig | None = None) -> bool:
+        """Install the patch with ``config``; True if anything changed (False: already active)."""
+        config = self.resolve(config)
+        self.check_version()
+        with self._lock:
+            if self._config == config:
+                return False
+            self._remove_locked()
+            patches = AttributePatches()
+            try:
+                self._install(config, patches)
+            except BaseException:
+                patches.restore()
+                raise
+            self._patches, self._config = patches, config
+            self._generation += 1
+        self._logger.info("elastic-moe: patched %s with %s", ", ".join(patches.symbols()), config)
+        return True
+
+    def remove(self) -> None:
+        """Restore every patched attribute by identity. A no-op when not applied."""
+        with self._lock:
+            self._remove_locked()
+
+    def _remove_locked(self) -> None:
+        if self._patches is not None:
+            self._patches.restore()
+        self._patches, self._config = None, None
+
+    @contextlib.contextmanager
+    def rollback_on_error(self) -> Iterator[None]:
+        """Restore the state from before the block (applied with its config, or not) if it raises."""
+        with self._lock:
+            previous = self._config
+            try:
+                yield
+            except BaseException:
+                if previous is None:
+                    self._remove_locked()
+                elif previous != self._config:
+                    self.apply(previous)
+                raise
+
+    @contextlib.contextmanager
+    def patched(self, apply: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterator[None]:
+        """``apply(*args, **kwargs)`` on entry (the adapter's own apply); on exit restore what was before."""
+        previous = self._config
+        apply(*args, **kwargs)
+        try:
+            yield
+        finally:
+            if previous is None:
+                self.remove()
+            else:
+                self.apply(previous)
+
+
+__all__ = ["MISSING", "PATCH_MARKER", "AttributePatches", "PatchLifecycle", "VersionGuard", "is_patched", "unwrap"]

@@ -1,0 +1,86 @@
+"""``LayerPlan``: how one router routes in training, resolved once per (config, router) and cached.
+
+Both adapters resolve a plan from an :class:`~elastic_moe_plugin.core.config.ElasticConfig` and
+the router they meet; ``None`` instead of a plan means "run the stock code" (eval mode, a static
+schedule, a layer outside ``ElasticConfig.layers``, an MTP layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Hashable
+
+from elastic_moe_plugin.core.schedule import BudgetSchedule
+
+#: gate rules a plan may name (``docs/gates.md``): ``sigmoid_auto`` is Megatron's sigmoid /
+#: sqrtsoftplus rule (renormalise over the kept scores when κ_t > 1)
+PLAN_GATES: tuple[str, ...] = ("full_softmax", "renormalized", "sigmoid_auto")
+
+#: ``(key, plan)`` cached in a router's ``__dict__``: a plan is resolved once per key
+PLAN_CACHE_ATTR = "_elastic_plan_cache"
+
+logger = logging.getLogger("elastic_moe_plugin")
+_warned: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """How one router routes in training.
+
+    Attributes:
+        schedule: the budget distribution of κ (the point mass at k in ``mode="top_p"``).
+        gate: the weighing rule, one of :data:`PLAN_GATES`.
+        sampling: ``"iid"`` or ``"balanced"`` (:meth:`BudgetSchedule.sample`).
+        layer_index: the 0-based decoder layer, or None when the router does not know it.
+        top_p: ``mode="top_p"``: κ_t is the size of the smallest top-ranked set whose full-softmax
+            mass reaches ``top_p``; None in ``mode="elastic"``.
+        top_p_width: candidate slots in ``mode="top_p"`` (every expert, or the cap).
+        cast_weights_to_logits: return gate weights in the logits' dtype (False: keep fp32, as
+            Mixtral and MiniMax do in transformers).
+    """
+
+    schedule: BudgetSchedule
+    gate: str
+    sampling: str
+    layer_index: int | None
+    top_p: float | None = None
+    top_p_width: int | None = None
+    cast_weights_to_logits: bool = True
+
+    @property
+    def width(self) -> int:
+        """b: candidate slots per token, the schedule's high budget (or the top-p width)."""
+        return self.top_p_width if self.top_p is not None else self.schedule.high
+
+
+def cached_plan(router, key: Hashable, resolve: Callable[[], "LayerPlan | None"]) -> "LayerPlan | None":
+    """The plan cached on ``router`` for ``key``, else ``resolve()`` (cached; None is cached too).
+
+    ``key`` holds everything the plan depends on that can change between forwards (the patch
+    generation, the layer index), so a changed config or layer number re-resolves.
+    """
+    cached = router.__dict__.get(PLAN_CACHE_ATTR)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    plan = resolve()
+    router.__dict__[PLAN_CACHE_ATTR] = (key, plan)
+    return plan
+
+
+def warn_if_top1_gate_is_constant(schedule: BudgetSchedule, gate: str, where: str) -> None:
+    """Warn once per process when κ = 1 can be drawn under a renormalised gate.
+
+    A renormalised top-1 weight is exactly 1, so those tokens pass no task gradient to the router
+    through the gate (``docs/gates.md``, "renormalised top-1").
+    """
+    if schedule.low != 1 or gate not in ("renormalized", "sigmoid_auto") or "low1" in _warned:
+        return
+    _warned.add("low1")
+    logger.warning(
+        "elastic-moe: schedule %s with a renormalised gate (%s): tokens drawn with κ=1 get gate weight 1 "
+        "and no task gradient through the router gate (docs/gates.md, 'renormalised top-1'). Consider "
+        "low >= 2 or gate='full_softmax'.", schedule.describe(), where)
+
+
+__all__ = ["PLAN_CACHE_ATTR", "PLAN_GATES", "LayerPlan", "cached_plan", "warn_if_top1_gate_is_constant"]

@@ -1,0 +1,134 @@
+"""The covered transformers MoE router families, and where their routers sit in a model.
+
+Every covered family routes at ``model.layers.<i>.mlp.gate`` with ``forward(hidden_states) ->
+(router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])``: a softmax in fp32, a top-k on
+the probabilities and, where the family does, a renormalisation. The table records the class
+names and the two ways the families differ (whether ``norm_topk_prob`` decides the gate, and
+whether the weights are cast back to the logits' dtype). Routers of another shape (sigmoid scores
+with a correction bias, top-k on the logits, jitter inside the router, hash routing: DeepSeek-V4,
+GPT-OSS, Granite-MoE, Phi-MoE, ...) are not covered; ``docs/transformers.md`` lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from elastic_moe_plugin.core.patching import unwrap
+
+#: the 0-based decoder-layer index, set on a router by the patched decoder-layer ``__init__``
+LAYER_ATTR = "_elastic_layer_index"
+# "...layers.<i>.mlp.gate": the ModuleList index of the decoder layer is its layer_idx.
+_ROUTER_NAME = re.compile(r"(?:^|\.)(\d+)\.mlp\.gate$")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterFamily:
+    """One covered router class and the decoder layer that owns it.
+
+    Attributes:
+        name: a label, e.g. ``"olmoe"`` or ``"qwen3_omni_moe.talker"``.
+        module: the transformers model folder, ``transformers.models.<module>.modeling_<module>``.
+        router: the router class name (``mlp.gate``).
+        decoder_layer: the decoder-layer class whose ``__init__(config, layer_idx)`` builds it.
+        reads_norm_topk_prob: the stock router renormalises iff ``router.norm_topk_prob``; False
+            means it always renormalises (Mixtral, MiniMax, Qwen3.5/VL text).
+        casts_weights: the stock router casts the top-k weights to the logits' dtype (False:
+            they stay fp32, as in Mixtral and MiniMax).
+        required: apply() fails if the installed transformers lacks it (OLMoE and Qwen3-MoE, the
+            paper's SFT backbones).
+    """
+
+    name: str
+    module: str
+    router: str
+    decoder_layer: str
+    reads_norm_topk_prob: bool = True
+    casts_weights: bool = True
+    required: bool = False
+
+    @property
+    def module_path(self) -> str:
+        return f"transformers.models.{self.module}.modeling_{self.module}"
+
+
+FAMILIES: tuple[RouterFamily, ...] = (
+    RouterFamily("olmoe", "olmoe", "OlmoeTopKRouter", "OlmoeDecoderLayer", required=True),
+    RouterFamily("qwen3_moe", "qwen3_moe", "Qwen3MoeTopKRouter", "Qwen3MoeDecoderLayer", required=True),
+    RouterFamily("flex_olmo", "flex_olmo", "FlexOlmoTopKRouter", "FlexOlmoDecoderLayer"),
+    RouterFamily("qwen2_moe", "qwen2_moe", "Qwen2MoeTopKRouter", "Qwen2MoeDecoderLayer"),
+    RouterFamily("qwen3_next", "qwen3_next", "Qwen3NextTopKRouter", "Qwen3NextDecoderLayer"),
+    RouterFamily("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeTopKRouter", "Qwen3_5MoeDecoderLayer",
+                 reads_norm_topk_prob=False),
+    RouterFamily("qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeTextTopKRouter", "Qwen3VLMoeTextDecoderLayer",
+                 reads_norm_topk_prob=False),
+    RouterFamily("qwen3_omni_moe.thinker", "qwen3_omni_moe", "Qwen3OmniMoeThinkerTextTopKRouter",
+                 "Qwen3OmniMoeThinkerTextDecoderLayer"),
+    RouterFamily("qwen3_omni_moe.talker", "qwen3_omni_moe", "Qwen3OmniMoeTalkerTextTopKRouter",
+                 "Qwen3OmniMoeTalkerDecoderLayer"),
+    RouterFamily("qwen4_exp", "qwen4_exp", "Qwen4ExpTextTopKRouter", "Qwen4ExpTextDecoderLayer"),
+    RouterFamily("mixtral", "mixtral", "MixtralTopKRouter", "MixtralDecoderLayer",
+                 reads_norm_topk_prob=False, casts_weights=False),
+    RouterFamily("minimax", "minimax", "MiniMaxTopKRouter", "MiniMaxDecoderLayer",
+                 reads_norm_topk_prob=False, casts_weights=False),
+    RouterFamily("mellum", "mellum", "MellumTopKRouter", "MellumDecoderLayer"),
+)
+
+
+def load_family(family: RouterFamily) -> tuple[Any, type, type] | str:
+    """(module, router class, decoder-layer class), or a reason why the family cannot be patched."""
+    try:
+        module = importlib.import_module(family.module_path)
+    except ImportError as error:
+        return f"{family.module_path} does not import ({error})"
+    router_cls = getattr(module, family.router, None)
+    layer_cls = getattr(module, family.decoder_layer, None)
+    if router_cls is None or layer_cls is None:
+        missing = family.router if router_cls is None else family.decoder_layer
+        return f"{family.module_path}.{missing} does not exist"
+    # The generic patcher re-implements exactly `forward(self, hidden_states)`; anything else is a
+    # different router and must not be replaced silently.
+    forward = unwrap(router_cls.__dict__.get("forward"))
+    if forward is None or list(inspect.signature(forward).parameters) != ["self", "hidden_states"]:
+        return f"{family.module_path}.{family.router}.forward is not forward(self, hidden_states)"
+    init = layer_cls.__dict__.get("__init__")
+    if init is None or "layer_idx" not in inspect.signature(init).parameters:
+        return f"{family.module_path}.{family.decoder_layer}.__init__ takes no layer_idx"
+    return module, router_cls, layer_cls
+
+
+def covered_router_classes() -> dict[type, RouterFamily]:
+    """{router class: family} for every covered family importable from the installed transformers."""
+    classes = {}
+    for family in FAMILIES:
+        loaded = load_family(family)
+        if not isinstance(loaded, str):
+            classes[loaded[1]] = family
+    return classes
+
+
+def covered_routers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, RouterFamily]]:
+    """``(qualified name, router, family)`` of every covered router in ``model``, in module order."""
+    classes = covered_router_classes()
+    for name, module in model.named_modules():
+        family = classes.get(type(module))
+        if family is not None:
+            yield name, module, family
+
+
+def layer_index_from_name(name: str) -> int | None:
+    """The decoder-layer index in a router's qualified name (``...layers.<i>.mlp.gate``), or None."""
+    match = _ROUTER_NAME.search(name)
+    return int(match.group(1)) if match else None
+
+
+def router_layer_index(name: str, router: torch.nn.Module) -> int | None:
+    """The 0-based layer index of a router: the tag set at construction, else its module path."""
+    index = router.__dict__.get(LAYER_ATTR)
+    return index if index is not None else layer_index_from_name(name)

@@ -1,0 +1,289 @@
+"""The transformers patch: version guard, install targets, per-router plans and start-up checks.
+
+Per covered family (``transformers.models.<family>.modeling_<family>``, see :mod:`.families`):
+
+- ``<Router>.forward``: in training, elastic layers run :func:`.routing.elastic_routing`; in eval
+  mode, for ``schedule="static"``, for ``enabled=False`` and in layers outside
+  ``ElasticConfig.layers`` the original method runs, so results are bit-for-bit stock.
+- ``<DecoderLayer>.__init__``: runs the original, then tags ``self.mlp.gate`` with the 0-based
+  decoder-layer index (``layer_idx``; the router itself does not know it) and checks the config
+  against the model (:class:`~elastic_moe_plugin.core.errors.ConfigError` at model build).
+- ``modeling_<family>.load_balancing_loss_func``: counts the *realised* assignments of logits that
+  came from an elastic router (paper §3.2); for any other logits the original runs, bitwise stock.
+
+Nothing else is touched: parameters, buffers, state-dict keys and the experts modules are stock,
+so checkpoints are interchangeable with unpatched transformers. The lifecycle (lock, idempotence,
+identity restore) is :class:`~elastic_moe_plugin.core.patching.PatchLifecycle`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+from elastic_moe_plugin.core.config import ElasticConfig
+from elastic_moe_plugin.core.errors import ConfigError, UnsupportedTransformersError
+from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
+from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
+from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.hf.families import (
+    FAMILIES,
+    LAYER_ATTR,
+    RouterFamily,
+    covered_routers,
+    layer_index_from_name,
+    load_family,
+)
+from elastic_moe_plugin.hf.routing import (
+    elastic_routing,
+    link_experts,
+    realised_assignments,
+    realised_load_balancing_loss,
+)
+
+logger = logging.getLogger("elastic_moe_plugin.hf")
+
+def transformers_version() -> Version:
+    """The installed transformers' version."""
+    return Version(importlib.metadata.version("transformers"))
+
+
+# exclusive maximum: ms-swift 4.6 caps transformers at <5.20
+VERSION_GUARD = VersionGuard("transformers", Version("5.0"), Version("5.20"),
+                             "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS", UnsupportedTransformersError, extra="hf")
+SUPPORTED_TRANSFORMERS_RANGE, ALLOW_UNSUPPORTED_ENV = VERSION_GUARD.range, VERSION_GUARD.override_env
+
+
+# ---------------------------------------------------------------------------------- install
+def _install(config: ElasticConfig, patches: AttributePatches) -> None:
+    """Wrap the router forward, the decoder-layer ``__init__`` and the aux loss of every covered family."""
+    loss_patched: set[int] = set()
+    for family in FAMILIES:
+        loaded = load_family(family)
+        if isinstance(loaded, str):
+            if family.required:
+                raise UnsupportedTransformersError(
+                    f"elastic-moe cannot patch {family.name}: {loaded}. This transformers "
+                    f"({transformers_version()}) differs from the tested {SUPPORTED_TRANSFORMERS_RANGE}; "
+                    f"install a tested version."
+                )
+            logger.debug("elastic-moe: skipping %s: %s", family.name, loaded)
+            continue
+        module, router_cls, layer_cls = loaded
+        patches.wrap(router_cls, "forward", functools.partial(_router_forward, family=family))
+        patches.wrap(layer_cls, "__init__", functools.partial(_layer_init, router_cls=router_cls))
+        if callable(module.__dict__.get("load_balancing_loss_func")) and id(module) not in loss_patched:
+            loss_patched.add(id(module))  # families sharing a modeling module share one loss function
+            patches.wrap(module, "load_balancing_loss_func", _load_balancing_loss)
+
+
+# The lambda reads transformers_version at call time (tests substitute it).
+_PATCH = PatchLifecycle("hf", _install, VERSION_GUARD, lambda: transformers_version(), logger)
+#: raise UnsupportedTransformersError outside the tested range unless ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS=1
+check_transformers_version = _PATCH.check_version
+
+
+def _router_forward(original: Callable, family: RouterFamily) -> Callable:
+    @functools.wraps(original)
+    def forward(self, hidden_states: torch.Tensor):
+        plan = _training_plan(self, family, _PATCH.config, _PATCH.generation)
+        if plan is None:
+            return original(self, hidden_states)
+        return elastic_routing(self, plan, hidden_states)
+
+    return forward
+
+
+def _layer_init(original: Callable, router_cls: type) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        gate = getattr(getattr(self, "mlp", None), "gate", None)
+        if not isinstance(gate, router_cls):
+            return  # a dense layer (mlp_only_layers, decoder_sparse_step)
+        try:
+            arguments = signature.bind(self, *args, **kwargs).arguments
+        except TypeError:  # the original accepted it, so this cannot happen; stay harmless anyway
+            return
+        layer_idx = arguments.get("layer_idx")
+        if layer_idx is not None:
+            gate.__dict__[LAYER_ATTR] = int(layer_idx)
+        link_experts(gate, self.mlp)
+        config = _PATCH.config
+        if config is not None and config.enabled:
+            num_layers = getattr(arguments.get("config"), "num_hidden_layers", None)
+            validate_router(gate, config, num_layers=num_layers)
+
+    return __init__
+
+
+def _load_balancing_loss(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        if gate_logits is None or not isinstance(gate_logits, tuple):
+            return original(gate_logits, num_experts, top_k, attention_mask)
+        realised = realised_assignments(gate_logits)
+        if all(entry is None for entry in realised):
+            # eval, static schedule, unpatched routers: the stock function, bit for bit
+            return original(gate_logits, num_experts, top_k, attention_mask)
+        return realised_load_balancing_loss(gate_logits, realised, num_experts, top_k, attention_mask)
+
+    return load_balancing_loss_func
+
+
+# ---------------------------------------------------------------------------------- lifecycle
+def apply(config: ElasticConfig | None = None, *, model: torch.nn.Module | None = None) -> None:
+    """Patch every covered router class so elastic layers route with ``config`` in training.
+
+    Args:
+        config: defaults to :meth:`ElasticConfig.from_env` (``ELASTIC_MOE_*``).
+        model: a model built before this call. Its routers are tagged with their layer index
+            (:func:`tag_layers`) and the config is checked against it now. Models built after
+            ``apply`` are tagged and checked at construction.
+
+    Idempotent: applying the same config again only (re)tags ``model``; a different config
+    replaces the active one (existing routers pick it up at their next forward). If ``model``
+    rejects the config, the previous state (patched or not) is restored before raising.
+
+    Raises:
+        ConfigError: the config does not fit ``model``, or uses a mode this adapter lacks.
+        UnsupportedTransformersError: transformers outside the tested range, or a required
+            family (OLMoE, Qwen3-MoE) missing or changed.
+    """
+    config = _PATCH.resolve(config)
+    with _PATCH.rollback_on_error():
+        _PATCH.apply(config)
+        if model is not None:
+            tag_layers(model)
+            validate_model(model, config)
+
+
+#: restore every patched attribute by identity (a no-op when not applied)
+remove = _PATCH.remove
+is_applied = _PATCH.is_applied
+active_config = _PATCH.active_config
+#: dotted names of everything the active patch replaced (empty when not applied)
+patched_symbols = _PATCH.symbols
+
+
+@contextlib.contextmanager
+def patched(config: ElasticConfig | None = None, *, model: torch.nn.Module | None = None) -> Iterator[None]:
+    """Context manager: :func:`apply` on entry; on exit restore whatever was applied before."""
+    with _PATCH.patched(apply, config, model=model):
+        yield
+
+
+# ---------------------------------------------------------------------------------- plans
+def gate_for(router: torch.nn.Module, family: RouterFamily, config: ElasticConfig) -> str:
+    """The weighing rule: ``config.gate`` unless ``"auto"``; then the family's own convention
+    (``norm_topk_prob`` True → ``"renormalized"``, False → ``"full_softmax"``)."""
+    if config.gate != "auto":
+        return config.gate
+    if family.reads_norm_topk_prob and not getattr(router, "norm_topk_prob", True):
+        return "full_softmax"
+    return "renormalized"
+
+
+def validate_router(router: torch.nn.Module, config: ElasticConfig, *, num_layers: int | None = None) -> BudgetSchedule:
+    """Check ``config`` against one router (top-k, expert count, layer count) and return its schedule.
+
+    Raises:
+        ConfigError: naming the setting, its value and the fix.
+    """
+    schedule = config.resolve(num_experts=int(router.num_experts), topk=int(router.top_k), num_layers=num_layers)
+    if config.sampling == "balanced" and not schedule.is_static and schedule.low + schedule.high != 2 * schedule.center:
+        raise ConfigError(
+            f"sampling='balanced' needs a schedule symmetric around the model's top-{schedule.center}, got "
+            f"{schedule.describe()}: use sampling='iid', or a range with low + high == 2 * {schedule.center}."
+        )
+    return schedule
+
+
+def _training_plan(router, family: RouterFamily, config: ElasticConfig | None, generation: int) -> LayerPlan | None:
+    """The plan for this forward, or None when the stock forward must run (cached per router)."""
+    if config is None or not router.training or not config.enabled:
+        return None
+    key = (generation, router.__dict__.get(LAYER_ATTR))
+    return cached_plan(router, key, lambda: _resolve_plan(router, family, config))
+
+
+def _resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPlan | None:
+    schedule = validate_router(router, config)
+    if schedule.is_static and config.mode != "top_p":
+        return None
+    layer_index = router.__dict__.get(LAYER_ATTR)
+    if layer_index is None and config.layer_set is not None:
+        raise ConfigError(
+            f"layers={config.layers!r} needs each router's decoder-layer index, but this "
+            f"{type(router).__name__} has none (the model was built before elastic_moe_plugin.hf.apply). "
+            f"Call hf.apply(config, model=model) or hf.tag_layers(model), build the model after apply, "
+            f"or leave `layers` unset."
+        )
+    if layer_index is not None and not config.layer_is_elastic(layer_index):
+        return None
+    gate = gate_for(router, family, config)
+    warn_if_top1_gate_is_constant(schedule, gate, f"{family.name} routers")
+    top_p = {}
+    if config.mode == "top_p":
+        top_p = {"top_p": config.top_p, "top_p_width": config.top_p_max_experts or int(router.num_experts)}
+    return LayerPlan(schedule=schedule, gate=gate, sampling=config.sampling, layer_index=layer_index,
+                     cast_weights_to_logits=family.casts_weights, **top_p)
+
+
+# ---------------------------------------------------------------------------------- models
+def tag_layers(model: torch.nn.Module) -> dict[str, int]:
+    """Tag every covered router of ``model`` with its 0-based decoder-layer index.
+
+    Models built after :func:`apply` are tagged at construction (from ``layer_idx``); this is the
+    path for models built before. The index is the router's position in its ``layers``
+    ModuleList (``...layers.<i>.mlp.gate``), which is ``layer_idx`` in every covered family.
+
+    Returns:
+        {module name: layer index} of the tagged routers.
+
+    Raises:
+        ValueError: ``model`` holds no covered router, or one whose name does not reveal its layer.
+    """
+    tagged: dict[str, int] = {}
+    found = False
+    for name, router, _ in covered_routers(model):
+        found = True
+        index = layer_index_from_name(name)
+        if index is None:
+            raise ValueError(
+                f"cannot tell the decoder-layer index of router {name!r}: expected a module path ending in "
+                f"'<layers>.<i>.mlp.gate'. Set router.{LAYER_ATTR} = <0-based index> by hand."
+            )
+        router.__dict__[LAYER_ATTR] = index
+        link_experts(router, model.get_submodule(name.rpartition(".")[0]) if "." in name else None)
+        tagged[name] = index
+    if not found:
+        names = ", ".join(family.router for family in FAMILIES)
+        raise ValueError(f"{type(model).__name__} contains no covered MoE router (covered: {names}).")
+    return tagged
+
+
+def validate_model(model: torch.nn.Module, config: ElasticConfig) -> None:
+    """Check ``config`` against every covered router of ``model``.
+
+    Raises:
+        ConfigError: naming the setting, its value and the fix.
+    """
+    if not config.enabled:
+        return
+    for name, router, _ in covered_routers(model):
+        num_layers: Any = None
+        parent_name = name.rsplit(".mlp.gate", 1)[0].rpartition(".")[0]
+        with contextlib.suppress(AttributeError):
+            num_layers = len(model.get_submodule(parent_name)) if parent_name else None
+        validate_router(router, config, num_layers=num_layers)

@@ -1,0 +1,189 @@
+"""Elastic routing for one transformers router forward, and the load-balancing loss on what it dispatched.
+
+One MoE layer in training (paper §3.2, Eq. 4-5; the gate weights follow ``docs/gates.md``)::
+
+    (1) z [T, E] = x W^T                                  (the stock router logits)
+    (2) κ [T] ~ q on {a..b}                              (BudgetSchedule.sample, torch's default
+                                                           generator: replayed by checkpointing)
+    (3) p = softmax(z) in fp32; the top-b candidates by p, sorted by rank
+    (4) slot j (0-based) is kept iff j < κ_t; weights by core.gates.weigh_candidates:
+            full_softmax  w = p_e                          (norm_topk_prob=False, OLMoE)
+            renormalized  w = p_e / Σ_kept p               (norm_topk_prob=True, Qwen3, Mixtral)
+    (5) return (z, w [T, b], ids [T, b]); a slot beyond κ_t has weight exactly 0, and its id is the
+        sentinel ``num_experts`` where the experts implementation skips it (the eager loop), the
+        real candidate id elsewhere
+    (6) remember the realised routing (ids, kept mask), weakly keyed by the z tensor transformers'
+        output recorder collects, for ``load_balancing_loss_func``; plus a routing record and a
+        bounded κ histogram per router
+
+The experts and the MoE blocks read the routing width from ``top_k_index.size(-1)``, never from
+``config.num_experts_per_tok``, so a width b ≠ k needs no further patch (checked for 5.19).
+
+Shapes: T = tokens in the call (batch × sequence), E = ``router.num_experts``, k = ``router.top_k``,
+b = the plan's width. Attention-mask polarity, as transformers uses it: 1 = real token.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+from elastic_moe_plugin.core import records
+from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
+from elastic_moe_plugin.core.plan import LayerPlan
+
+#: weakref to the sibling experts module (``mlp.experts``), to learn its implementation at forward
+EXPERTS_ATTR = "_elastic_experts"
+
+#: router_logits tensor → (candidate ids LongTensor [T, b], kept-slot mask BoolTensor [T, b]).
+#: Keyed by object identity (a tensor's == is elementwise) and weakly, so entries die with the logits.
+_REALISED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def elastic_routing(
+    router: torch.nn.Module, plan: LayerPlan, hidden_states: torch.Tensor, budgets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Elastic replacement of a covered router's ``forward`` for one training call (steps 1-6).
+
+    Args:
+        hidden_states: ``[..., H]`` (the MoE block passes ``[T, H]``).
+        budgets: ``LongTensor[T]`` to use instead of drawing from the schedule (tests).
+
+    Returns:
+        ``router_logits [T, E]`` (the logits' dtype), ``top_k_weights [T, b]`` (the logits' dtype, or
+        fp32 where ``plan.cast_weights_to_logits`` is False), ``top_k_index LongTensor[T, b]``: the
+        stock contract with width b; slots j >= κ_t have weight exactly 0.
+    """
+    hidden = hidden_states.reshape(-1, router.hidden_dim)
+    router_logits = F.linear(hidden, router.weight)  # (1) exactly as the stock router
+    num_tokens = router_logits.shape[0]
+    width = plan.width
+    if budgets is None and plan.top_p is None:
+        budgets = plan.schedule.sample(num_tokens, plan.sampling, device=router_logits.device)  # (2)
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (3) as stock: fp32 softmax
+    candidates, candidate_ids = torch.topk(probs, width, dim=-1)  # sorted by rank, like stock top-k
+    if budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass
+        budgets = top_p_budgets(candidates.detach(), plan.top_p)
+    kept = budget_mask(budgets, width)  # (4)
+    if plan.gate == "renormalized":
+        # The gradient reaches the kept logits only (w_i = softmax over the kept z), so a κ = 1 token
+        # has weight exactly 1 and gate gradient exactly 0 (docs/gates.md), not fp32 rounding residue.
+        selected_logits = torch.gather(router_logits.float(), 1, candidate_ids)
+        weights = weigh_candidates("renormalized", candidates, kept, selected_logits=selected_logits)
+    else:
+        weights = weigh_candidates(plan.gate, candidates, kept)
+    retained_weight_sums = weights.detach().sum(dim=-1)
+    if plan.cast_weights_to_logits:
+        weights = weights.to(router_logits.dtype)
+    _REALISED[router_logits] = (candidate_ids.detach(), kept)  # (6)
+    # A checkpoint's recompute replays the same κ; the step was counted in its first forward.
+    records.remember(router, width, budgets, candidate_ids, kept, retained_weight_sums, count=not _in_backward())
+    if _experts_skip_sentinel(router):
+        # The eager experts loop skips index num_experts: slots beyond κ cost nothing, so expert
+        # compute follows E[κ] = k instead of b.
+        return router_logits, weights, torch.where(kept, candidate_ids, int(router.num_experts))  # (5)
+    return router_logits, weights, candidate_ids  # (5)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass, i.e. during a checkpoint's recompute.
+
+    Reentrant checkpointing runs its first forward without grad and recomputes inside backward;
+    non-reentrant recomputes inside backward too. Counting only outside backward counts every
+    routed token exactly once per step in both modes (and without checkpointing).
+    """
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
+def link_experts(router: torch.nn.Module, mlp: torch.nn.Module | None) -> None:
+    """Remember the router's sibling experts module (weakly), to read its implementation at forward."""
+    experts = getattr(mlp, "experts", None) if mlp is not None else None
+    if isinstance(experts, torch.nn.Module):
+        router.__dict__[EXPERTS_ATTR] = weakref.ref(experts)
+
+
+def _experts_skip_sentinel(router: torch.nn.Module) -> bool:
+    """Whether the sibling experts run transformers' eager loop, which skips index num_experts.
+
+    Only the eager loop honours that sentinel outside expert parallelism; any other
+    implementation, an unknown experts module, or expert parallelism keeps real indices.
+    """
+    reference = router.__dict__.get(EXPERTS_ATTR)
+    experts = reference() if reference is not None else None
+    if experts is None or getattr(experts, "_is_expert_parallel", False):
+        return False
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", "unknown")
+    return implementation == "eager"
+
+
+def realised_assignments(gate_logits: tuple[Any, ...]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per layer, the ``(candidate ids [T, b], kept [T, b])`` an elastic router dispatched for those
+    logits, or None for logits that did not come from an elastic training forward."""
+    return [_REALISED.get(layer) if isinstance(layer, torch.Tensor) else None for layer in gate_logits]
+
+
+def realised_load_balancing_loss(
+    gate_logits: tuple[torch.Tensor, ...],
+    realised: list[tuple[torch.Tensor, torch.Tensor] | None],
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """transformers' Switch load-balancing loss, with each layer's counts from what was dispatched.
+
+    With N = Σ_layers Σ_t m_t (m_t = attention-mask value of token t, 1 without a mask)::
+
+        loss = E · Σ_e (c_e / N) · (P_e / N),   P_e = Σ_layers Σ_t m_t · softmax(z_t)_e
+        c_e  = Σ_layers Σ_t m_t · #{kept slots of token t routed to e}
+
+    This is transformers' own normalisation (``load_balancing_loss_func`` in 5.19); only c_e
+    changes: realised counts for layers in ``realised``, the stock top-k recount (``top_k`` on the
+    logits) for layers whose entry is None (eval, static layers). Σ_e c_e / N is the mean number
+    of experts per (layer, token): k for static top-k, the realised mean κ for elastic layers.
+
+    Args:
+        gate_logits: per layer ``[T, E]`` router logits, T = batch × sequence.
+        realised: per layer ``(candidate ids [T, b], kept mask [T, b])`` or None.
+        attention_mask: ``[batch, sequence]``, 1 = real token, or None.
+    """
+    compute_device = gate_logits[0].device
+    tokens_per_expert_sum = torch.zeros(num_experts, dtype=torch.float32, device=compute_device)
+    router_prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=compute_device)
+    total_rows: Any = 0.0
+    flat_mask = None
+    if attention_mask is not None:
+        flat_mask = attention_mask.reshape(-1).to(device=compute_device, dtype=torch.float32)
+
+    for layer_gate, entry in zip(gate_logits, realised):
+        # Stock P: softmax in the logits' dtype, then fp32 sums (kept identical to transformers).
+        routing_weights = torch.nn.functional.softmax(layer_gate.to(compute_device), dim=-1)
+        if entry is None:
+            _, expert_ids = torch.topk(routing_weights, top_k, dim=-1)
+            slot_weights = torch.ones(expert_ids.shape, dtype=torch.float32, device=compute_device)
+        else:
+            expert_ids = entry[0].to(compute_device)
+            slot_weights = entry[1].to(device=compute_device, dtype=torch.float32)
+        if flat_mask is None:
+            router_prob_sum = router_prob_sum + routing_weights.float().sum(dim=0)
+            total_rows = total_rows + routing_weights.shape[0]
+        else:
+            slot_weights = slot_weights * flat_mask.unsqueeze(-1)
+            router_prob_sum = router_prob_sum + (routing_weights.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
+            total_rows = total_rows + flat_mask.sum()
+        # Unkept slots add weight 0: no boolean indexing, so no host sync.
+        tokens_per_expert_sum = tokens_per_expert_sum + torch.zeros(
+            num_experts, dtype=torch.float32, device=compute_device
+        ).scatter_add_(0, expert_ids.reshape(-1), slot_weights.reshape(-1))
+
+    tokens_per_expert = tokens_per_expert_sum / total_rows
+    router_prob_per_expert = router_prob_sum / total_rows
+    overall_loss = torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0))
+    return overall_loss * num_experts
+
+
+__all__ = ["EXPERTS_ATTR", "elastic_routing", "link_experts", "realised_assignments", "realised_load_balancing_loss"]

@@ -1,0 +1,206 @@
+"""The package's architecture, checked by reading its imports (so a change that breaks it fails CI).
+
+Layers, each importing only those below it (and itself)::
+
+    cli                                      the ``elastic-moe`` command
+    tools                                    demo, bench, eval, diagnose, gate lab, recipes
+    swift                                    the ms-swift integration
+    mcore | hf                               one adapter per framework, never each other
+    compat                                   framework compatibility shims
+    core                                     framework-free: nothing else of the package
+
+The package ``__init__`` re-exports core names lazily; the top-level shims (``megatron_lm``,
+``testing``) may import anything but the CLI. Every import
+counts, at module level or inside a function, and the graph between modules has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "elastic_moe_plugin"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+#: layer -> the layers it may import (besides itself)
+#: (``root`` is the package's ``__init__``: ``__version__`` and lazy re-exports of the core)
+ALLOWED: dict[str, set[str]] = {
+    "root": {"core"},
+    "core": set(),
+    "compat": {"core", "root"},
+    "mcore": {"core", "compat", "root"},
+    "hf": {"core", "compat", "root"},
+    "swift": {"core", "compat", "mcore", "hf", "root"},
+    "tools": {"core", "compat", "mcore", "hf", "swift", "root"},
+    "cli": {"core", "compat", "mcore", "hf", "swift", "tools", "root"},
+    "shims": {"core", "compat", "mcore", "hf", "swift", "tools", "root"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(ROOT.rglob("*.py")) if path.parent.name != "plugin"}
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The package module an import of ``name`` loads (a submodule if it is one), else None."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every package module ``module`` imports, anywhere in the file.
+
+    ``from pkg import name`` counts as an import of ``pkg.name`` when that is a module (a submodule
+    import), else of ``pkg`` (its ``__init__``).
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names += [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+    targets = {_resolve(name) for name in names if name == PACKAGE or name.startswith(PACKAGE + ".")}
+    return {target for target in targets if target is not None and target != module}
+
+
+GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "root"
+    if parts[1] in ("megatron_lm", "testing"):
+        return "shims"
+    return parts[1]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return components
+
+
+# ---------------------------------------------------------------------------------- static checks
+def test_every_layer_is_known():
+    assert {_layer(module) for module in MODULES} <= set(ALLOWED)
+    assert {"core", "compat", "mcore", "hf", "swift", "tools", "cli"} <= {_layer(module) for module in MODULES}
+
+
+def test_the_import_graph_has_no_cycle():
+    assert _cycles(GRAPH) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    """The checker itself: a planted two-module cycle and a three-module cycle are reported."""
+    planted = {**GRAPH, "a": {"b"}, "b": {"a"}, "x": {"y"}, "y": {"z"}, "z": {"x"}}
+    assert sorted(_cycles(planted)) == [["a", "b"], ["x", "y", "z"]]
+
+
+def test_arrows_point_down_only():
+    wrong = sorted(
+        f"{module} ({_layer(module)}) imports {target} ({_layer(target)})"
+        for module, targets in GRAPH.items()
+        for target in targets
+        if _layer(target) != _layer(module) and _layer(target) not in ALLOWED[_layer(module)]
+    )
+    assert wrong == []
+
+
+def test_the_core_imports_nothing_else_of_the_package():
+    core = {module: targets for module, targets in GRAPH.items() if _layer(module) == "core"}
+    assert core and all(_layer(target) == "core" for targets in core.values() for target in targets)
+
+
+def test_the_import_reader_sees_function_level_imports():
+    """``mcore.routing`` imports Megatron lazily inside functions; the reader must see package
+    imports there too (cli imports its tools only inside run())."""
+    assert "elastic_moe_plugin.tools.schedule_report" in GRAPH["elastic_moe_plugin.cli.schedule"]
+    assert "elastic_moe_plugin.mcore.aux_loss" in GRAPH["elastic_moe_plugin.mcore.routing"]
+
+
+# ---------------------------------------------------------------------------------- what a training process loads
+_PROBE = r"""
+import json, sys
+which = sys.argv[1]
+if which == "mcore":
+    from elastic_moe_plugin.compat import megatron_cpu
+    megatron_cpu.enable(force=True)  # only to import megatron.core 0.19 without triton
+    from elastic_moe_plugin import ElasticConfig, mcore
+    mcore.apply(ElasticConfig(schedule="6-10"))
+else:
+    from elastic_moe_plugin import ElasticConfig, hf
+    hf.apply(ElasticConfig(schedule="6-10"))
+print(json.dumps(sorted(sys.modules)))
+"""
+TOOL_MODULES = ("elastic_moe_plugin.tools", "elastic_moe_plugin.cli", "elastic_moe_plugin.swift", "matplotlib",
+                "lm_eval", "swift")
+
+
+@pytest.mark.parametrize("adapter", [
+    pytest.param("mcore", marks=pytest.mark.megatron),
+    pytest.param("hf", marks=pytest.mark.hf),
+])
+def test_a_training_process_loads_no_tool(adapter):
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1"}
+    result = subprocess.run([sys.executable, "-c", _PROBE, adapter], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert f"elastic_moe_plugin.{adapter}" in loaded
+    other = "hf" if adapter == "mcore" else "mcore"
+    assert f"elastic_moe_plugin.{other}" not in loaded
+    leaked = [name for name in loaded if any(name == tool or name.startswith(tool + ".") for tool in TOOL_MODULES)]
+    assert leaked == []
