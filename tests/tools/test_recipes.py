@@ -28,16 +28,11 @@ import yaml
 from elastic_moe_plugin import cli
 from elastic_moe_plugin.core.config import ENV_VARS, ElasticConfig
 from elastic_moe_plugin.megatron_lm import split_argv
-from elastic_moe_plugin.tools.recipes.render import first_slurm_host, prepare_model_override, render, resolve_topology
-from elastic_moe_plugin.tools.recipes.load import (
-    CONFIGS_DIR,
-    RecipeError,
-    _load_tree,
-    display_path,
-    list_recipe_files,
-    load_recipe,
-    setting_dirs,
-)
+from elastic_moe_plugin.tools.recipes.load import _load_tree, list_recipe_files, load_recipe, setting_dirs
+from elastic_moe_plugin.tools.recipes.recipe import CONFIGS_DIR, display_path
+from elastic_moe_plugin.tools.recipes.render import prepare_model_override, render
+from elastic_moe_plugin.tools.recipes.schema import RecipeError
+from elastic_moe_plugin.tools.recipes.topology import first_slurm_host, resolve_topology
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "recipes.md"

@@ -1,42 +1,16 @@
 """Check rendered recipe commands with the frameworks' own argument parsers, building no model.
 
+Each recipe is rendered for its own 2 x 8 cluster (what ``elastic-moe launch --dry-run`` prints);
+its flags then go through ms-swift 4.6's ``HfArgumentParser`` of ``SftArguments`` /
+``MegatronSftArguments`` (plus the checks that need no model), or Megatron-LM's own parser and
+``validate_args`` from the megatron-core wheel. Where a framework import cannot work on this
+machine (no triton, no ``mcore_bridge``, Python 3.11) a shim stands in; every shim used is listed
+in the result. What is and is not checked: docs/recipes.md, "How the arguments were checked".
+
 ::
 
     python -m elastic_moe_plugin.tools.recipes.argcheck [RECIPE ...] [--json]     # default: every recipe
     elastic-moe recipes --check-args
-
-Each recipe is rendered for its own 2 x 8 cluster (exactly what ``elastic-moe launch --dry-run``
-prints) and the framework flags are checked as follows.
-
-ms-swift 4.6 (``swift sft`` -> ``SftArguments``, ``megatron sft`` -> ``MegatronSftArguments``):
-the parser ms-swift itself builds (``HfArgumentParser([cls])`` under swift's
-``_patch_get_type_hints``, as ``swift.utils.parse_args`` does), run as ``parse_known_args`` - the
-first half of ``parse_args_into_dataclasses``. Checked: every flag exists, every value converts to
-the field's type (ints, floats, bools via ``string_to_bool``, ``Literal`` choices, list fields), and
-nothing is left over (swift raises on leftovers). Then: JSON-valued flags parse to dicts,
-``megatron_extra_kwargs`` keys are ``TransformerConfig`` fields, and, for ``swift sft``,
-``SftArguments._check_padding_free`` (packing needs flash attention) runs on the parsed values.
-Not checked: the rest of ``__post_init__`` (it resolves and downloads the model, reads its HF
-config, initialises torch.distributed and Megatron), so model/template/dataset existence, the
-hub, DeepSpeed config loading and Megatron's cross-field rules are only exercised by a real run.
-``swift.megatron`` needs ``mcore_bridge`` (GPU-only: it imports Transformer Engine) at import
-time; on a machine without it an import stub that raises if anything is *called* stands in, and
-only the dataclass definitions are used.
-
-Megatron-LM (``pretrain_gpt.py``; Megatron-LM itself is not on PyPI): the real parser of the
-``megatron/training/arguments.py`` that ships in the megatron-core wheel
-(``add_megatron_arguments``), run strictly (``parse_args``: unknown flags and bad values fail),
-then Megatron's own ``validate_args`` with ``world_size`` = the recipe's 16 ranks, which checks the
-parallel layout, batch arithmetic and MoE option rules. Python 3.11 needs a
-``typing.override`` shim for that module, and ``validate_args`` asks
-``torch.cuda.get_device_capability`` for grouped GEMM: it is answered (9, 0) (Hopper). Finally the
-padded vocabulary Megatron will build from a 151,669-token Qwen3 tokenizer is checked to equal
-``model.vocab_size``. Not checked: ``pretrain_gpt.py``'s own extra arguments (none in core_r0.19
-without ModelOpt) and anything after argument validation (tokenizer download, data paths).
-
-On a machine without triton, megatron-core 0.19's unconditional triton import is answered by
-``elastic_moe_plugin.compat.megatron_cpu``'s stand-in module. Every shim used is listed in the
-result.
 """
 
 from __future__ import annotations
@@ -53,8 +27,10 @@ import traceback
 import types
 from typing import Any, Iterable
 
-from elastic_moe_plugin.tools.recipes.render import framework_args, render, resolve_topology
-from elastic_moe_plugin.tools.recipes.load import Recipe, list_recipe_files, load_recipe
+from elastic_moe_plugin.tools.recipes.load import list_recipe_files, load_recipe
+from elastic_moe_plugin.tools.recipes.recipe import Recipe
+from elastic_moe_plugin.tools.recipes.render import framework_args, render
+from elastic_moe_plugin.tools.recipes.topology import resolve_topology
 
 #: len() of the Qwen3 tokenizer (151,643 BPE tokens + 26 special tokens) [external].
 QWEN3_TOKENIZER_LENGTH = 151669
@@ -260,26 +236,36 @@ def check_recipes(paths: Iterable[str]) -> dict[str, Any]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m elastic_moe_plugin.tools.recipes.argcheck", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipes", nargs="*", help="recipe files (default: every recipe under configs/)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    paths = args.recipes or [str(path) for _, path in list_recipe_files()]
+def run_checks(recipes: Iterable[str] = (), *, as_json: bool = False) -> int:
+    """Check ``recipes`` (files or names; default: every built-in recipe) and print the results,
+    as JSON or one line per recipe. The frameworks' import-time chatter goes to stderr.
+
+    Returns:
+        0 when every recipe passed or was skipped (framework not importable), else 1.
+    """
+    paths = list(recipes) or [str(path) for _, path in list_recipe_files()]
     with contextlib.redirect_stdout(sys.stderr):
         results = check_recipes(paths)
-    if args.json:
-        print(json.dumps(results, indent=1))
-    else:
-        for shim in results["shims"]:
-            print(f"shim: {shim}")
-        for name, entry in results["recipes"].items():
-            status = "ok  " if entry["ok"] else "SKIP" if "skipped" in entry else "FAIL"
-            detail = "; ".join(entry["checked"]) if entry["ok"] else entry.get("skipped") or entry["error"]
-            print(f"{status} {name}: {detail}")
+    report = json.dumps(results, indent=1) if as_json else format_results(results)
+    if report:
+        print(report)
     return 0 if all(e["ok"] or "skipped" in e for e in results["recipes"].values()) else 1
 
 
+def format_results(results: dict[str, Any]) -> str:
+    """The text report of :func:`check_recipes`: the shims, then ``ok``/``SKIP``/``FAIL`` per recipe."""
+    lines = [f"shim: {shim}" for shim in results["shims"]]
+    for name, entry in results["recipes"].items():
+        status = "ok  " if entry["ok"] else "SKIP" if "skipped" in entry else "FAIL"
+        detail = "; ".join(entry["checked"]) if entry["ok"] else entry.get("skipped") or entry["error"]
+        lines.append(f"{status} {name}: {detail}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _parser = argparse.ArgumentParser(prog="python -m elastic_moe_plugin.tools.recipes.argcheck", description=__doc__,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    _parser.add_argument("recipes", nargs="*", help="recipe files (default: every recipe under configs/)")
+    _parser.add_argument("--json", action="store_true")
+    _args = _parser.parse_args()
+    sys.exit(run_checks(_args.recipes, as_json=_args.json))

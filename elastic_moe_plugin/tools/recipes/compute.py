@@ -1,33 +1,14 @@
-"""``elastic-moe budget RECIPE``: parameters, FLOPs per token, compute and experts per token.
-
-Definitions (all stated in the output too):
-
-- **Parameters** count every weight matrix: embeddings (input + untied output head), attention
-  Q/K/V/O (GQA: K and V are ``num_query_groups x head_dim`` wide), the router and SwiGLU experts
-  (three ``hidden x moe_ffn`` matrices each). Norm weights and biases are left out (< 0.01 %).
-  *Active* parameters use ``topk`` experts per layer.
-- **M** (paper App. A.4: "non-embedding FLOPs per token", following Tian et al. 2025) is taken in
-  the DeepSeek-LLM convention, which counts forward *and* backward::
-
-      M = 6 * N_act_nonemb + 12 * n_layers * seq * d_attn
-
-  with ``N_act_nonemb`` the active non-embedding parameters and ``d_attn`` the query width. It is
-  the only reading that reproduces the paper's C = M * D = 6e19 (a forward-only
-  ``2N + 4 n_layers seq d_attn`` would give 2.0e19); see docs/recipes.md.
-- **D** = steps x global batch x seq (Megatron-LM recipes; SFT recipes train for epochs over a
-  dataset whose packed size the recipe does not know, so D and C are reported as unknown there).
-- **Experts per token**: for every recipe in the setting folder, E[κ] per elastic layer
-  (``BudgetSchedule.mean``), its mean over all layers (static layers route ``topk``), and the
-  worst case (every elastic layer draws the top of the support). Top-p has no closed form.
-"""
+"""The compute budget of a recipe: total and active parameters, M (training FLOPs per token),
+D (tokens), C = M·D against the paper's 6e19, and the expected and worst-case experts per token
+of every schedule of its setting. The definitions are printed with the numbers and explained in
+docs/recipes.md ("Budget arithmetic")."""
 
 from __future__ import annotations
 
-import argparse
-import json
 from typing import Any
 
-from elastic_moe_plugin.tools.recipes.load import Recipe, display_path, load_recipe
+from elastic_moe_plugin.tools.recipes.load import load_recipe
+from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
 
 PAPER_COMPUTE = 6.0e19
 #: display order of the schedule recipes
@@ -161,14 +142,3 @@ def format_budget(report: dict[str, Any]) -> str:
             lines.append(f"  {'':<15} {row['note']}")
     lines.append("  (* this recipe; layer-restricted recipes average elastic and static layers in 'mean')")
     return "\n".join(lines)
-
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe file, or a name under configs/ such as pretrain/6-10")
-    parser.add_argument("--json", action="store_true", help="print JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    report = budget(load_recipe(args.recipe))
-    print(json.dumps(report, indent=2) if args.json else format_budget(report))
-    return 0

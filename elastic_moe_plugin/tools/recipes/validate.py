@@ -1,0 +1,156 @@
+"""Validate a merged recipe: required keys and their types, the flags ``args`` may not repeat, the
+model's own consistency, and the ``elastic:`` block resolved against the model."""
+
+from __future__ import annotations
+
+import re
+
+from elastic_moe_plugin.core.config import ConfigError, ElasticConfig
+from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
+from elastic_moe_plugin.tools.recipes.schema import (
+    LAUNCHERS,
+    OPTIONAL_KEYS,
+    OWNED_FLAGS,
+    SCHEMA,
+    STR,
+    RecipeError,
+    check_type,
+)
+
+
+def validate(recipe: Recipe) -> None:
+    """Check a merged recipe: required keys, types, the elastic block against the model.
+
+    Raises:
+        RecipeError: naming the file that set the first offending key.
+    """
+    _check_launcher(recipe)
+    _check_blocks(recipe)
+    _check_owned_flags(recipe)
+    _check_model(recipe)
+    _check_elastic(recipe)
+    _check_placeholders(recipe)
+
+
+def _check_launcher(recipe: Recipe) -> None:
+    data = recipe.data
+    launcher = data.get("launcher")
+    if launcher is None:
+        raise RecipeError(
+            f"{display_path(recipe.path)}: no 'launcher' after merging its extends chain; this file is an overlay. "
+            f"Launch a recipe that extends it (e.g. configs/<setting>/<schedule>.yaml)."
+        )
+    if launcher not in LAUNCHERS:
+        raise RecipeError(f"{recipe.file_of('launcher')}: launcher={launcher!r} is not one of {LAUNCHERS}.")
+    check_type(recipe.file_of("setting"), "setting", data.get("setting"), STR)
+    if "script" in data and launcher != "megatron_lm":
+        raise RecipeError(f"{recipe.file_of('script')}: 'script' is only used by launcher megatron_lm.")
+    if launcher == "megatron_lm":
+        check_type(recipe.file_of("script"), "script", data.get("script"), STR)
+
+
+def _check_blocks(recipe: Recipe) -> None:
+    """Every SCHEMA block present (``cluster`` may be left out) with its keys typed right."""
+    data = recipe.data
+    where = display_path(recipe.path)
+    for block, keys in SCHEMA.items():
+        values = data.get(block)
+        if block == "cluster" and values is None:
+            continue
+        if not isinstance(values, dict):
+            raise RecipeError(f"{where}: missing block '{block}:' (keys: {', '.join(keys)}).")
+        for key, tag in keys.items():
+            if key not in values:
+                if (block, key) in OPTIONAL_KEYS or block == "cluster":
+                    continue
+                raise RecipeError(f"{where}: missing key {block}.{key} ({tag}); set it in the setting's base.yaml.")
+            check_type(recipe.file_of(block, key), f"{block}.{key}", values[key], tag)
+    for block in ("args", "env"):
+        if data.get(block) is not None and not isinstance(data[block], dict):
+            raise RecipeError(f"{recipe.file_of(block)}: '{block}' must be a mapping.")
+
+
+def _check_owned_flags(recipe: Recipe) -> None:
+    owned = OWNED_FLAGS[recipe.launcher]
+    normal = {_norm(flag): (flag, owner) for flag, owner in owned.items()}
+    for key in recipe.data.get("args") or {}:
+        hit = normal.get(_norm(str(key)))
+        if hit:
+            raise RecipeError(
+                f"{recipe.file_of('args', key)}: args.{key} is rendered from {hit[1]}; set it there, not in args "
+                f"(the launcher checks and renders it)."
+            )
+
+
+def _norm(flag: str) -> str:
+    """A flag compared with every spelling: no leading dashes, dashes as underscores."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _check_model(recipe: Recipe) -> None:
+    model = recipe.model
+    if model.num_attention_heads % model.num_query_groups:
+        raise RecipeError(
+            f"{recipe.file_of('model', 'num_query_groups')}: model.num_query_groups={model.num_query_groups} must "
+            f"divide model.num_attention_heads={model.num_attention_heads}."
+        )
+    if model.training_topk > model.num_experts:
+        raise RecipeError(
+            f"{recipe.file_of('model', 'train_topk')}: training top-k {model.training_topk} exceeds "
+            f"model.num_experts={model.num_experts}."
+        )
+    if recipe.launcher == "swift_sft":
+        bad = {k: v for k, v in recipe.parallel.items() if v != 1}
+        if bad:
+            raise RecipeError(
+                f"{recipe.file_of('parallel')}: launcher swift_sft (transformers + DeepSpeed/FSDP) is pure data "
+                f"parallel; parallel.{', parallel.'.join(bad)} must be 1 (use megatron_sft for TP/PP/EP)."
+            )
+
+
+def _check_elastic(recipe: Recipe) -> None:
+    """The ``elastic:`` block builds an ElasticConfig that resolves against the model (schedule
+    centred on the training top-k, layers inside the model)."""
+    model = recipe.model
+    elastic = _elastic_config(recipe)
+    try:
+        elastic.resolve(num_experts=model.num_experts, topk=model.training_topk, num_layers=model.num_layers)
+    except ConfigError as error:
+        message = str(error)
+        key = "layers" if message.startswith("layers=") else "schedule"
+        raise RecipeError(
+            f"{recipe.file_of('elastic', key)}: elastic.{key}: {message} (model {model.name}: "
+            f"{model.num_layers} layers, {model.num_experts} experts, training top-{model.training_topk})"
+        ) from None
+
+
+def _elastic_config(recipe: Recipe) -> ElasticConfig:
+    values = recipe.data.get("elastic") or {}
+    try:
+        return ElasticConfig(**values)
+    except ConfigError as error:
+        message = str(error)
+        key = _first_field(message)
+        file = recipe.file_of("elastic", key) if key else recipe.file_of("elastic")
+        label = f"elastic.{key}" if key else "elastic"
+        raise RecipeError(f"{file}: {label}: {message}") from None
+    except TypeError as error:  # pragma: no cover - keys are checked per file before
+        raise RecipeError(f"{recipe.file_of('elastic')}: elastic: {error}") from None
+
+
+def _first_field(message: str) -> str | None:
+    """The ElasticConfig field an error message is about: the one named first."""
+    hits = [(m.start(), name) for name in ElasticConfig.field_names()
+            for m in [re.search(rf"\b{name}\b", message)] if m]
+    return min(hits)[1] if hits else None
+
+
+def _check_placeholders(recipe: Recipe) -> None:
+    """Every ``${...}`` in ``args``, ``env`` and ``script`` names a known placeholder, so a
+    misspelt one fails at load rather than at launch."""
+    data = recipe.data
+    for block in ("args", "env"):
+        for key, value in (data.get(block) or {}).items():
+            recipe.interpolate(value, f"{block}.{key}")
+    if "script" in data:
+        recipe.interpolate(data["script"], "script")
