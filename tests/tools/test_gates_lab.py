@@ -9,13 +9,15 @@ import numpy
 import pytest
 import torch
 
-from elastic_moe_plugin.tools import gates_lab as lab
+from elastic_moe_plugin.cli import gates as gates_cli
+from elastic_moe_plugin.core.gates import get_convention
 from elastic_moe_plugin.tools.gates_lab import (
     compare,
     gradcheck_router,
     load_logits,
     two_logit_example,
 )
+from elastic_moe_plugin.tools.gates_lab import toy_moe
 
 F64 = torch.float64
 
@@ -23,7 +25,7 @@ F64 = torch.float64
 # ----------------------------------------------------------------------------------------- compare
 def _reference_run(k, seed=0, tokens=16, experts=8, hidden=8, renormalise=False):
     """The toy MoE written as a per-token loop with plain torch ops (no gates module)."""
-    toy = lab._build_toy(tokens, experts, hidden, torch.Generator().manual_seed(seed), F64, False, None)
+    toy = toy_moe._build_toy(tokens, experts, hidden, torch.Generator().manual_seed(seed), F64, False, None)
     router = toy.router_weight.clone().requires_grad_()
     outputs = []
     for t in range(tokens):
@@ -110,7 +112,7 @@ def test_saturated_and_detached_causes():
 
 def test_zero_output_gradient_cause():
     outputs = torch.randn(1, 3, 2, dtype=F64)
-    cause = lab._zero_cause(
+    cause = toy_moe._zero_cause(
         "full_softmax", 0, detached=False, kept=2, weights=torch.tensor([[0.5, 0.2]], dtype=F64),
         logits=torch.zeros(1, 3, dtype=F64), kept_ids=torch.tensor([0, 1]), expert_outputs=outputs,
         output_grad=torch.zeros(1, 2, dtype=F64),
@@ -208,7 +210,7 @@ def test_gradcheck_refuses_an_exact_tie():
 
 def test_gradcheck_catches_a_wrong_gradient():
     def broken(logits, k, *, width=None):
-        expert_ids, weights = lab.get_convention("full_softmax")(logits, k, width=width)
+        expert_ids, weights = get_convention("full_softmax")(logits, k, width=width)
         return expert_ids, weights.detach() + 0 * weights  # forward right, gradient 0: wrong
     result = gradcheck_router(broken, WELL_SEPARATED, 2)
     assert result.status == "failed" and "FAILED on token(s) [0, 1, 2]" in result.message
@@ -251,8 +253,8 @@ def test_two_logit_example_numbers():
 # ------------------------------------------------------------------------------------------- CLI
 def _cli(argv, capsys):
     parser = argparse.ArgumentParser(prog="elastic-moe gates")
-    lab.configure_parser(parser)
-    code = lab.run(parser.parse_args(argv))
+    gates_cli.configure_parser(parser)
+    code = gates_cli.run(parser.parse_args(argv))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
