@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import NamedTuple, Sequence
 
@@ -126,6 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as error:
         print(f"elastic-moe {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `elastic-moe ... | head` closed stdout early: not an error of the command. Point stdout
+        # at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -29,10 +29,7 @@ against realised Σκ.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import gc
-import json
 import os
 import statistics
 import time
@@ -436,16 +433,3 @@ def to_json(results: list[ScenarioResult]) -> dict:
 
 
 # ------------------------------------------------------------------------------------ CLI
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small shapes, a few seconds per scenario (what CI runs)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--only", nargs="+", choices=("router", "layer", "gpt"), default=None,
-                        help="run only these scenarios")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's default)")
-
-
-def run(args: argparse.Namespace) -> int:
-    with contextlib.redirect_stderr(open(os.devnull, "w")) if args.json else contextlib.nullcontext():
-        results = run_suite(args.quick, args.threads, args.only)
-    print(json.dumps(to_json(results), indent=2) if args.json else format_results(results))
-    return 0
