@@ -2,7 +2,9 @@
 
 Every covered family routes at ``model.layers.<i>.mlp.gate`` with ``forward(hidden_states) ->
 (router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])``: a softmax in fp32, a top-k on
-the probabilities and, where the family does, a renormalisation. The table records the class
+the probabilities and, where the family does, a renormalisation. The block hands the router's
+``top_k_index`` and ``top_k_weights`` unchanged to ``mlp.experts``, an ``@use_experts_implementation``
+class named like the router with ``Experts`` for ``TopKRouter``. The table records the class
 names and the two ways the families differ (whether ``norm_topk_prob`` decides the gate, and
 whether the weights are cast back to the logits' dtype). Routers of another shape (sigmoid scores
 with a correction bias, top-k on the logits, jitter inside the router, hash routing: DeepSeek-V4,
@@ -35,7 +37,8 @@ class RouterFamily:
     Attributes:
         name: a label, e.g. ``"olmoe"`` or ``"qwen3_omni_moe.talker"``.
         module: the transformers model folder, ``transformers.models.<module>.modeling_<module>``.
-        router: the router class name (``mlp.gate``).
+        router: the router class name (``mlp.gate``); the experts class (``mlp.experts``) is
+            :attr:`experts`.
         decoder_layer: the decoder-layer class whose ``__init__(config, layer_idx)`` builds it.
         reads_norm_topk_prob: the stock router renormalises iff ``router.norm_topk_prob``; False
             means it always renormalises (Mixtral, MiniMax, Qwen3.5/VL text).
@@ -56,6 +59,12 @@ class RouterFamily:
     @property
     def module_path(self) -> str:
         return f"transformers.models.{self.module}.modeling_{self.module}"
+
+    @property
+    def experts(self) -> str:
+        """The experts class name: ``<Prefix>TopKRouter`` → ``<Prefix>Experts`` in every covered family
+        (``tests/hf/test_hf_families.py`` checks it against the blocks transformers builds)."""
+        return self.router.replace("TopKRouter", "Experts")
 
 
 FAMILIES: tuple[RouterFamily, ...] = (
@@ -81,8 +90,24 @@ FAMILIES: tuple[RouterFamily, ...] = (
 )
 
 
-def load_family(family: RouterFamily) -> tuple[Any, type, type] | str:
-    """(module, router class, decoder-layer class), or a reason why the family cannot be patched."""
+@dataclasses.dataclass(frozen=True)
+class LoadedFamily:
+    """A family's classes in the installed transformers.
+
+    Attributes:
+        experts: the experts class, or None where it is not transformers' implementation
+            dispatcher over ``forward(hidden_states, top_k_index, top_k_weights)`` (then expert
+            compute is left stock: all b slots, zero-weighted beyond κ).
+    """
+
+    module: Any
+    router: type
+    decoder_layer: type
+    experts: type | None
+
+
+def load_family(family: RouterFamily) -> LoadedFamily | str:
+    """The family's classes, or a reason why the family cannot be patched."""
     try:
         module = importlib.import_module(family.module_path)
     except ImportError as error:
@@ -100,7 +125,20 @@ def load_family(family: RouterFamily) -> tuple[Any, type, type] | str:
     init = layer_cls.__dict__.get("__init__")
     if init is None or "layer_idx" not in inspect.signature(init).parameters:
         return f"{family.module_path}.{family.decoder_layer}.__init__ takes no layer_idx"
-    return module, router_cls, layer_cls
+    return LoadedFamily(module, router_cls, layer_cls, _experts_class(module, family))
+
+
+def _experts_class(module: Any, family: RouterFamily) -> type | None:
+    """The experts class if it is transformers' dispatcher over the eager ``forward(hidden_states,
+    top_k_index, top_k_weights)`` (what ``@use_experts_implementation`` installs), else None."""
+    experts_cls = getattr(module, family.experts, None)
+    dispatcher = unwrap(vars(experts_cls).get("forward")) if isinstance(experts_cls, type) else None
+    eager = getattr(dispatcher, "__wrapped__", None)  # functools.wraps in use_experts_implementation
+    if not callable(getattr(experts_cls, "_apply_gate", None)) or eager is None:
+        return None
+    if list(inspect.signature(eager).parameters) != ["self", "hidden_states", "top_k_index", "top_k_weights"]:
+        return None
+    return experts_cls
 
 
 def covered_router_classes() -> dict[type, RouterFamily]:
@@ -109,7 +147,7 @@ def covered_router_classes() -> dict[type, RouterFamily]:
     for family in FAMILIES:
         loaded = load_family(family)
         if not isinstance(loaded, str):
-            classes[loaded[1]] = family
+            classes[loaded.router] = family
     return classes
 
 

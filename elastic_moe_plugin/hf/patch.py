@@ -8,11 +8,14 @@ Per covered family (``transformers.models.<family>.modeling_<family>``, see :mod
 - ``<DecoderLayer>.__init__``: runs the original, then tags ``self.mlp.gate`` with the 0-based
   decoder-layer index (``layer_idx``; the router itself does not know it) and checks the config
   against the model (:class:`~elastic_moe_plugin.core.errors.ConfigError` at model build).
+- ``<Family>Experts.forward`` (transformers' implementation dispatcher): a call whose
+  ``top_k_index`` an elastic router marked multiplies only the Σκ kept rows, in every experts
+  implementation (:mod:`.experts`); any other call runs the stock dispatcher, bitwise stock.
 - ``modeling_<family>.load_balancing_loss_func``: counts the *realised* assignments of logits that
   came from an elastic router (paper §3.2); for any other logits the original runs, bitwise stock.
 
-Nothing else is touched: parameters, buffers, state-dict keys and the experts modules are stock,
-so checkpoints are interchangeable with unpatched transformers. The lifecycle (lock, idempotence,
+Nothing else is touched: parameters, buffers and state-dict keys are stock, so checkpoints are
+interchangeable with unpatched transformers. The lifecycle (lock, idempotence,
 identity restore) is :class:`~elastic_moe_plugin.core.patching.PatchLifecycle`.
 """
 
@@ -34,6 +37,7 @@ from elastic_moe_plugin.core.errors import ConfigError, UnsupportedTransformersE
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
 from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.hf.experts import experts_forward
 from elastic_moe_plugin.hf.families import (
     FAMILIES,
     LAYER_ATTR,
@@ -42,12 +46,7 @@ from elastic_moe_plugin.hf.families import (
     layer_index_from_name,
     load_family,
 )
-from elastic_moe_plugin.hf.routing import (
-    elastic_routing,
-    link_experts,
-    realised_assignments,
-    realised_load_balancing_loss,
-)
+from elastic_moe_plugin.hf.routing import elastic_routing, realised_assignments, realised_load_balancing_loss
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
@@ -64,7 +63,8 @@ SUPPORTED_TRANSFORMERS_RANGE, ALLOW_UNSUPPORTED_ENV = VERSION_GUARD.range, VERSI
 
 # ---------------------------------------------------------------------------------- install
 def _install(config: ElasticConfig, patches: AttributePatches) -> None:
-    """Wrap the router forward, the decoder-layer ``__init__`` and the aux loss of every covered family."""
+    """Wrap the router forward, the decoder-layer ``__init__``, the experts forward and the aux loss
+    of every covered family."""
     loss_patched: set[int] = set()
     for family in FAMILIES:
         loaded = load_family(family)
@@ -77,9 +77,21 @@ def _install(config: ElasticConfig, patches: AttributePatches) -> None:
                 )
             logger.debug("elastic-moe: skipping %s: %s", family.name, loaded)
             continue
-        module, router_cls, layer_cls = loaded
-        patches.wrap(router_cls, "forward", functools.partial(_router_forward, family=family))
-        patches.wrap(layer_cls, "__init__", functools.partial(_layer_init, router_cls=router_cls))
+        patches.wrap(loaded.router, "forward", functools.partial(_router_forward, family=family))
+        patches.wrap(loaded.decoder_layer, "__init__", functools.partial(_layer_init, router_cls=loaded.router))
+        if loaded.experts is not None:
+            patches.wrap(loaded.experts, "forward", experts_forward)
+        elif family.required:
+            raise UnsupportedTransformersError(
+                f"elastic-moe cannot cut expert compute to κ in {family.name}: {family.module_path}.{family.experts} "
+                f"is not transformers' experts dispatcher over forward(hidden_states, top_k_index, top_k_weights). "
+                f"This transformers ({transformers_version()}) differs from the tested {SUPPORTED_TRANSFORMERS_RANGE}; "
+                f"install a tested version."
+            )
+        else:
+            logger.debug("elastic-moe: %s experts stay stock (every slot computed): %s.%s has another shape",
+                         family.name, family.module_path, family.experts)
+        module = loaded.module
         if callable(module.__dict__.get("load_balancing_loss_func")) and id(module) not in loss_patched:
             loss_patched.add(id(module))  # families sharing a modeling module share one loss function
             patches.wrap(module, "load_balancing_loss_func", _load_balancing_loss)
@@ -118,7 +130,6 @@ def _layer_init(original: Callable, router_cls: type) -> Callable:
         layer_idx = arguments.get("layer_idx")
         if layer_idx is not None:
             gate.__dict__[LAYER_ATTR] = int(layer_idx)
-        link_experts(gate, self.mlp)
         config = _PATCH.config
         if config is not None and config.enabled:
             num_layers = getattr(arguments.get("config"), "num_hidden_layers", None)
@@ -265,7 +276,6 @@ def tag_layers(model: torch.nn.Module) -> dict[str, int]:
                 f"'<layers>.<i>.mlp.gate'. Set router.{LAYER_ATTR} = <0-based index> by hand."
             )
         router.__dict__[LAYER_ATTR] = index
-        link_experts(router, model.get_submodule(name.rpartition(".")[0]) if "." in name else None)
         tagged[name] = index
     if not found:
         names = ", ".join(family.router for family in FAMILIES)

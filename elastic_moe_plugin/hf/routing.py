@@ -9,9 +9,9 @@ One MoE layer in training (paper §3.2, Eq. 4-5; the gate weights follow ``docs/
     (4) slot j (0-based) is kept iff j < κ_t; weights by core.gates.weigh_candidates:
             full_softmax  w = p_e                          (norm_topk_prob=False, OLMoE)
             renormalized  w = p_e / Σ_kept p               (norm_topk_prob=True, Qwen3, Mixtral)
-    (5) return (z, w [T, b], ids [T, b]); a slot beyond κ_t has weight exactly 0, and its id is the
-        sentinel ``num_experts`` where the experts implementation skips it (the eager loop), the
-        real candidate id elsewhere
+    (5) return (z, w [T, b], ids [T, b]): real candidate ids, and weight exactly 0 in every slot
+        beyond κ_t; ids is marked with the kept mask, so the patched experts multiply only the Σκ
+        kept rows in every experts implementation (:mod:`.experts`)
     (6) remember the realised routing (ids, kept mask), weakly keyed by the z tensor transformers'
         output recorder collects, for ``load_balancing_loss_func``; plus a routing record and a
         bounded κ histogram per router
@@ -25,7 +25,6 @@ b = the plan's width. Attention-mask polarity, as transformers uses it: 1 = real
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -35,9 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from elastic_moe_plugin.core import records
 from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
 from elastic_moe_plugin.core.plan import LayerPlan
-
-#: weakref to the sibling experts module (``mlp.experts``), to learn its implementation at forward
-EXPERTS_ATTR = "_elastic_experts"
+from elastic_moe_plugin.hf.experts import mark_kept_slots
 
 #: router_logits tensor → (candidate ids LongTensor [T, b], kept-slot mask BoolTensor [T, b]).
 #: Keyed by object identity (a tensor's == is elementwise) and weakly, so entries die with the logits.
@@ -56,12 +53,17 @@ def elastic_routing(
     Returns:
         ``router_logits [T, E]`` (the logits' dtype), ``top_k_weights [T, b]`` (the logits' dtype, or
         fp32 where ``plan.cast_weights_to_logits`` is False), ``top_k_index LongTensor[T, b]``: the
-        stock contract with width b; slots j >= κ_t have weight exactly 0.
+        stock contract with width b; slots j >= κ_t have weight exactly 0, and ``top_k_index``
+        carries the kept mask for the experts (:func:`.experts.mark_kept_slots`).
     """
     hidden = hidden_states.reshape(-1, router.hidden_dim)
     router_logits = F.linear(hidden, router.weight)  # (1) exactly as the stock router
     num_tokens = router_logits.shape[0]
     width = plan.width
+    # Balanced draws sum to exactly T·k (validate_router keeps the schedule symmetric): the experts
+    # can size their work from this host int instead of reading Σκ back from the device.
+    balanced = budgets is None and plan.top_p is None and plan.sampling == "balanced"
+    pair_count = num_tokens * plan.schedule.center if balanced else None
     if budgets is None and plan.top_p is None:
         budgets = plan.schedule.sample(num_tokens, plan.sampling, device=router_logits.device)  # (2)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (3) as stock: fp32 softmax
@@ -82,10 +84,7 @@ def elastic_routing(
     _REALISED[router_logits] = (candidate_ids.detach(), kept)  # (6)
     # A checkpoint's recompute replays the same κ; the step was counted in its first forward.
     records.remember(router, width, budgets, candidate_ids, kept, retained_weight_sums, count=not _in_backward())
-    if _experts_skip_sentinel(router):
-        # The eager experts loop skips index num_experts: slots beyond κ cost nothing, so expert
-        # compute follows E[κ] = k instead of b.
-        return router_logits, weights, torch.where(kept, candidate_ids, int(router.num_experts))  # (5)
+    mark_kept_slots(candidate_ids, kept, pair_count)  # (5)
     return router_logits, weights, candidate_ids  # (5)
 
 
@@ -98,27 +97,6 @@ def _in_backward() -> bool:
     """
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is not None and current() != -1
-
-
-def link_experts(router: torch.nn.Module, mlp: torch.nn.Module | None) -> None:
-    """Remember the router's sibling experts module (weakly), to read its implementation at forward."""
-    experts = getattr(mlp, "experts", None) if mlp is not None else None
-    if isinstance(experts, torch.nn.Module):
-        router.__dict__[EXPERTS_ATTR] = weakref.ref(experts)
-
-
-def _experts_skip_sentinel(router: torch.nn.Module) -> bool:
-    """Whether the sibling experts run transformers' eager loop, which skips index num_experts.
-
-    Only the eager loop honours that sentinel outside expert parallelism; any other
-    implementation, an unknown experts module, or expert parallelism keeps real indices.
-    """
-    reference = router.__dict__.get(EXPERTS_ATTR)
-    experts = reference() if reference is not None else None
-    if experts is None or getattr(experts, "_is_expert_parallel", False):
-        return False
-    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", "unknown")
-    return implementation == "eager"
 
 
 def realised_assignments(gate_logits: tuple[Any, ...]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
@@ -186,4 +164,4 @@ def realised_load_balancing_loss(
     return overall_loss * num_experts
 
 
-__all__ = ["EXPERTS_ATTR", "elastic_routing", "link_experts", "realised_assignments", "realised_load_balancing_loss"]
+__all__ = ["elastic_routing", "realised_assignments", "realised_load_balancing_loss"]

@@ -50,8 +50,10 @@ def _hf_targets():
     for family in hf.FAMILIES:
         loaded = load_family(family)
         if not isinstance(loaded, str):
-            module, router_cls, layer_cls = loaded
-            points += [(router_cls, "forward"), (layer_cls, "__init__"), (module, "load_balancing_loss_func")]
+            points += [(loaded.router, "forward"), (loaded.decoder_layer, "__init__"),
+                       (loaded.module, "load_balancing_loss_func")]
+            if loaded.experts is not None:
+                points.append((loaded.experts, "forward"))
     return list(dict.fromkeys((owner, name) for owner, name in points).keys())
 
 

@@ -70,8 +70,9 @@ def _all_patch_points():
         loaded = hf_families.load_family(family)
         if isinstance(loaded, str):
             continue
-        module, router_cls, layer_cls = loaded
-        points += [(router_cls, "forward"), (layer_cls, "__init__"), (module, "load_balancing_loss_func")]
+        assert loaded.experts is not None, family.name  # every covered family's experts follow κ in 5.19
+        points += [(loaded.router, "forward"), (loaded.decoder_layer, "__init__"), (loaded.experts, "forward"),
+                   (loaded.module, "load_balancing_loss_func")]
     return points
 
 
@@ -96,7 +97,7 @@ def test_apply_and_remove_restore_every_attribute_by_identity():
 
 
 def test_apply_is_idempotent_replaces_and_patched_restores():
-    _, (_, router_cls, _) = _family_objects("olmoe")
+    router_cls = _family_objects("olmoe")[1].router
     original = router_cls.__dict__["forward"]
     first, second = ElasticConfig(schedule="1-3"), ElasticConfig(schedule="1-3", sigma=1.0)
     hf.apply(first)
@@ -184,32 +185,35 @@ def test_top_p_mode_keeps_the_smallest_set_reaching_p(tiny, cap):
 
 
 # ------------------------------------------------------------------------------- bitwise stock
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family,norm", [("olmoe", False), ("qwen3_moe", True)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_static_schedule_is_bitwise_stock(tiny, family, norm, masked):
+def test_static_schedule_is_bitwise_stock(tiny, family, norm, masked, impl):
     inputs = dict(tiny.inputs(family), **({"attention_mask": _padding_mask()} if masked else {}))
-    stock = _step(tiny.model(family, norm_topk_prob=norm), inputs)
+    stock = _step(tiny.model(family, experts_implementation=impl, norm_topk_prob=norm), inputs)
     hf.apply(ElasticConfig(schedule="static"))
-    patched = _step(tiny.model(family, norm_topk_prob=norm), inputs)
+    patched = _step(tiny.model(family, experts_implementation=impl, norm_topk_prob=norm), inputs)
     _assert_bitwise(stock, patched)
     assert stock["aux_loss"] > 0
 
 
-def test_disabled_config_is_bitwise_stock(tiny):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_disabled_config_is_bitwise_stock(tiny, impl):
     inputs = tiny.inputs("qwen3_moe")
-    stock = _step(tiny.model("qwen3_moe"), inputs)
+    stock = _step(tiny.model("qwen3_moe", experts_implementation=impl), inputs)
     hf.apply(ElasticConfig(schedule="1-3", enabled=False))
-    _assert_bitwise(stock, _step(tiny.model("qwen3_moe"), inputs))
+    _assert_bitwise(stock, _step(tiny.model("qwen3_moe", experts_implementation=impl), inputs))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family,norm", [("olmoe", False), ("qwen3_moe", True)])
-def test_eval_mode_is_static_and_bitwise_stock(tiny, family, norm):
+def test_eval_mode_is_static_and_bitwise_stock(tiny, family, norm, impl):
     inputs = dict(tiny.inputs(family), attention_mask=_padding_mask())
-    stock_model = tiny.model(family, norm_topk_prob=norm).eval()
+    stock_model = tiny.model(family, experts_implementation=impl, norm_topk_prob=norm).eval()
     with torch.no_grad():
         stock = stock_model(**inputs, output_router_logits=True)
     hf.apply(ElasticConfig(schedule="1-3"))
-    model = tiny.model(family, norm_topk_prob=norm).eval()
+    model = tiny.model(family, experts_implementation=impl, norm_topk_prob=norm).eval()
     with torch.no_grad():
         ours = model(**inputs, output_router_logits=True)
     for name in ("logits", "loss", "aux_loss"):
@@ -219,6 +223,27 @@ def test_eval_mode_is_static_and_bitwise_stock(tiny, family, norm):
     model.train()
     model(**inputs)
     assert set(hf.routing_records(model)) == {0, 1}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_static_layer_of_an_elastic_model_is_bitwise_stock(tiny, impl):
+    """layers="1": layer 0 routes static top-k and its experts run the stock forward, so its block
+    output equals unpatched transformers' bit for bit (its input does too: it comes first)."""
+    inputs = tiny.inputs("olmoe")
+
+    def layer0_output(model):
+        captured = {}
+        handle = model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: captured.setdefault("y", out))
+        torch.manual_seed(3)
+        model(**inputs)
+        handle.remove()
+        return captured["y"].detach()
+
+    stock = layer0_output(tiny.model("olmoe", experts_implementation=impl))
+    hf.apply(ElasticConfig(schedule="1-3", layers="1"))
+    model = tiny.model("olmoe", experts_implementation=impl)
+    assert torch.equal(layer0_output(model), stock)
+    assert list(hf.routing_records(model)) == [1]
 
 
 # ------------------------------------------------------------------------------- selection
@@ -340,10 +365,13 @@ def test_moe_block_equals_dense_reference_for_every_experts_implementation(tiny,
     assert torch.isfinite(x.grad).all() and block.gate.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
-def test_eager_experts_skip_slots_beyond_kappa(tiny, impl):
-    """Eager experts skip index num_experts, so slots beyond κ get that sentinel (expert compute
-    follows κ); other implementations compute every slot, so they keep the real zero-weight id."""
+@pytest.mark.parametrize("impl", IMPLS)
+def test_router_returns_real_candidates_and_marks_the_kept_slots(tiny, impl):
+    """Whatever the experts implementation, the router returns the real rank-j candidate in every
+    slot (weight exactly 0 beyond κ) and marks its index tensor with the kept mask; the experts
+    decide what to skip (tests/hf/test_hf_experts.py)."""
+    from elastic_moe_plugin.hf import experts as hf_experts
+
     hf.apply(ElasticConfig(schedule="1-3"))
     model = tiny.model("olmoe", experts_implementation=impl)
     router = model.model.layers[0].mlp.gate
@@ -352,9 +380,11 @@ def test_eager_experts_skip_slots_beyond_kappa(tiny, impl):
     kept = torch.arange(3) < router._elastic_record.budgets[:, None]
     assert (~kept).any()
     assert torch.equal(ids[kept], router._elastic_record.expert_ids[kept])
-    unused = ids[~kept]
-    assert torch.all(unused == E) if impl == "eager" else torch.all((unused >= 0) & (unused < E))
+    assert torch.all((ids >= 0) & (ids < E)) and torch.all(ids.sort(-1).values.diff(dim=-1) != 0)
     assert torch.all(weights[~kept] == 0.0)
+    mark = hf_experts.kept_slots(ids)
+    assert mark is not None and torch.equal(mark.kept, kept) and mark.pair_count is None
+    assert hf_experts.kept_slots(ids.clone()) is None  # a rebuilt tensor is unmarked: stock compute
 
 
 # ------------------------------------------------------------------------------- aux loss

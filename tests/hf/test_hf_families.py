@@ -5,8 +5,9 @@
   and bf16, for both values of ``norm_topk_prob`` where the family reads it. This pins the
   family table (which gate, whether weights are cast) against the installed transformers code.
 - Training: for each family and each experts implementation that runs on CPU (eager, grouped_mm,
-  batched_mm), an elastic training forward/backward runs, routes κ_t experts per token, reaches
-  the router with a gradient, and (for causal-LM heads) reports the realised-count aux loss.
+  batched_mm), an elastic training forward/backward runs, routes κ_t experts per token, multiplies
+  exactly Σκ rows in its expert GEMMs, reaches the router with a gradient, and (for causal-LM
+  heads) reports the realised-count aux loss.
 """
 
 from __future__ import annotations
@@ -31,14 +32,25 @@ CONFORMANCE = [
 ]
 
 
-def _routers(model):
-    """[(layer index, router, family)] of the covered routers in ``model``."""
+def _routers(model, *, with_names: bool = False):
+    """[(layer index, router, family)] of the covered routers in ``model`` (with the router's
+    qualified name first when ``with_names``)."""
     classes = hf.covered_router_classes()
     found = []
     for name, module in model.named_modules():
         if type(module) in classes:
-            found.append((hf_families.layer_index_from_name(name), module, classes[type(module)]))
+            entry = (hf_families.layer_index_from_name(name), module, classes[type(module)])
+            found.append((name, *entry) if with_names else entry)
     return found
+
+
+def test_every_family_block_holds_the_experts_class_the_table_names(tiny):
+    for family in hf.FAMILIES:
+        model = tiny.model(family.name)
+        loaded = hf_families.load_family(family)
+        for name, _, _, _ in _routers(model, with_names=True):
+            experts = model.get_submodule(name.removesuffix(".gate") + ".experts")
+            assert type(experts) is loaded.experts, (family.name, type(experts).__name__)
 
 
 def test_every_family_in_the_table_is_installed_and_tested(tiny):
@@ -74,14 +86,15 @@ def test_router_at_kappa_equal_k_reproduces_the_stock_router(tiny, family_name, 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family_name", FAMILY_NAMES)
-def test_family_trains_elastically_with_every_experts_implementation(tiny, hand_aux, family_name, impl):
+def test_family_trains_elastically_with_every_experts_implementation(tiny, hand_aux, expert_rows, family_name, impl):
     hf.apply(ElasticConfig(schedule="1-3"))
     model = tiny.model(family_name, experts_implementation=impl)
     routers = _routers(model)
     assert routers, f"{family_name}: no covered router built"
     inputs = tiny.inputs(family_name)
     torch.manual_seed(0)
-    out = model(**inputs, output_router_logits=True)
+    with expert_rows(model) as counted:
+        out = model(**inputs, output_router_logits=True)
     loss = out.loss if getattr(out, "loss", None) is not None else out.last_hidden_state.square().mean()
     assert torch.isfinite(loss)
     loss.backward()
@@ -95,6 +108,10 @@ def test_family_trains_elastically_with_every_experts_implementation(tiny, hand_
         assert torch.equal((record.expert_ids >= 0).sum(-1), record.budgets)
         assert router.weight.grad is not None and torch.isfinite(router.weight.grad).all()
         assert router.weight.grad.abs().sum() > 0
+    # expert compute follows κ: the experts next to each router multiplied exactly Σκ rows
+    expected_rows = {name.removesuffix(".gate") + ".experts": int(records[index].budgets.sum())
+                     for name, index, _, _ in _routers(model, with_names=True)}
+    assert counted.rows == expected_rows
 
     if getattr(out, "aux_loss", None) is not None:
         ids = [records[index].expert_ids for index, _, _ in routers]
