@@ -7,8 +7,8 @@
   ``tiny.model(family, experts_implementation=..., **overrides)`` build a 2-layer, 8-expert,
   top-2, hidden-64 model of any covered family (:data:`elastic_moe_plugin.hf.FAMILIES`), and
   ``tiny.inputs(family)`` the matching keyword arguments. Nothing is downloaded.
-- ``expert_rows`` (:class:`ExpertRows`) counts the rows each experts module multiplies, read from
-  the GEMMs that really run (``with expert_rows(model) as rows: ...``).
+- ``expert_rows`` (``experts_support.ExpertRows``) counts the rows each experts module multiplies,
+  read from the GEMMs that really run (``with expert_rows(model) as rows: ...``).
 
 Without transformers installed, every test module in this folder is skipped at collection.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from experts_support import ExpertRows
 
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
@@ -137,64 +137,6 @@ def hand_aux_loss(router_logits, expert_ids_per_layer, num_experts: int, attenti
         prob_sums += (probs * mask[:, None]).sum(0)
         total += float(mask.sum())
     return num_experts * ((counts / total) * (prob_sums / total)).sum()
-
-
-class ExpertRows(TorchDispatchMode):
-    """The (token, expert) rows every experts module of ``model`` multiplies, counted at the GEMMs.
-
-    ``rows[name]``: rows through the up-projection (``gate_up_proj``, [E, 2F, H]) GEMM of experts
-    module ``name`` in the forwards run under the mode, recognised by shape in each implementation
-    of transformers 5.19:
-
-    - eager: ``aten.mm(x [n, H], W_e^T [H, 2F])`` per expert e: n rows;
-    - batched_mm: ``aten.bmm(W [S, 2F, H], x [S, H, 1])``: S rows (one gathered matrix per row);
-    - grouped_mm: ``aten._grouped_mm(x [S, H], W^T [E, H, 2F], offs)``: ``offs[-1]`` rows (the
-      kernel multiplies rows below the last offset only).
-
-    ``grouped_offsets``: ``offs[-1]`` of every grouped GEMM, forward and backward (gate_up, down,
-    and both gradients of each), in call order.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.rows: dict[str, int] = {}
-        self.grouped_offsets: list[int] = []
-        self._current: tuple[str, tuple[int, int]] | None = None
-        self._handles = []
-        for name, module in model.named_modules():
-            proj = getattr(module, "gate_up_proj", None)
-            if isinstance(proj, torch.nn.Parameter) and proj.dim() == 3:
-                self.rows[name] = 0
-                self._handles.append(module.register_forward_pre_hook(self._enter(name, tuple(proj.shape[1:]))))
-                self._handles.append(module.register_forward_hook(self._leave))
-
-    def _enter(self, name, shape):
-        def hook(module, args):
-            self._current = (name, shape)
-        return hook
-
-    def _leave(self, module, args, output):
-        self._current = None
-
-    def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        op = func.overloadpacket.__name__
-        if op == "_grouped_mm":
-            self.grouped_offsets.append(int(kwargs.get("offs", args[2] if len(args) > 2 else None)[-1]))
-        if self._current is not None:
-            name, (two_f, hidden) = self._current
-            if op == "mm" and tuple(args[1].shape) == (hidden, two_f):
-                self.rows[name] += args[0].shape[0]
-            elif op == "bmm" and tuple(args[0].shape[1:]) == (two_f, hidden):
-                self.rows[name] += args[0].shape[0]
-            elif op == "_grouped_mm" and tuple(args[1].shape[1:]) == (hidden, two_f):
-                self.rows[name] += self.grouped_offsets[-1]
-        return func(*args, **kwargs)
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Expert compute follows κ in every experts implementation (``elastic_moe_plugin.hf.experts``), on CPU.
 
 The rows each implementation multiplies are read from the GEMMs that really run
-(``conftest.ExpertRows``: the rows of eager's per-expert ``mm``, batched_mm's ``bmm`` batch,
+(``experts_support.ExpertRows``: the rows of eager's per-expert ``mm``, batched_mm's ``bmm`` batch,
 grouped_mm's last offset) and compared with Σκ from the routing records; outputs and gradients
 of grouped_mm and batched_mm are compared with transformers' eager loop on the same κ; the
 uninitialised tail of the grouped GEMM is filled with NaN on purpose.
@@ -52,7 +52,7 @@ def _train_step(model, seed: int = 7, checkpointed: bool = False):
 
 
 def _kappa_sums(model) -> dict[str, int]:
-    """Σκ of each layer's latest elastic forward, keyed like conftest.ExpertRows (the experts module name)."""
+    """Σκ of each layer's latest elastic forward, keyed like ExpertRows (the experts module name)."""
     return {f"model.layers.{layer}.mlp.experts": int(record.budgets.sum())
             for layer, record in hf.routing_records(model).items()}
 
