@@ -11,15 +11,16 @@ import os
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes, a few seconds per scenario (what CI runs)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--only", nargs="+", choices=("router", "layer", "gpt"), default=None,
-                        help="run only these scenarios")
+    parser.add_argument("--only", nargs="+", choices=("router", "layer", "gpt", "hf"), default=None,
+                        help="run only these scenarios (router, layer, gpt: Megatron-core; hf: transformers' "
+                             "OLMoE- and Qwen3-MoE-shaped blocks under every experts implementation)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's default)")
 
 
 def run(args: argparse.Namespace) -> int:
     from elastic_moe_plugin.tools import bench
 
-    # --json promises machine-readable stdout; Megatron's import-time warnings go to stderr, muted
+    # --json promises machine-readable stdout; the frameworks' import-time warnings go to stderr, muted
     with contextlib.redirect_stderr(open(os.devnull, "w")) if args.json else contextlib.nullcontext():
         results = bench.run_suite(args.quick, args.threads, args.only)
     print(json.dumps(bench.to_json(results), indent=2) if args.json else bench.format_results(results))

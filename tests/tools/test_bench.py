@@ -1,4 +1,5 @@
-"""`elastic-moe bench --quick --json`: every figure is emitted, and the exact ones are right.
+"""`elastic-moe bench --quick --json --only router layer gpt`: the Megatron scenarios; every figure is
+emitted, and the exact ones are right (the transformers blocks: test_bench_hf.py).
 
 Timing and memory ratios are measurements, not asserted (only that they are finite and positive);
 the dispatched pairs and the sync counts are exact and asserted.
@@ -21,7 +22,7 @@ def report(mp_world):
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["bench", "--quick", "--json"]) == 0
+        assert main(["bench", "--quick", "--json", "--only", "router", "layer", "gpt"]) == 0
     return json.loads(out.getvalue())
 
 

@@ -1,4 +1,4 @@
-"""``elastic-moe bench``: elastic against stock Megatron, in one process, interleaved.
+"""Megatron scenarios of ``elastic-moe bench``: elastic against stock Megatron, in one process, interleaved.
 
 Variants, built from the same weights and fed the same inputs:
 
@@ -16,128 +16,18 @@ Scenarios (forward + backward):
   process, so the all-to-all is local; what it measures is the permute/unpermute bookkeeping);
 - ``gpt-step``: a training step (forward, backward) of a tiny GPTModel with MoE in every layer.
 
-Timing: warm-up, then rounds in which every variant runs once, in a rotating order (interleaved,
-so drift and other load hit all variants alike); medians and min-max per variant. torch runs
-single-threaded by default: on a shared 2-core machine, two intra-op threads make the same GEMM
-vary 2-3x between rounds. Memory: peak bytes of tensors alive during one step, counted by a
-``TorchDispatchMode`` over storages (allocator-independent; kernel scratch space is not seen).
-Syncs: device-to-host synchronisations during one forward, counted as ``aten._local_scalar_dense``
-and ``aten.nonzero`` calls (what ``.item()``, ``int(t)``, ``.tolist()`` and data-dependent shapes
-become), elastic minus stock. Pairs: (token, expert) pairs dispatched per forward, expected T·k
-against realised Σκ.
+Timing, memory and sync counting are :mod:`.measure`'s. Pairs: (token, expert) pairs dispatched
+per forward, expected T·k against realised Σκ (the routing records).
 """
 
 from __future__ import annotations
 
-import gc
 import os
-import statistics
-import time
-import weakref
-from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from elastic_moe_plugin.compat import megatron_tracker
-
-VARIANTS = ("stock", "iid", "balanced")
-SYNC_OPS = ("_local_scalar_dense", "nonzero")
-
-
-# ------------------------------------------------------------------------------------ counters
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of storages created by aten ops while active (each storage counted once)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, list[int]] = {}  # storage data_ptr -> [nbytes, live tensors]
-
-    def _release(self, key: int) -> None:
-        entry = self._live.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.current -= entry[0]
-            del self._live[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-                continue
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key == 0:
-                continue
-            entry = self._live.get(key)
-            if entry is None:
-                entry = self._live[key] = [storage.nbytes(), 0]
-                self.current += entry[0]
-                self.peak = max(self.peak, self.current)
-            entry[1] += 1
-            weakref.finalize(tensor, self._release, key)
-        return out
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts the aten ops that force a device-to-host synchronisation (see :data:`SYNC_OPS`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in SYNC_OPS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-# ------------------------------------------------------------------------------------ results
-@dataclass
-class VariantResult:
-    median_ms: float
-    min_ms: float
-    max_ms: float
-    peak_bytes: int
-    syncs_per_forward: int
-    expected_pairs: int
-    realised_pairs: int
-
-
-@dataclass
-class ScenarioResult:
-    scenario: str
-    shape: str
-    variants: dict[str, VariantResult] = field(default_factory=dict)
-
-    def ratios(self) -> dict[str, dict[str, float | int]]:
-        stock = self.variants["stock"]
-        return {
-            name: {
-                "time_ratio": result.median_ms / stock.median_ms,
-                "memory_ratio": result.peak_bytes / stock.peak_bytes,
-                "syncs_added": result.syncs_per_forward - stock.syncs_per_forward,
-            }
-            for name, result in self.variants.items()
-            if name != "stock"
-        }
-
-
-@dataclass
-class Step:
-    """One variant of a scenario: ``run()`` is forward + backward; ``forward()`` forward only;
-    ``pairs()`` the (token, expert) pairs dispatched by the latest forward."""
-
-    run: Callable[[], None]
-    forward: Callable[[], None]
-    pairs: Callable[[], int]
-
+from elastic_moe_plugin.tools.bench.measure import ScenarioResult, Step, measure
 
 # ------------------------------------------------------------------------------------ set-up
 def _megatron_setup(threads: int) -> None:
@@ -329,47 +219,13 @@ def gpt_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hidden
 
 
 # ------------------------------------------------------------------------------------ running
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def measure(scenario: str, shape: str, steps: dict[str, Step], warmup: int, repeats: int) -> ScenarioResult:
-    """Interleaved timing, then memory, syncs and pairs of each variant."""
-    megatron_tracker.reset()
-    for _ in range(warmup):
-        for step in steps.values():
-            step.run()
-    megatron_tracker.zero()
-    names = list(steps)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(repeats):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            _synchronize()
-            start = time.perf_counter()
-            steps[name].run()
-            _synchronize()
-            times[name].append((time.perf_counter() - start) * 1e3)
-        megatron_tracker.zero()
-    result = ScenarioResult(scenario=scenario, shape=shape)
-    for name in names:
-        gc.collect()
-        with LiveBytes() as live:
-            steps[name].run()
-        with SyncCounter() as syncs, torch.no_grad():
-            steps[name].forward()
-        megatron_tracker.zero()
-        expected = steps["stock"].pairs()
-        result.variants[name] = VariantResult(
-            median_ms=statistics.median(times[name]), min_ms=min(times[name]), max_ms=max(times[name]),
-            peak_bytes=live.peak, syncs_per_forward=syncs.count, expected_pairs=expected,
-            realised_pairs=steps[name].pairs(),
-        )
-    return result
+def _measure(scenario: str, shape: str, steps: dict[str, Step], warmup: int, repeats: int) -> ScenarioResult:
+    return measure(scenario, shape, steps, warmup, repeats, reset=megatron_tracker.reset,
+                   between_runs=megatron_tracker.zero)
 
 
 def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list[ScenarioResult]:
+    """The Megatron scenarios named in ``only`` (``router``, ``layer``, ``gpt``; all when None)."""
     _megatron_setup(threads)
     if quick:
         router_shapes = [(64, 8, "6-10", 1024, 256)]
@@ -386,50 +242,12 @@ def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list[
     if "router" in wanted:
         for experts, topk, schedule, tokens, hidden in router_shapes:
             shape = f"E={experts} k={topk} {schedule} T={tokens} H={hidden}"
-            results.append(measure("router", shape, router_scenario(experts, topk, schedule, tokens, hidden), warmup, repeats))
+            results.append(_measure("router", shape, router_scenario(experts, topk, schedule, tokens, hidden), warmup, repeats))
     if "layer" in wanted:
         for dispatcher in ("allgather", "alltoall"):
             shape = "E={num_experts} k={topk} {schedule} T={tokens} H={hidden} F={ffn}".format(**layer_shape)
-            results.append(measure(f"layer-{dispatcher}", shape, layer_scenario(dispatcher, **layer_shape), warmup, repeats))
+            results.append(_measure(f"layer-{dispatcher}", shape, layer_scenario(dispatcher, **layer_shape), warmup, repeats))
     if "gpt" in wanted:
         shape = "L={layers} E={num_experts} k={topk} {schedule} T={tokens} H={hidden}".format(**gpt_shape)
-        results.append(measure("gpt-step", shape, gpt_scenario(**gpt_shape), warmup, repeats))
+        results.append(_measure("gpt-step", shape, gpt_scenario(**gpt_shape), warmup, repeats))
     return results
-
-
-def format_results(results: list[ScenarioResult]) -> str:
-    lines = [
-        f"{'scenario':16s} {'variant':9s} {'median ms':>10s} {'min-max ms':>17s} {'time x':>7s} "
-        f"{'peak MiB':>9s} {'mem x':>6s} {'syncs':>5s} {'+syncs':>6s} {'pairs exp/real':>16s}"
-    ]
-    for result in results:
-        lines.append(f"-- {result.scenario}: {result.shape}")
-        ratios = result.ratios()
-        for name, variant in result.variants.items():
-            ratio = ratios.get(name, {"time_ratio": 1.0, "memory_ratio": 1.0, "syncs_added": 0})
-            lines.append(
-                f"{result.scenario:16s} {name:9s} {variant.median_ms:10.2f} "
-                f"{variant.min_ms:8.2f}-{variant.max_ms:8.2f} {ratio['time_ratio']:7.3f} "
-                f"{variant.peak_bytes / 2**20:9.1f} {ratio['memory_ratio']:6.3f} {variant.syncs_per_forward:5d} "
-                f"{ratio['syncs_added']:+6d} {variant.expected_pairs:>7d}/{variant.realised_pairs:<8d}"
-            )
-    return "\n".join(lines)
-
-
-def to_json(results: list[ScenarioResult]) -> dict:
-    import importlib.metadata
-
-    return {
-        "torch": torch.__version__,
-        "megatron_core": importlib.metadata.version("megatron-core"),
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "threads": torch.get_num_threads(),
-        "scenarios": [
-            {"scenario": r.scenario, "shape": r.shape, "variants": {n: asdict(v) for n, v in r.variants.items()},
-             "ratios": r.ratios()}
-            for r in results
-        ],
-    }
-
-
-# ------------------------------------------------------------------------------------ CLI

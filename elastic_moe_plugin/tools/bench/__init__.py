@@ -1,0 +1,130 @@
+"""``elastic-moe bench``: elastic against stock, in one process, interleaved (``docs/performance.md``).
+
+- :mod:`.measure`: the measuring core (interleaved median-of-rounds timing, peak live bytes,
+  host syncs, pairs) that every scenario goes through;
+- :mod:`.megatron`: Megatron-core scenarios (``router``, ``layer``, ``gpt``);
+- :mod:`.hf`: transformers scenarios (``hf``): an OLMoE- and a Qwen3-MoE-shaped sparse MoE block
+  per experts implementation, with the rows the expert GEMMs multiply.
+
+:func:`run_suite` runs what ``only`` names; :func:`format_results` prints the Megatron table (its
+format unchanged) and then the transformers table; :func:`to_json` is ``--json``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import asdict
+
+import torch
+
+from elastic_moe_plugin.tools.bench.measure import (
+    SYNC_OPS,
+    VARIANTS,
+    LiveBytes,
+    ScenarioResult,
+    Step,
+    SyncCounter,
+    VariantResult,
+    measure,
+)
+
+#: ``--only`` choices: the Megatron scenarios, and ``hf`` for the transformers blocks
+SCENARIOS = ("router", "layer", "gpt", "hf")
+MEGATRON_SCENARIOS = ("router", "layer", "gpt")
+
+
+def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list[ScenarioResult]:
+    """The scenarios named in ``only`` (every one when None), Megatron first."""
+    wanted = list(only or SCENARIOS)
+    results: list[ScenarioResult] = []
+    megatron_wanted = [name for name in MEGATRON_SCENARIOS if name in wanted]
+    if megatron_wanted:
+        from elastic_moe_plugin.tools.bench import megatron
+
+        results += megatron.run_suite(quick, threads, megatron_wanted)
+    if "hf" in wanted:
+        from elastic_moe_plugin.tools.bench import hf
+
+        results += hf.run_suite(quick, threads)
+    return results
+
+
+def _is_block(result: ScenarioResult) -> bool:
+    return hasattr(result, "implementation")
+
+
+def _rows(result: ScenarioResult, label: str, width: int) -> list[str]:
+    lines = []
+    ratios = result.ratios()
+    for name, variant in result.variants.items():
+        ratio = ratios.get(name, {"time_ratio": 1.0, "memory_ratio": 1.0, "syncs_added": 0})
+        line = (
+            f"{label:{width}s} {name:9s} {variant.median_ms:10.2f} "
+            f"{variant.min_ms:8.2f}-{variant.max_ms:8.2f} {ratio['time_ratio']:7.3f} "
+            f"{variant.peak_bytes / 2**20:9.1f} {ratio['memory_ratio']:6.3f} {variant.syncs_per_forward:5d} "
+            f"{ratio['syncs_added']:+6d} {variant.expected_pairs:>7d}/{variant.realised_pairs:<8d}"
+        )
+        if _is_block(result):
+            line += f" {variant.dispatched_pairs:>7d}"
+        lines.append(line)
+    return lines
+
+
+def _header(first: str, width: int, *, dispatched: bool = False) -> str:
+    return (f"{first:{width}s} {'variant':9s} {'median ms':>10s} {'min-max ms':>17s} {'time x':>7s} "
+            f"{'peak MiB':>9s} {'mem x':>6s} {'syncs':>5s} {'+syncs':>6s} {'pairs exp/real':>16s}"
+            + (f" {'Σκ':>7s}" if dispatched else ""))
+
+
+def format_results(results: list[ScenarioResult]) -> str:
+    """The Megatron table, then (if any) the transformers table: realised pairs there are the rows
+    the expert GEMMs multiplied."""
+    megatron = [result for result in results if not _is_block(result)]
+    blocks = [result for result in results if _is_block(result)]
+    lines: list[str] = []
+    if megatron:
+        lines.append(_header("scenario", 16))
+        for result in megatron:
+            lines.append(f"-- {result.scenario}: {result.shape}")
+            lines += _rows(result, result.scenario, 16)
+    if blocks:
+        if lines:
+            lines.append("")
+        lines.append(_header("block / experts", 22, dispatched=True))
+        for result in blocks:
+            lines.append(f"-- {result.scenario}, experts_implementation={result.implementation}: {result.shape}")
+            lines += _rows(result, f"{result.scenario.removesuffix('-block')} {result.implementation}", 22)
+        lines.append("pairs exp/real: T·k / rows the expert GEMMs multiplied in one forward; Σκ: what the router "
+                     "dispatched in that forward (stock: T·k)")
+    return "\n".join(lines)
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def to_json(results: list[ScenarioResult]) -> dict:
+    report = {"torch": torch.__version__}
+    if any(not _is_block(result) for result in results):
+        report["megatron_core"] = importlib.metadata.version("megatron-core")
+    if any(_is_block(result) for result in results):
+        report["transformers"] = _version("transformers")
+    report.update({
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "threads": torch.get_num_threads(),
+        "scenarios": [
+            {"scenario": r.scenario, **({"implementation": r.implementation} if _is_block(r) else {}),
+             "shape": r.shape, "variants": {n: asdict(v) for n, v in r.variants.items()}, "ratios": r.ratios()}
+            for r in results
+        ],
+    })
+    return report
+
+
+__all__ = [
+    "MEGATRON_SCENARIOS", "SCENARIOS", "SYNC_OPS", "VARIANTS", "LiveBytes", "ScenarioResult", "Step", "SyncCounter",
+    "VariantResult", "format_results", "measure", "run_suite", "to_json",
+]

@@ -1,0 +1,266 @@
+"""Transformers scenarios of ``elastic-moe bench``: one sparse MoE block, stock against elastic, per
+experts implementation.
+
+The block is transformers' own class, built from its config with random weights (N(0, 0.02)):
+``OlmoeSparseMoeBlock`` (OLMoE-shaped: E=64, k=8, ``norm_topk_prob=False``) and
+``Qwen3MoeSparseMoeBlock`` (Qwen3-MoE-shaped: E=128, k=8, ``norm_topk_prob=True``), in the full run
+at the width of OLMoE-1B-7B (H=2048, F=1024) and Qwen3-30B-A3B (H=2048, F=768) where stock
+transformers can train at that width on a CPU (:func:`_sizes`). One block object serves every
+variant, so weights and inputs are identical; what changes is the patch:
+
+- ``stock``: ``hf.remove()``, unpatched transformers (static top-k);
+- ``iid`` / ``balanced``: ``hf.apply(ElasticConfig(schedule, sampling=...))``.
+
+Each variant runs forward + backward of ``(block(x) * g).sum()`` in training mode, under one
+experts implementation (``eager``, ``grouped_mm``, ``batched_mm``). Timing, memory and syncs are
+:mod:`.measure`'s. Pairs: expected T·k against the **rows multiplied** by the expert GEMMs in one
+forward, read from the GEMMs that run (:class:`ExpertGemmRows`); ``dispatched_pairs`` is Σκ from
+the routing record of the same forward, so ``realised == dispatched`` says the experts multiplied
+exactly the kept rows.
+
+The shape line of each table section gives the size measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from elastic_moe_plugin.tools.bench.measure import ScenarioResult, Step, VariantResult, measure
+
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """Hidden width H, expert FFN width F and tokens T of one measured block."""
+
+    hidden: int
+    ffn: int
+    tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockShape:
+    """A sparse MoE block to measure: transformers' ``family`` block, its routing shape (E, k, the
+    schedule), and its size under each experts implementation."""
+
+    family: str
+    experts: int
+    topk: int
+    schedule: str
+    sizes: dict[str, Size]
+
+    def describe(self, implementation: str) -> str:
+        size = self.sizes[implementation]
+        return f"E={self.experts} k={self.topk} {self.schedule} T={size.tokens} H={size.hidden} F={size.ffn}"
+
+
+#: family -> (config class, block class, the config field of the expert FFN width, norm_topk_prob)
+_BLOCKS: dict[str, tuple[str, str, str, bool]] = {
+    "olmoe": ("olmoe.OlmoeConfig", "olmoe.modeling_olmoe.OlmoeSparseMoeBlock", "intermediate_size", False),
+    "qwen3_moe": ("qwen3_moe.Qwen3MoeConfig", "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+                  "moe_intermediate_size", True),
+}
+
+
+def _sizes(hidden: int, ffn: int) -> dict[str, Size]:
+    """The full run's sizes at a model's width (H, F):
+
+    - ``grouped_mm`` (transformers' default): the model's width, 256 tokens;
+    - ``batched_mm``: the model's width, 8 tokens: it gathers one [2F, H] and one [H, F] weight
+      matrix per row (25 MB per row at OLMoE's width, forward and again for the gradient), the
+      small-batch implementation it is;
+    - ``eager``: 1/8 of the width, 256 tokens: its backward materialises a full [E, 2F, H] and
+      [E, H, F] weight gradient for every expert it indexes (stock behaviour), about 70 s a step on
+      one CPU thread at OLMoE's width.
+    """
+    return {"grouped_mm": Size(hidden, ffn, 256), "batched_mm": Size(hidden, ffn, 8),
+            "eager": Size(hidden // 8, ffn // 8, 256)}
+
+
+FULL_SHAPES = (  # the widths of OLMoE-1B-7B and Qwen3-30B-A3B
+    BlockShape("olmoe", experts=64, topk=8, schedule="6-10", sizes=_sizes(2048, 1024)),
+    BlockShape("qwen3_moe", experts=128, topk=8, schedule="6-10", sizes=_sizes(2048, 768)),
+)
+_QUICK = {"grouped_mm": Size(128, 64, 128), "batched_mm": Size(128, 64, 32), "eager": Size(128, 64, 128)}
+QUICK_SHAPES = (
+    BlockShape("olmoe", experts=64, topk=8, schedule="6-10", sizes=_QUICK),
+    BlockShape("qwen3_moe", experts=128, topk=8, schedule="6-10",
+               sizes={name: dataclasses.replace(size, ffn=48) for name, size in _QUICK.items()}),
+)
+
+
+@dataclasses.dataclass
+class ExpertsVariantResult(VariantResult):
+    """A variant of a transformers block: ``realised_pairs`` are the rows the expert GEMMs
+    multiplied, ``dispatched_pairs`` the Σκ (stock: T·k) the router dispatched in that forward."""
+
+    dispatched_pairs: int = 0
+
+
+@dataclasses.dataclass
+class ExpertsScenarioResult(ScenarioResult):
+    implementation: str = ""
+
+
+# ------------------------------------------------------------------------------------ counting
+class ExpertGemmRows(TorchDispatchMode):
+    """Rows multiplied by the GEMMs of ``experts`` while it runs, from their FLOPs.
+
+    Every expert row costs 2·H·N₁ + 2·F·H FLOPs in forward (the gate/up GEMM of width N₁ = 2F
+    with a gate, F without, then the down GEMM), whatever the implementation, so
+    rows = Σ FLOPs / that. The FLOPs of ``aten.mm`` / ``bmm`` are 2·m·k·n (× batch); those of
+    ``aten._grouped_mm`` count the rows below its last offset only (the rows it multiplies).
+    """
+
+    def __init__(self, experts: torch.nn.Module) -> None:
+        super().__init__()
+        up = experts.gate_up_proj if experts.has_gate else experts.up_proj  # [E, N1, H] ([E, H, N1] transposed)
+        up_width = up.shape[2] if experts.is_transposed else up.shape[1]
+        self.flops_per_row = 2 * experts.hidden_dim * up_width + 2 * experts.intermediate_dim * experts.hidden_dim
+        self.flops = 0
+        self._active = False
+        self._handles = [experts.register_forward_pre_hook(lambda module, args: self._set(True)),
+                         experts.register_forward_hook(lambda module, args, out: self._set(False))]
+
+    def _set(self, active: bool) -> None:
+        self._active = active
+
+    @property
+    def rows(self) -> int:
+        rows, remainder = divmod(self.flops, self.flops_per_row)
+        if remainder:
+            raise RuntimeError(f"expert GEMM FLOPs {self.flops} are not a whole number of rows of "
+                               f"{self.flops_per_row} FLOPs: a GEMM was counted wrongly")
+        return rows
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._active:
+            name = func.overloadpacket.__name__
+            if name == "mm":
+                (m, k), n = args[0].shape, args[1].shape[1]
+                self.flops += 2 * m * k * n
+            elif name == "bmm":
+                (batch, m, k), n = args[0].shape, args[1].shape[2]
+                self.flops += 2 * batch * m * k * n
+            elif name == "_grouped_mm":
+                offsets = kwargs.get("offs", args[2] if len(args) > 2 else None)
+                k, n = args[1].shape[-2], args[1].shape[-1]
+                self.flops += 2 * int(offsets[-1]) * k * n
+        return func(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------ scenario
+def _resolve(dotted: str) -> Any:
+    module_name, _, attribute = dotted.rpartition(".")
+    return getattr(importlib.import_module(f"transformers.models.{module_name}"), attribute)
+
+
+def build_block(shape: BlockShape, implementation: str) -> torch.nn.Module:
+    """transformers' sparse MoE block of ``shape.family`` in training mode, random N(0, 0.02) weights."""
+    config_path, block_path, ffn_field, norm = _BLOCKS[shape.family]
+    size = shape.sizes[implementation]
+    config = _resolve(config_path)(hidden_size=size.hidden, num_experts=shape.experts,
+                                   num_experts_per_tok=shape.topk, norm_topk_prob=norm, **{ffn_field: size.ffn})
+    config._experts_implementation = implementation
+    torch.manual_seed(0)
+    block = _resolve(block_path)(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the experts are torch.empty until a checkpoint loads
+        for parameter in block.parameters():
+            parameter.normal_(0.0, 0.02, generator=generator)
+    return block.train()
+
+
+@contextlib.contextmanager
+def _patch_state_restored() -> Iterator[None]:
+    """Whatever the scenarios switch, leave ``hf`` as it was (applied with its config, or not)."""
+    from elastic_moe_plugin import hf
+
+    previous = hf.active_config()
+    try:
+        yield
+    finally:
+        hf.remove()
+        if previous is not None:
+            hf.apply(previous)
+
+
+def block_scenario(shape: BlockShape, implementation: str) -> tuple[dict[str, Step], dict[str, int]]:
+    """``{variant: Step}`` over one block and one input ``[1, T, H]``, and the dict in which each
+    variant's ``pairs()`` leaves the Σκ its router dispatched in the counted forward."""
+    from elastic_moe_plugin import hf
+    from elastic_moe_plugin.core.config import ElasticConfig
+
+    block = build_block(shape, implementation)
+    size = shape.sizes[implementation]
+    tokens = size.tokens
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(1, tokens, size.hidden, generator=generator)
+    grad_out = torch.randn(1, tokens, size.hidden, generator=generator)
+    setups = {
+        "stock": hf.remove,
+        "iid": lambda: hf.apply(ElasticConfig(schedule=shape.schedule, sampling="iid")),
+        "balanced": lambda: hf.apply(ElasticConfig(schedule=shape.schedule, sampling="balanced")),
+    }
+    dispatched: dict[str, int] = {}
+
+    def forward():
+        return block(x.detach().requires_grad_())
+
+    def run():
+        block.zero_grad(set_to_none=True)
+        (forward() * grad_out).sum().backward()
+
+    def counted_rows(name: str):
+        def rows() -> int:
+            with ExpertGemmRows(block.experts) as counted, torch.no_grad():
+                forward()
+            record = hf.routing_records(block).get(0) if name != "stock" else None
+            dispatched[name] = int(record.budgets.sum()) if record is not None else tokens * shape.topk
+            return counted.rows
+        return rows
+
+    steps = {name: Step(run=run, forward=forward, pairs=counted_rows(name), setup=setup)
+             for name, setup in setups.items()}
+    return steps, dispatched
+
+
+def measure_block(shape: BlockShape, implementation: str, warmup: int, repeats: int) -> ExpertsScenarioResult:
+    """One block under one experts implementation: stock, iid and balanced, interleaved."""
+    steps, dispatched = block_scenario(shape, implementation)
+    with _patch_state_restored():
+        measured = measure(f"{shape.family}-block", shape.describe(implementation), steps, warmup, repeats)
+    result = ExpertsScenarioResult(scenario=measured.scenario, shape=measured.shape, implementation=implementation)
+    for name, variant in measured.variants.items():
+        result.variants[name] = ExpertsVariantResult(**dataclasses.asdict(variant), dispatched_pairs=dispatched[name])
+    return result
+
+
+def run_suite(quick: bool, threads: int) -> list[ExpertsScenarioResult]:
+    """Both blocks under every experts implementation."""
+    import os
+
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    if threads:
+        torch.set_num_threads(threads)
+    shapes, (warmup, repeats) = (QUICK_SHAPES, (1, 5)) if quick else (FULL_SHAPES, (2, 11))
+    return [measure_block(shape, implementation, warmup, repeats)
+            for shape in shapes for implementation in IMPLEMENTATIONS]
+
+
+__all__ = ["BlockShape", "ExpertGemmRows", "Size", "ExpertsScenarioResult", "ExpertsVariantResult", "FULL_SHAPES",
+           "IMPLEMENTATIONS", "QUICK_SHAPES", "block_scenario", "build_block", "measure_block", "run_suite"]

@@ -1,0 +1,73 @@
+"""`elastic-moe bench --quick --json --only hf`: the transformers blocks, every experts implementation.
+
+Timing and memory ratios are measurements, not asserted (only that they are finite and positive);
+the rows the expert GEMMs multiplied, the dispatched Σκ and the sync counts are exact and asserted.
+"""
+
+import json
+import math
+
+import pytest
+
+from elastic_moe_plugin.cli import main
+
+pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.hf, pytest.mark.slow]
+
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+
+
+@pytest.fixture(scope="module")
+def report():
+    import contextlib
+    import io
+
+    from elastic_moe_plugin import hf
+
+    hf.remove()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["bench", "--quick", "--json", "--only", "hf"]) == 0
+    assert not hf.is_applied()  # the bench leaves the patch as it found it
+    return json.loads(out.getvalue())
+
+
+def _entries(report):
+    return {(entry["scenario"], entry["implementation"]): entry for entry in report["scenarios"]}
+
+
+def test_every_block_and_implementation_is_reported(report):
+    assert report["transformers"] and "megatron_core" not in report
+    entries = _entries(report)
+    assert set(entries) == {(block, impl) for block in ("olmoe-block", "qwen3_moe-block") for impl in IMPLEMENTATIONS}
+    for entry in entries.values():
+        assert set(entry["variants"]) == {"stock", "iid", "balanced"}
+        for variant in entry["variants"].values():
+            assert variant["min_ms"] <= variant["median_ms"] <= variant["max_ms"]
+            assert variant["peak_bytes"] > 0
+        for ratios in entry["ratios"].values():
+            assert math.isfinite(ratios["time_ratio"]) and ratios["time_ratio"] > 0
+            assert math.isfinite(ratios["memory_ratio"]) and ratios["memory_ratio"] > 0
+
+
+def test_rows_multiplied_equal_sum_of_budgets_in_every_implementation(report):
+    for (block, impl), entry in _entries(report).items():
+        stock, iid, balanced = (entry["variants"][name] for name in ("stock", "iid", "balanced"))
+        tokens = int(entry["shape"].split("T=")[1].split()[0])
+        assert stock["expected_pairs"] == tokens * 8  # both blocks are top-8
+        assert stock["realised_pairs"] == stock["dispatched_pairs"] == stock["expected_pairs"], (block, impl)
+        for variant in (iid, balanced):
+            # the GEMMs multiplied exactly the kept rows, not the b = 10 slots the router hands over
+            assert variant["realised_pairs"] == variant["dispatched_pairs"], (block, impl)
+            assert variant["realised_pairs"] < tokens * 10
+        assert balanced["dispatched_pairs"] == balanced["expected_pairs"]
+        assert abs(iid["dispatched_pairs"] - iid["expected_pairs"]) < 0.1 * iid["expected_pairs"]
+
+
+def test_syncs_added_per_implementation(report):
+    added = {"eager": (1, 1), "grouped_mm": (0, 0), "batched_mm": (1, 0)}  # (iid, balanced), one MoE layer
+    for (block, impl), entry in _entries(report).items():
+        assert (entry["ratios"]["iid"]["syncs_added"], entry["ratios"]["balanced"]["syncs_added"]) == added[impl]
+    for block in ("olmoe-block", "qwen3_moe-block"):
+        assert _entries(report)[(block, "grouped_mm")]["variants"]["iid"]["syncs_per_forward"] == 0
