@@ -9,18 +9,17 @@ implementation multiply only the Σ_t κ_t kept (token, expert) rows:
 ==============  ========================================================================  ===============
 implementation  what runs for a marked call                                               syncs added
 ==============  ========================================================================  ===============
-``eager``       transformers' own loop, with the sentinel id E (= ``num_experts``) in       +1 (the loop's
+``eager``       transformers' own loop, with the sentinel id E (= ``num_experts``) in     +1 (the loop's
                 the unkept slots: the loop skips expert E                                 test of E)
-``grouped_mm``  transformers' ``grouped_mm_experts_forward`` with its expert-parallel      0
-                sentinel handling switched on for the call: ids E sort to the tail,
-                ``histc(max=E-1)`` leaves them out of the offsets, the grouped GEMM
-                stops at ``offsets[-1]`` = Σκ, and one pre-mask and two post-masks keep
-                the tail rows (left uninitialised by the kernel) out of the output and
-                of every gradient
-``batched_mm``  compaction: the P = Σκ kept pairs become a top-1 problem of P rows for      iid: 1 (P is
-                transformers' ``batched_mm_experts_forward`` (which has no offsets and     read by
-                multiplies every row it gets); each pair's output goes back to its slot   ``nonzero``);
-                of a zero ``[T, b, H]`` buffer, summed per token as stock sums its slots  balanced: 0
+``grouped_mm``  transformers' grouped GEMM over the slots sorted by expert, the unkept    0
+                ones (id E) last: ``histc(max=E-1)`` leaves them out of the offsets, both
+                GEMMs stop at ``offsets[-1]`` = Σκ, and one forward-only zeroing keeps the
+                tail rows (left uninitialised by the kernel) out of the output and of
+                every gradient (:func:`_grouped_mm`)
+``batched_mm``  compaction: the P = Σκ kept pairs become a top-1 problem of P rows for    iid: 1 (P is
+                transformers' ``batched_mm_experts_forward`` (which has no offsets and   read by
+                multiplies every row it gets); each pair's output goes back to its slot  ``nonzero``);
+                of a zero ``[T, b, H]`` buffer, summed per token as stock sums its slots balanced: 0
                                                                                           (P = T·k)
 other           the stock implementation over every slot (the unkept ones weigh 0):       0
                 correct, b/k of the compute; logged once per implementation
@@ -37,11 +36,10 @@ Shapes: T = tokens of the call, b = slots per token, H = hidden size, E = ``expe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -134,24 +132,62 @@ def _eager(experts, original, hidden_states, top_k_index, top_k_weights, slots) 
     return original(experts, hidden_states, _with_sentinels(experts, top_k_index, slots), top_k_weights)
 
 
-@contextlib.contextmanager
-def _sentinels_skipped(experts: torch.nn.Module) -> Iterator[None]:
-    """transformers' grouped_mm honours ids >= num_experts only in expert-parallel mode; switch it
-    on for one call (already on under expert parallelism, where it stays on)."""
-    previous = experts._is_expert_parallel
-    experts._is_expert_parallel = True
-    try:
-        yield
-    finally:
-        experts._is_expert_parallel = previous
-
-
 def _grouped_mm(experts, original, hidden_states, top_k_index, top_k_weights, slots) -> torch.Tensor:
+    """Σ_{j<κ_t} w_tj · expert_{e_tj}(x_t) through transformers' grouped GEMM, multiplying Σκ rows.
+
+    The S = T·b slots are sorted by expert id, the unkept ones (id E) last; ``histc`` over
+    [0, E-1] leaves them out of the offsets, so both grouped GEMMs stop at ``offsets[-1]`` = Σκ
+    and the tail costs no GEMM work. No shape depends on κ, so nothing syncs. The kernel leaves the
+    tail rows of its output, and of its input gradient, uninitialised; they reach nothing:
+
+    - forward: the tail rows of the first GEMM's output pass the (row-wise) gate activation and are
+      then read by nobody (the second GEMM reads rows below ``offsets[-1]`` only); those of the
+      second are set to 0 before they are weighed and summed per token;
+    - backward: the tail's weights are 0, so the gradient entering the second GEMM's tail is 0;
+      what the kernels leave in the tail of their input gradients is read by no GEMM, and the
+      first one's lands on a zero row appended to the hidden states for the tail to gather, whose
+      gradient is dropped.
+
+    This is transformers' own expert-parallel sentinel scheme (``grouped_mm_experts_forward``) with
+    one forward-only zeroing of the tail where it has three masking passes over all S rows, each
+    with its backward (a pre-mask of the gathered input, two out-of-place post-masks): at OLMoE's
+    width those cost about 3% of a block's forward + backward on CPU (``docs/performance.md``).
+    """
     from transformers.integrations import moe
 
-    ids = _with_sentinels(experts, top_k_index, slots)
-    with _sentinels_skipped(experts):
-        return moe.grouped_mm_experts_forward(experts, hidden_states, ids, top_k_weights)
+    num_tokens, width = top_k_index.shape
+    num_experts = int(experts.num_experts)
+    ids = _with_sentinels(experts, top_k_index, slots).reshape(-1)  # [S]
+    sorted_ids, order = torch.sort(ids)  # [S]: slots grouped by expert, the tail (id E) last
+    tail = sorted_ids == num_experts
+    padded = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[-1])])  # [T+1, H]
+    selected = padded[torch.where(tail, num_tokens, order // width)]  # [S, H]; the tail reads the zero row
+    # histc, not bincount, as transformers does (CUDA graphs); CPU histc wants a float input
+    histc_input = sorted_ids.float() if sorted_ids.device.type in ("cpu", "mps") else sorted_ids.int()
+    offsets = torch.cumsum(torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1), 0,
+                           dtype=torch.int32)
+    bias_ids = sorted_ids.clamp(max=num_experts - 1)  # keeps a bias gather in bounds; tail rows are unused
+    if experts.has_gate:
+        up_weight, up_bias = experts.gate_up_proj, experts.gate_up_proj_bias[bias_ids] if experts.has_bias else None
+    else:
+        up_weight, up_bias = experts.up_proj, experts.up_proj_bias[bias_ids] if experts.has_bias else None
+    projected = moe._grouped_linear(selected, up_weight, offsets, bias=up_bias, is_transposed=experts.is_transposed)
+    projected = experts._apply_gate(projected) if experts.has_gate else experts.act_fn(projected)
+    down_bias = experts.down_proj_bias[bias_ids] if experts.has_bias else None
+    out = moe._grouped_linear(projected, experts.down_proj, offsets, bias=down_bias,
+                              is_transposed=experts.is_transposed)  # [S, H]
+    with torch.no_grad():
+        # What the kernel left in the tail is no value: zero it for the forward only (in place;
+        # the GEMM's backward does not read its output). The gradient needs no mask: the tail's
+        # weights are 0, so d out = w · d weighted is 0 there, and d w = out · d weighted reads
+        # the zeroed rows.
+        out.masked_fill_(tail.unsqueeze(-1), 0.0)
+    weights = torch.where(tail, 0.0, top_k_weights.reshape(-1)[order])  # [S]; 0 beyond κ by construction too
+    weighted = out * weights.unsqueeze(-1)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    # Summed over the b slots in slot order, unkept slots exactly 0, as stock sums its k slots.
+    return weighted[inverse].view(num_tokens, width, -1).sum(dim=1).to(hidden_states.dtype)
 
 
 def _batched_mm(experts, original, hidden_states, top_k_index, top_k_weights, slots) -> torch.Tensor:
