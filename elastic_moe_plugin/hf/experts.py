@@ -106,8 +106,8 @@ def _kappa_compute(experts: torch.nn.Module) -> Callable | None:
     # Dispatch on the function transformers would run, not on the name: a library may register its
     # own "grouped_mm" in the ExpertsInterface, and that one need not honour the sentinel.
     registered = moe.ALL_EXPERTS_FUNCTIONS.get(implementation) if implementation is not None else None
-    if implementation == "eager" and registered is None:
-        return _eager
+    if implementation in ("eager", None) and registered is None:
+        return _eager  # None: an experts module outside a model, which transformers runs eagerly
     if registered is moe.grouped_mm_experts_forward:
         return _grouped_mm
     if registered is moe.batched_mm_experts_forward:

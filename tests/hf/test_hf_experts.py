@@ -270,3 +270,22 @@ def test_an_unknown_implementation_computes_every_slot_correctly_and_says_so(tin
     assert sum("'library_grouped_mm'" in record.getMessage() for record in caplog.records) == 1
     torch.testing.assert_close(ours["logits"], reference["logits"], **FP32)
     torch.testing.assert_close(ours["hidden_grad"], reference["hidden_grad"], **FP32)
+
+
+def test_a_standalone_block_without_an_implementation_runs_the_eager_loop_on_kappa(expert_rows, caplog):
+    """A block built outside a model has ``config._experts_implementation = None``; transformers
+    then runs the eager loop, and so does the elastic path (no fallback, no warning)."""
+    from transformers.models.olmoe.modeling_olmoe import OlmoeConfig, OlmoeSparseMoeBlock
+
+    config = OlmoeConfig(hidden_size=HIDDEN, intermediate_size=32, num_experts=8, num_experts_per_tok=K)
+    assert config._experts_implementation is None
+    torch.manual_seed(0)
+    block = OlmoeSparseMoeBlock(config).train()
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0.0, 0.1)
+    hf.apply(ElasticConfig(schedule=SCHEDULE))
+    with caplog.at_level(logging.WARNING, logger="elastic_moe_plugin.hf"), expert_rows(block) as counted:
+        block(_embeds())
+    assert counted.rows == {"experts": int(block.gate._elastic_record.budgets.sum())}
+    assert not [record for record in caplog.records if "experts implementation" in record.getMessage()]
