@@ -15,6 +15,7 @@ Modules: :mod:`.families` (the 13 covered router families: OLMoE, FlexOlmo, Qwen
 Qwen3-Next, Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE thinker and talker, Qwen4-Exp, Mixtral,
 MiniMax, Mellum), :mod:`.patch` (what is patched, the lifecycle, plans and start-up checks),
 :mod:`.routing` (one elastic router forward, and the realised load-balancing loss),
+:mod:`.experts` (expert compute that follows κ in every experts implementation),
 :mod:`.records` (records, κ histograms and logged metrics). ``docs/transformers.md`` has the
 details.
 """
