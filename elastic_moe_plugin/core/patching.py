@@ -143,11 +143,17 @@ class VersionGuard:
     def range(self) -> str:
         return f">={self.minimum},<{self.maximum}"
 
-    def check(self, read_version: Callable[[], Version]) -> Version:
+    def check(self, read_version: Callable[[], Version | None]) -> Version | None:
         """The version ``read_version()`` finds if inside the range (or overridden, with a warning).
 
+        ``read_version`` returns the version of the code that will be patched, ``None`` when that
+        code is importable but carries no version at all, and raises
+        ``importlib.metadata.PackageNotFoundError`` when it is not importable. The override
+        variable accepts both an out-of-range and an unknown version.
+
         Raises:
-            error: the framework is missing, or outside the range and not overridden.
+            error: the framework is missing, or outside the range (or of unknown version) and not
+                overridden.
         """
         try:
             found = read_version()
@@ -156,15 +162,16 @@ class VersionGuard:
                 f"elastic-moe needs {self.framework} {self.range}, which is not installed: pip install "
                 f"'elastic-moe-plugin[{self.extra}]' (or '{self.framework}{self.range}')."
             ) from None
-        if self.minimum <= Version(found.base_version) < self.maximum:
+        if found is not None and self.minimum <= Version(found.base_version) < self.maximum:
             return found
+        described = "an unknown version (no version attribute, no package metadata)" if found is None else str(found)
         if os.environ.get(self.override_env, "").lower() in ("1", "true", "yes"):
             logging.getLogger("elastic_moe_plugin").warning(
                 "elastic-moe: %s %s is outside the tested range %s; %s is set, trying anyway.",
-                self.framework, found, self.range, self.override_env)
+                self.framework, described, self.range, self.override_env)
             return found
         raise self.error(
-            f"elastic-moe supports {self.framework} {self.range}, found {found}. Install a supported "
+            f"elastic-moe supports {self.framework} {self.range}, found {described}. Install a supported "
             f"version (pip install '{self.framework}{self.range}'), or set {self.override_env}=1 to try anyway."
         )
 
@@ -177,7 +184,7 @@ class PatchLifecycle:
         install: ``install(config, patches)`` makes every replacement through ``patches``. If it
             raises, whatever it already replaced is restored before the error propagates.
         guard: the framework's tested range, checked on every :meth:`apply`.
-        read_version: the version of the framework code being patched.
+        read_version: the version of the framework code being patched (see :meth:`VersionGuard.check`).
         logger: where the one INFO line per apply goes.
     """
 
@@ -186,7 +193,7 @@ class PatchLifecycle:
         name: str,
         install: Callable[[ElasticConfig, AttributePatches], None],
         guard: VersionGuard,
-        read_version: Callable[[], Version],
+        read_version: Callable[[], Version | None],
         logger: logging.Logger,
     ) -> None:
         self.name = name
@@ -232,7 +239,7 @@ class PatchLifecycle:
             raise TypeError(f"{self.name}.apply expects an ElasticConfig, got {type(config).__name__}.")
         return config
 
-    def check_version(self) -> Version:
+    def check_version(self) -> Version | None:
         """The framework's version, if supported; else raise (see :meth:`VersionGuard.check`)."""
         return self._guard.check(self._read_version)
 
