@@ -10,7 +10,8 @@ star-imports this module, which is how pytest sees its fixtures.
   state if none exists, runs torch single-threaded, and undoes both at the end of the module.
 - ``mcore_env`` (function scope; every module here applies it through ``pytestmark``) makes sure
   the layer and the model-parallel state are up, and guarantees ``mcore.remove()``, an empty MoE
-  metrics tracker and an unset aux-loss backward scale (i.e. 1) before and after each test.
+  metrics tracker, no budget stream (``mcore.budget_rng``: the next elastic router seeds a fresh
+  one) and an unset aux-loss backward scale (i.e. 1) before and after each test.
 - ``make_config`` / ``make_router`` / ``make_moe_layer`` build fresh Megatron objects;
   ``moe_tracker`` reads Megatron's aux-loss tracker in both 0.16 (dict tracker) and 0.19
   (``MoEMetricsTracker``).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +72,25 @@ def moe_tracker() -> MoETracker:
     return MoETracker()
 
 
+# -------------------------------------------------------------------------------- host syncs
+def in_megatron_rng_fork() -> bool:
+    """Whether Megatron's ``CudaRNGStatesTracker.fork`` is on the calling stack.
+
+    The sync counters of the tests skip the one host read made there: ``fork`` ends with
+    ``torch.all(cpu_rng_state == torch.get_rng_state()).item()``, which compares two states of the
+    *CPU* generator, host tensors on a GPU too, so it never waits for the device. Under the CPU
+    emulation every tensor is a host tensor, so the read is recognised by its caller instead. The
+    budget stream (``mcore.budget_rng``) draws inside such a fork.
+    """
+    frame = sys._getframe(1)
+    suffix = os.path.join("tensor_parallel", "random.py")
+    while frame is not None:
+        if frame.f_code.co_name == "fork" and frame.f_code.co_filename.endswith(suffix):
+            return True
+        frame = frame.f_back
+    return False
+
+
 # -------------------------------------------------------------------------------- environment
 @pytest.fixture(scope="module")
 def mp_world():
@@ -106,14 +127,18 @@ def mcore_env(mp_world):
         megatron_cpu.initialize_model_parallel()
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+    from elastic_moe_plugin.mcore import budget_rng
+
     mcore.remove()
     MoETracker.reset()
+    budget_rng.reset()  # each test's budget stream starts from its own seed, whatever ran before
     MoEAuxLossAutoScaler.main_loss_backward_scale = None  # aux-loss gradients at scale 1
     try:
         yield
     finally:
         mcore.remove()
         MoETracker.reset()
+        budget_rng.reset()
         MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 

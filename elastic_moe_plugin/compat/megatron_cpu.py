@@ -54,6 +54,9 @@ Redirected while enabled (verified against megatron-core 0.16.1 and 0.19.2):
   raise :class:`MegatronCPUError` if launched (they only run with ``moe_paged_stash=True``). It
   is installed only when triton is not importable; the ``triton`` package itself is not stubbed
   because that breaks torch's own probes.
+* ``torch.cuda.initial_seed`` (and ``torch.cuda.random.initial_seed``) -> the CPU default
+  generator's seed: the seed ``model_parallel_cuda_manual_seed`` gave the "CUDA" generator, from
+  which the plugin seeds κ's own stream (:mod:`elastic_moe_plugin.mcore.budget_rng`).
 * The warning "CPU RNG state changed within GPU RNG context" from
   ``megatron.core.tensor_parallel.random`` is filtered: with the emulation the "GPU" generator
   *is* the CPU generator, so that check fires on every fork that draws random numbers.
@@ -226,6 +229,11 @@ def _manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+def _initial_seed() -> int:
+    """torch.cuda.initial_seed -> the CPU default generator's seed (what _manual_seed set)."""
+    return torch.default_generator.initial_seed()
+
+
 class _CPUGenerators:
     """torch.cuda.default_generators -> every index maps to the CPU default generator."""
 
@@ -258,9 +266,10 @@ _CUDA_REDIRECTS = {
     "get_rng_state": _get_rng_state,
     "set_rng_state": _set_rng_state,
     "manual_seed": _manual_seed,
+    "initial_seed": _initial_seed,
     "default_generators": _CPU_GENERATORS,
 }
-_CUDA_RANDOM_REDIRECTS = ("get_rng_state", "set_rng_state", "manual_seed")
+_CUDA_RANDOM_REDIRECTS = ("get_rng_state", "set_rng_state", "manual_seed", "initial_seed")
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError, UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
 from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
-from elastic_moe_plugin.mcore import dispatch
+from elastic_moe_plugin.mcore import budget_rng, dispatch
 from elastic_moe_plugin.mcore.routing import elastic_routing
 
 logger = logging.getLogger("elastic_moe_plugin.mcore")
@@ -111,6 +111,11 @@ def _patched_init(original: Callable) -> Callable:
         config = _PATCH.config
         if config is not None:
             validate_router(self, config)
+            if config.enabled and not config.resolve(num_experts=self.config.num_moe_experts,
+                                                     topk=self.config.moe_router_topk).is_static:
+                # Seeded now, after Megatron seeds its tracker and before load_checkpoint restores
+                # a saved stream (mcore.budget_rng).
+                budget_rng.ensure_registered()
 
     return __init__
 

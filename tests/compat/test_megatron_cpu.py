@@ -279,6 +279,16 @@ def test_rng_tracker_forks_on_the_cpu_generator(single_process):
     torch.testing.assert_close(c, torch.rand(5, generator=model_parallel), rtol=0, atol=0)
 
 
+def test_cuda_initial_seed_is_the_seed_megatron_gave_the_generator(single_process):
+    """model_parallel_cuda_manual_seed seeds the "CUDA" generator through torch.cuda.manual_seed;
+    torch.cuda.initial_seed reads it back (the budget stream is seeded from it)."""
+    from megatron.core import tensor_parallel
+
+    assert torch.cuda.initial_seed() == torch.cuda.random.initial_seed() == 1234
+    tensor_parallel.model_parallel_cuda_manual_seed(77)
+    assert torch.cuda.initial_seed() == 77
+
+
 def test_activation_recompute_replays_forked_dropout(single_process):
     from megatron.core import tensor_parallel
 
