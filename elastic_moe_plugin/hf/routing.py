@@ -3,8 +3,9 @@
 One MoE layer in training (paper §3.2, Eq. 4-5; the gate weights follow ``docs/gates.md``)::
 
     (1) z [T, E] = x W^T                                  (the stock router logits)
-    (2) κ [T] ~ q on {a..b}                              (BudgetSchedule.sample, torch's default
-                                                           generator: replayed by checkpointing)
+    (2) κ [T] ~ q on {a..b}                              (BudgetSchedule.sample on κ's own generator,
+                                                           hf.budget_rng: saved by the Trainer,
+                                                           replayed by gradient checkpointing)
     (3) p = softmax(z) in fp32; the top-b candidates by p, sorted by rank
     (4) slot j (0-based) is kept iff j < κ_t; weights by core.gates.weigh_candidates:
             full_softmax  w = p_e                          (norm_topk_prob=False, OLMoE)
@@ -35,6 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from elastic_moe_plugin.core import records
 from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
 from elastic_moe_plugin.core.plan import LayerPlan
+from elastic_moe_plugin.hf import budget_rng
 
 #: weakref to the sibling experts module (``mlp.experts``), to learn its implementation at forward
 EXPERTS_ATTR = "_elastic_experts"
@@ -62,8 +64,8 @@ def elastic_routing(
     router_logits = F.linear(hidden, router.weight)  # (1) exactly as the stock router
     num_tokens = router_logits.shape[0]
     width = plan.width
-    if budgets is None and plan.top_p is None:
-        budgets = plan.schedule.sample(num_tokens, plan.sampling, device=router_logits.device)  # (2)
+    if budgets is None and plan.top_p is None:  # (2) κ's own stream; a checkpoint's recompute replays
+        budgets = budget_rng.draw(router, plan, num_tokens, router_logits.device, replay=_in_backward())
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (3) as stock: fp32 softmax
     candidates, candidate_ids = torch.topk(probs, width, dim=-1)  # sorted by rank, like stock top-k
     if budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass

@@ -52,6 +52,9 @@ def _hf_targets():
         if not isinstance(loaded, str):
             module, router_cls, layer_cls = loaded
             points += [(router_cls, "forward"), (layer_cls, "__init__"), (module, "load_balancing_loss_func")]
+    from transformers.trainer import Trainer
+
+    points += [(Trainer, "_save_rng_state"), (Trainer, "_load_rng_state")]  # κ's generator in rng_state files
     return list(dict.fromkeys((owner, name) for owner, name in points).keys())
 
 
