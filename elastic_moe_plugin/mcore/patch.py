@@ -24,6 +24,7 @@ import functools
 import importlib
 import importlib.metadata
 import logging
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -111,6 +112,7 @@ def _patched_init(original: Callable) -> Callable:
         config = _PATCH.config
         if config is not None:
             validate_router(self, config)
+            _ROUTERS.add(self)
             if config.enabled and not config.resolve(num_experts=self.config.num_moe_experts,
                                                      topk=self.config.moe_router_topk).is_static:
                 # Seeded now, after Megatron seeds its tracker and before load_checkpoint restores
@@ -118,6 +120,15 @@ def _patched_init(original: Callable) -> Callable:
                 budget_rng.ensure_registered()
 
     return __init__
+
+
+#: every TopKRouter built while the patch was applied (weakly), for logging hooks that get no model
+_ROUTERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def built_routers() -> list[torch.nn.Module]:
+    """The live ``TopKRouter`` instances built while the patch was applied, in no particular order."""
+    return list(_ROUTERS)
 
 
 # ---------------------------------------------------------------------------------- lifecycle
