@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -74,21 +73,11 @@ def moe_tracker() -> MoETracker:
 
 # -------------------------------------------------------------------------------- host syncs
 def in_megatron_rng_fork() -> bool:
-    """Whether Megatron's ``CudaRNGStatesTracker.fork`` is on the calling stack.
+    """The sync counters skip the host-only read of Megatron's RNG-tracker fork
+    (``megatron_cpu.in_rng_tracker_fork``, which says why)."""
+    from elastic_moe_plugin.compat import megatron_cpu
 
-    The sync counters of the tests skip the one host read made there: ``fork`` ends with
-    ``torch.all(cpu_rng_state == torch.get_rng_state()).item()``, which compares two states of the
-    *CPU* generator, host tensors on a GPU too, so it never waits for the device. Under the CPU
-    emulation every tensor is a host tensor, so the read is recognised by its caller instead. The
-    budget stream (``mcore.budget_rng``) draws inside such a fork.
-    """
-    frame = sys._getframe(1)
-    suffix = os.path.join("tensor_parallel", "random.py")
-    while frame is not None:
-        if frame.f_code.co_name == "fork" and frame.f_code.co_filename.endswith(suffix):
-            return True
-        frame = frame.f_back
-    return False
+    return megatron_cpu.in_rng_tracker_fork()
 
 
 # -------------------------------------------------------------------------------- environment

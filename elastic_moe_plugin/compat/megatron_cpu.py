@@ -135,6 +135,7 @@ __all__ = [
     "disable_torch_compile",
     "enable",
     "enabled",
+    "in_rng_tracker_fork",
     "initialize_model_parallel",
     "is_enabled",
 ]
@@ -695,6 +696,24 @@ def enabled(force: bool = False, *, training: bool = False) -> Iterator[None]:
     finally:
         if not was_enabled:
             disable()
+
+
+def in_rng_tracker_fork() -> bool:
+    """Whether Megatron's ``CudaRNGStatesTracker.fork`` is on the calling stack.
+
+    For host-sync counters under this layer. ``fork`` ends with
+    ``torch.all(cpu_rng_state == torch.get_rng_state()).item()``, a comparison of two states of the
+    *CPU* generator: host tensors on a GPU too, so that read never waits for the device. Here every
+    tensor is a host tensor, so a counter of device reads cannot tell it by its device and asks
+    this instead. (κ is drawn inside such a fork: :mod:`elastic_moe_plugin.mcore.budget_rng`.)
+    """
+    frame = sys._getframe(1)
+    suffix = os.path.join("tensor_parallel", "random.py")
+    while frame is not None:
+        if frame.f_code.co_name == "fork" and frame.f_code.co_filename.endswith(suffix):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def disable_torch_compile() -> None:

@@ -23,7 +23,9 @@ vary 2-3x between rounds. Memory: peak bytes of tensors alive during one step, c
 ``TorchDispatchMode`` over storages (allocator-independent; kernel scratch space is not seen).
 Syncs: device-to-host synchronisations during one forward, counted as ``aten._local_scalar_dense``
 and ``aten.nonzero`` calls (what ``.item()``, ``int(t)``, ``.tolist()`` and data-dependent shapes
-become), elastic minus stock. Pairs: (token, expert) pairs dispatched per forward, expected T·k
+become) on device tensors, elastic minus stock. Not counted: reads of host tensors (the RNG-state
+check of Megatron's tracker fork, which κ's draw enters; under the CPU layer it is recognised by
+its caller). Pairs: (token, expert) pairs dispatched per forward, expected T·k
 against realised Σκ.
 """
 
@@ -93,9 +95,20 @@ class SyncCounter(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in SYNC_OPS:
+        if func.overloadpacket.__name__ in SYNC_OPS and not _host_only_read(args):
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+def _host_only_read(args) -> bool:
+    """A read of host tensors only, which waits for no device: on a GPU, a CPU tensor; under the
+    CPU layer (every tensor a host tensor), the RNG-state comparison of Megatron's tracker fork."""
+    from elastic_moe_plugin.compat import megatron_cpu
+
+    if megatron_cpu.is_enabled():
+        return megatron_cpu.in_rng_tracker_fork()
+    tensors = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
 
 
 # ------------------------------------------------------------------------------------ results
