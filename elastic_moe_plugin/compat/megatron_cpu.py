@@ -80,7 +80,8 @@ against the megatron-core 0.19.2 wheel, whose ``megatron.training`` also needs
   torch function (``megatron.training`` allocates its loss accumulators, the train/valid/test flags
   it broadcasts, timers and more with ``device='cuda'``, at some 70 call sites), the device of
   ``Tensor.to(...)``, and ``Tensor.cuda()`` (returns the tensor). Other arguments pass through.
-* ``megatron.core.dist_checkpointing.strategies.filesystem_async.get_write_results_queue`` -> its
+* ``megatron.core.dist_checkpointing.strategies.filesystem_async.get_write_results_queue``
+  (``_get_write_results_queue`` in 0.16, which hard-codes the start method) -> its
   multiprocessing Manager is started with 'fork', not 'spawn'. A spawned process re-imports the
   training script in a fresh interpreter where this layer (and the paged-stash stand-in) is off, so
   it dies importing megatron.core and the torch_dist save fails with ``EOFError``. Megatron spawns
@@ -371,9 +372,19 @@ def _fix_results_queue(module: types.ModuleType) -> None:
     this layer (and the paged-stash stand-in) is off, so it dies on ``import megatron.core`` and the
     save fails with EOFError. Megatron spawns because forking a process that holds a CUDA context
     is unsafe; without CUDA, fork is safe and the child inherits this layer."""
+    if not _STATE.training:
+        return
     original = getattr(module, "get_write_results_queue", None)
-    if _STATE.training and callable(original):
+    if callable(original):  # 0.17+: the start method is an argument
         _patch(module, "get_write_results_queue", lambda mp_mode="spawn": original("fork"))
+    elif callable(getattr(module, "_get_write_results_queue", None)):  # 0.16 hard-codes 'spawn'
+
+        def _get_write_results_queue():
+            if module._results_queue is None:  # the module's own cache, as the stock function keeps it
+                module._results_queue = module.mp.get_context("fork").Manager().Queue()
+            return module._results_queue
+
+        _patch(module, "_get_write_results_queue", _get_write_results_queue)
 
 
 _TRAINING_FIXUPS = {

@@ -249,7 +249,8 @@ def test_training_redirects_run_cuda_devices_on_the_cpu_and_disable_undoes_them(
     megatron_cpu.disable()
     try:
         before = _attribute_snapshot()
-        stock_queue = filesystem_async.get_write_results_queue
+        queue_name = _results_queue_function(filesystem_async)
+        stock_queue = getattr(filesystem_async, queue_name)
         megatron_cpu.enable()
         assert torch.cuda.device_count() == 0 or torch.cuda.is_available()  # the runtime layer alone: untouched
         megatron_cpu.enable(training=True)  # adds to the layer that is on
@@ -261,15 +262,20 @@ def test_training_redirects_run_cuda_devices_on_the_cpu_and_disable_undoes_them(
         x = torch.ones(2)
         assert x.cuda() is x and x.to("cuda:1").device == torch.device("cpu")
         assert x.to(torch.float64).dtype == torch.float64  # other arguments pass through
-        assert filesystem_async.get_write_results_queue is not stock_queue
+        assert getattr(filesystem_async, queue_name) is not stock_queue
         megatron_cpu.disable()
-        assert _attribute_snapshot() == before and filesystem_async.get_write_results_queue is stock_queue
+        assert _attribute_snapshot() == before and getattr(filesystem_async, queue_name) is stock_queue
         if not torch.cuda.is_available():
             with pytest.raises((AssertionError, RuntimeError)):  # the mode is gone: a CPU torch has no CUDA
                 torch.zeros(2, device="cuda")
     finally:
         megatron_cpu.disable()
         megatron_cpu.enable()
+
+
+def _results_queue_function(module) -> str:
+    """0.17+: ``get_write_results_queue(mp_mode)``; 0.16: ``_get_write_results_queue()``."""
+    return "get_write_results_queue" if hasattr(module, "get_write_results_queue") else "_get_write_results_queue"
 
 
 def test_checkpoint_writer_results_queue_is_started_by_fork():
@@ -284,7 +290,8 @@ def test_checkpoint_writer_results_queue_is_started_by_fork():
         original = multiprocessing.get_context
         multiprocessing.get_context = lambda method=None: started.append(method) or original(method)
         filesystem_async.mp.get_context = multiprocessing.get_context
-        queue = filesystem_async.get_write_results_queue()
+        name = "get_write_results_queue" if hasattr(filesystem_async, "get_write_results_queue") else "_get_write_results_queue"
+        queue = getattr(filesystem_async, name)()
         queue.put(42)
         assert queue.get() == 42 and started == ["fork"], started
         print("queue ok")

@@ -9,9 +9,10 @@ the opt-in CPU layer on first; ``--stock`` runs the script without the plugin). 
 4 x 32 tokens; dropout off (under the CPU emulation dropout shares the CPU generator with data
 loading, so even stock Megatron would not resume bit-exactly with it on).
 
-The runs start together as soon as the module is collected (two at a time; each takes 10-20 s,
-mostly imports), and the tests read their logs, TensorBoard event files, checkpoints and, through
-``RUN_ON_CPU_OBSERVE``, the experts per token each router handed its dispatcher.
+The nine runs start with the module's first test, two processes at a time (each takes 10-20 s,
+mostly imports; about 80 s in all on 2 cores), and the tests read their logs, TensorBoard event
+files, checkpoints and, through ``RUN_ON_CPU_OBSERVE``, the experts per token each router handed
+its dispatcher.
 
 megatron-core 0.16.1's wheel ships no ``megatron.training``; under the 0.16.1 pass the one on the
 path is the 0.19.2 wheel's, which needs megatron.core 0.19, so this module skips there (the router,
