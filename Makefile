@@ -22,7 +22,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0 numpy "packaging>=24.2"
 	$(BIN)/pip install -q -e ".[dev,plot,hf,swift,eval]" torch==2.13.0
 	# megatron-core >=0.17 declares Requires-Python>=3.12, yet its cp311 wheel imports and runs on
-	# 3.11 (only megatron/training, which we never import, needs 3.12). With dependencies pip would
+	# 3.11 (its megatron/training needs typing.override, which compat/megatron_training supplies for
+	# the tests that run Megatron-LM's training loop). With dependencies pip would
 	# try a numpy sdist that needs 3.12, so install it alone; its runtime deps (torch, numpy,
 	# packaging>=24.2) are already here.
 	$(BIN)/pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_HIGH)

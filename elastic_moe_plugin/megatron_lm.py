@@ -2,9 +2,9 @@
 
 import sys
 
-from elastic_moe_plugin.mcore.megatron_lm import main, split_argv
+from elastic_moe_plugin.mcore.megatron_lm import Launch, main, parse_argv, split_argv
 
-__all__ = ["main", "split_argv"]
+__all__ = ["Launch", "main", "parse_argv", "split_argv"]
 
 if __name__ == "__main__":
     sys.exit(main())

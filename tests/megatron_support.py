@@ -10,7 +10,8 @@ star-imports this module, which is how pytest sees its fixtures.
   state if none exists, runs torch single-threaded, and undoes both at the end of the module.
 - ``mcore_env`` (function scope; every module here applies it through ``pytestmark``) makes sure
   the layer and the model-parallel state are up, and guarantees ``mcore.remove()``, an empty MoE
-  metrics tracker and an unset aux-loss backward scale (i.e. 1) before and after each test.
+  metrics tracker, no budget stream (``mcore.budget_rng``: the next elastic router seeds a fresh
+  one) and an unset aux-loss backward scale (i.e. 1) before and after each test.
 - ``make_config`` / ``make_router`` / ``make_moe_layer`` build fresh Megatron objects;
   ``moe_tracker`` reads Megatron's aux-loss tracker in both 0.16 (dict tracker) and 0.19
   (``MoEMetricsTracker``).
@@ -70,6 +71,15 @@ def moe_tracker() -> MoETracker:
     return MoETracker()
 
 
+# -------------------------------------------------------------------------------- host syncs
+def in_megatron_rng_fork() -> bool:
+    """The sync counters skip the host-only read of Megatron's RNG-tracker fork
+    (``megatron_cpu.in_rng_tracker_fork``, which says why)."""
+    from elastic_moe_plugin.compat import megatron_cpu
+
+    return megatron_cpu.in_rng_tracker_fork()
+
+
 # -------------------------------------------------------------------------------- environment
 @pytest.fixture(scope="module")
 def mp_world():
@@ -106,14 +116,18 @@ def mcore_env(mp_world):
         megatron_cpu.initialize_model_parallel()
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+    from elastic_moe_plugin.mcore import budget_rng
+
     mcore.remove()
     MoETracker.reset()
+    budget_rng.reset()  # each test's budget stream starts from its own seed, whatever ran before
     MoEAuxLossAutoScaler.main_loss_backward_scale = None  # aux-loss gradients at scale 1
     try:
         yield
     finally:
         mcore.remove()
         MoETracker.reset()
+        budget_rng.reset()
         MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 

@@ -54,12 +54,45 @@ Redirected while enabled (verified against megatron-core 0.16.1 and 0.19.2):
   raise :class:`MegatronCPUError` if launched (they only run with ``moe_paged_stash=True``). It
   is installed only when triton is not importable; the ``triton`` package itself is not stubbed
   because that breaks torch's own probes.
+* ``torch.cuda.initial_seed`` (and ``torch.cuda.random.initial_seed``) -> the CPU default
+  generator's seed: the seed ``model_parallel_cuda_manual_seed`` gave the "CUDA" generator, from
+  which the plugin seeds κ's own stream (:mod:`elastic_moe_plugin.mcore.budget_rng`).
 * The warning "CPU RNG state changed within GPU RNG context" from
   ``megatron.core.tensor_parallel.random`` is filtered: with the emulation the "GPU" generator
   *is* the CPU generator, so that check fires on every fork that draws random numbers.
 
 Megatron modules imported *after* enable() get their attributes fixed by an import hook that
 runs right after the module executes, so the import order does not matter.
+
+Redirected as well with ``enable(training=True)``, for Megatron-LM's own training loop
+(``megatron.training``: ``pretrain``, ``train_step``, ``training_log``, checkpointing; verified
+against the megatron-core 0.19.2 wheel, whose ``megatron.training`` also needs
+:mod:`elastic_moe_plugin.compat.megatron_training` on Python 3.11):
+
+* ``torch.cuda.device_count`` -> 1 and ``torch.cuda.set_device`` -> no-op. Megatron-LM's
+  ``_initialize_distributed`` builds the model-parallel groups, and ``_set_random_seed`` seeds the
+  RNG tracker, only when ``device_count() > 0``; it then calls ``set_device(local_rank)``.
+* ``megatron.training.training.initialize_megatron`` -> called with ``allow_no_cuda=True``:
+  ``pretrain`` passes nothing, and the function then asserts ``torch.cuda.is_available()``, which
+  this layer leaves False (faking it would send other libraries down their CUDA paths).
+* CUDA device arguments -> the CPU, through a ``TorchFunctionMode`` entered on the thread that calls
+  ``enable``: ``device="cuda"`` / ``"cuda:N"`` / ``torch.device("cuda", N)`` / an ordinal, in any
+  torch function (``megatron.training`` allocates its loss accumulators, the train/valid/test flags
+  it broadcasts, timers and more with ``device='cuda'``, at some 70 call sites), the device of
+  ``Tensor.to(...)``, and ``Tensor.cuda()`` (returns the tensor). Other arguments pass through.
+* ``megatron.core.dist_checkpointing.strategies.filesystem_async.get_write_results_queue``
+  (``_get_write_results_queue`` in 0.16, which hard-codes the start method) -> its
+  multiprocessing Manager is started with 'fork', not 'spawn'. A spawned process re-imports the
+  training script in a fresh interpreter where this layer (and the paged-stash stand-in) is off, so
+  it dies importing megatron.core and the torch_dist save fails with ``EOFError``. Megatron spawns
+  because forking a process holding a CUDA context is unsafe; without CUDA, fork is safe.
+
+Flags a CPU run of ``megatron.training`` passes itself (choices of the run, not redirected):
+``--distributed-backend gloo``, ``--transformer-impl local``, ``--use-cpu-initialization``,
+``--no-gradient-accumulation-fusion``, ``--no-persist-layer-norm``, ``--no-bias-gelu-fusion`` and
+``--disable-bias-linear`` (no fused kernels without Transformer Engine; the bias add of
+SequentialMLP experts fails in autograd), and ``--clip-grad 0``:
+``clip_grad_by_total_norm_fp32`` asserts ``grad.type() == 'torch.cuda.FloatTensor'``.
 
 Caller-side notes: ``GPTModel`` (both versions) builds its default causal mask with ``device="cuda"``, so
 pass an explicit ``attention_mask``; with EP=TP=1 and ``add_bias_linear=True`` the expert MLP's
@@ -74,6 +107,7 @@ local specs (``get_gpt_layer_local_spec``) and ``SequentialMLP`` experts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -88,6 +122,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from elastic_moe_plugin.core.patching import AttributePatches
 
@@ -101,6 +136,7 @@ __all__ = [
     "disable_torch_compile",
     "enable",
     "enabled",
+    "in_rng_tracker_fork",
     "initialize_model_parallel",
     "is_enabled",
 ]
@@ -129,6 +165,8 @@ class _State:
         self.log_filter: logging.Filter | None = None
         self.owned_process_group = False
         self.store_dir: str | None = None
+        self.training = False
+        self.device_mode: _CudaDevicesOnCPU | None = None
 
 
 _STATE = _State()
@@ -226,6 +264,11 @@ def _manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+def _initial_seed() -> int:
+    """torch.cuda.initial_seed -> the CPU default generator's seed (what _manual_seed set)."""
+    return torch.default_generator.initial_seed()
+
+
 class _CPUGenerators:
     """torch.cuda.default_generators -> every index maps to the CPU default generator."""
 
@@ -258,9 +301,96 @@ _CUDA_REDIRECTS = {
     "get_rng_state": _get_rng_state,
     "set_rng_state": _set_rng_state,
     "manual_seed": _manual_seed,
+    "initial_seed": _initial_seed,
     "default_generators": _CPU_GENERATORS,
 }
-_CUDA_RANDOM_REDIRECTS = ("get_rng_state", "set_rng_state", "manual_seed")
+_CUDA_RANDOM_REDIRECTS = ("get_rng_state", "set_rng_state", "manual_seed", "initial_seed")
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-LM's training loop (megatron.training): enable(training=True)
+# --------------------------------------------------------------------------------------------
+
+
+def _device_count() -> int:
+    """torch.cuda.device_count -> 1: the CPU is the one "device" of each process."""
+    return 1
+
+
+def _set_device(device: Any) -> None:
+    """torch.cuda.set_device -> no-op: there is one CPU device, always current."""
+
+
+_TRAINING_CUDA_REDIRECTS = {"device_count": _device_count, "set_device": _set_device}
+
+
+def _on_cpu(device: Any) -> Any:
+    """A CUDA device (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda", N)``, an ordinal N) -> CPU."""
+    if isinstance(device, str) and device.split(":", 1)[0] == "cuda":
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    if isinstance(device, int) and not isinstance(device, bool):
+        return _CPU
+    return device
+
+
+class _CudaDevicesOnCPU(TorchFunctionMode):
+    """Runs torch functions that name a CUDA device on the CPU instead.
+
+    ``device=`` of any torch function (factories such as ``torch.tensor(..., device="cuda")``,
+    ``torch.zeros``, ``torch.empty``, ...) and the device of ``Tensor.to(...)`` map to the CPU;
+    ``Tensor.cuda()`` returns the tensor itself. Everything else passes through untouched.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": _on_cpu(kwargs["device"])}
+        if func is _TENSOR_CUDA:
+            return args[0]
+        if func is _TENSOR_TO and len(args) > 1:
+            args = (args[0], _on_cpu(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+_TENSOR_CUDA = torch.Tensor.cuda
+_TENSOR_TO = torch.Tensor.to
+
+
+def _fix_initialize_megatron(module: types.ModuleType) -> None:
+    """``pretrain`` calls ``initialize_megatron()`` without ``allow_no_cuda``, which then asserts
+    ``torch.cuda.is_available()``; this layer leaves that False (other libraries would take their
+    CUDA paths), so pass ``allow_no_cuda=True``."""
+    if _STATE.training and callable(getattr(module, "initialize_megatron", None)):
+        _patch(module, "initialize_megatron", functools.partial(module.initialize_megatron, allow_no_cuda=True))
+
+
+def _fix_results_queue(module: types.ModuleType) -> None:
+    """The torch_dist checkpoint writer collects results through a multiprocessing Manager started
+    with 'spawn'. A spawned process re-imports the training script in a fresh interpreter where
+    this layer (and the paged-stash stand-in) is off, so it dies on ``import megatron.core`` and the
+    save fails with EOFError. Megatron spawns because forking a process that holds a CUDA context
+    is unsafe; without CUDA, fork is safe and the child inherits this layer."""
+    if not _STATE.training:
+        return
+    original = getattr(module, "get_write_results_queue", None)
+    if callable(original):  # 0.17+: the start method is an argument
+        _patch(module, "get_write_results_queue", lambda mp_mode="spawn": original("fork"))
+    elif callable(getattr(module, "_get_write_results_queue", None)):  # 0.16 hard-codes 'spawn'
+
+        def _get_write_results_queue():
+            if module._results_queue is None:  # the module's own cache, as the stock function keeps it
+                module._results_queue = module.mp.get_context("fork").Manager().Queue()
+            return module._results_queue
+
+        _patch(module, "_get_write_results_queue", _get_write_results_queue)
+
+
+_TRAINING_FIXUPS = {
+    "megatron.training.training": _fix_initialize_megatron,
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": _fix_results_queue,
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,6 +525,8 @@ _MEGATRON_FIXUPS = {
     "megatron.core.tensor_parallel.random": _fix_lazy_call_alias,
     "megatron.core.distributed.fsdp.src.megatron_fsdp.utils": _fix_lazy_call_alias,
     "megatron.core.transformer.moe.moe_utils": _fix_missing_te_general_gemm,
+    # enable(training=True) only (each checks _STATE.training)
+    **_TRAINING_FIXUPS,
 }
 
 
@@ -423,20 +555,26 @@ class _FixupFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Any = None, target: Any = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _MEGATRON_FIXUPS:
+        searching = _SEARCHING.__dict__.setdefault("names", set())
+        if fullname not in _MEGATRON_FIXUPS or fullname in searching:
+            return None  # not ours, or another delegating finder (core.patching's) asking back
+        searching.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _FixupLoader(spec.loader)
+                    return spec
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _FixupLoader(spec.loader)
-                return spec
-        return None
+        finally:
+            searching.discard(fullname)
 
 
 _FINDER = _FixupFinder()
+_SEARCHING = threading.local()  # module names _FINDER is resolving through the other finders
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,6 +594,10 @@ def _patch(owner: Any, name: str, replacement: Any) -> None:
 
 
 def _undo() -> None:
+    if _STATE.device_mode is not None:
+        _STATE.device_mode.__exit__(None, None, None)
+        _STATE.device_mode = None
+    _STATE.training = False
     _STATE.patches.restore()
     _STATE.originals.clear()
     while _FINDER in sys.meta_path:
@@ -466,49 +608,74 @@ def _undo() -> None:
         _STATE.log_filter = None
 
 
-def enable(force: bool = False) -> None:
+def enable(force: bool = False, *, training: bool = False) -> None:
     """Turn the layer on (idempotent). Callable before or after ``import megatron.core``.
 
     Args:
         force: activate even though ``torch.cuda.is_available()`` is True. For tests only:
             on a GPU machine this would route Megatron's device placement to the CPU.
+        training: also redirect what Megatron-LM's training loop (``megatron.training``) needs
+            (module docstring). Adds to a layer already on; :func:`disable` removes both.
 
     Raises:
         MegatronCPUError: CUDA is available and ``force`` is False.
     """
     with _STATE.lock:
-        if _STATE.active:
-            return
-        if torch.cuda.is_available():
-            if not force:
-                raise MegatronCPUError(
-                    "torch.cuda.is_available() is True: refusing to redirect the CUDA runtime to "
-                    "the CPU. Run Megatron on the GPU without megatron_cpu, or pass force=True "
-                    "in a test that really wants the CPU path."
-                )
-            logger.warning("megatron_cpu forced on although CUDA is available")
-        try:
-            _install_paged_stash_stand_in()
-            for name, replacement in _CUDA_REDIRECTS.items():
-                _patch(torch.cuda, name, replacement)
-            for name in _CUDA_RANDOM_REDIRECTS:
-                _patch(torch.cuda.random, name, _CUDA_REDIRECTS[name])
-            if torch.distributed.is_available():
-                for name, replacement in _DISTRIBUTED_REDIRECTS.items():
-                    _STATE.originals[name] = getattr(torch.distributed, name)
-                    _patch(torch.distributed, name, replacement)
-            for module_name, fixup in _MEGATRON_FIXUPS.items():
-                module = sys.modules.get(module_name)
-                if module is not None:
-                    fixup(module)
-            sys.meta_path.insert(0, _FINDER)
-            _STATE.log_filter = _DropEmulatedRngWarning()
-            logging.getLogger(_RNG_LOGGER_NAME).addFilter(_STATE.log_filter)
-        except BaseException:
-            _undo()
-            raise
-        _STATE.active = True
-        logger.debug("megatron_cpu enabled: %d attributes redirected", len(_STATE.patches))
+        if not _STATE.active:
+            _enable_runtime(force)
+        if training and not _STATE.training:
+            try:
+                _enable_training()
+            except BaseException:
+                _undo()
+                _STATE.active = False
+                raise
+
+
+def _enable_runtime(force: bool) -> None:
+    if torch.cuda.is_available():
+        if not force:
+            raise MegatronCPUError(
+                "torch.cuda.is_available() is True: refusing to redirect the CUDA runtime to "
+                "the CPU. Run Megatron on the GPU without megatron_cpu, or pass force=True "
+                "in a test that really wants the CPU path."
+            )
+        logger.warning("megatron_cpu forced on although CUDA is available")
+    try:
+        _install_paged_stash_stand_in()
+        for name, replacement in _CUDA_REDIRECTS.items():
+            _patch(torch.cuda, name, replacement)
+        for name in _CUDA_RANDOM_REDIRECTS:
+            _patch(torch.cuda.random, name, _CUDA_REDIRECTS[name])
+        if torch.distributed.is_available():
+            for name, replacement in _DISTRIBUTED_REDIRECTS.items():
+                _STATE.originals[name] = getattr(torch.distributed, name)
+                _patch(torch.distributed, name, replacement)
+        for module_name, fixup in _MEGATRON_FIXUPS.items():
+            module = sys.modules.get(module_name)
+            if module is not None:
+                fixup(module)
+        sys.meta_path.insert(0, _FINDER)
+        _STATE.log_filter = _DropEmulatedRngWarning()
+        logging.getLogger(_RNG_LOGGER_NAME).addFilter(_STATE.log_filter)
+    except BaseException:
+        _undo()
+        raise
+    _STATE.active = True
+    logger.debug("megatron_cpu enabled: %d attributes redirected", len(_STATE.patches))
+
+
+def _enable_training() -> None:
+    _STATE.training = True
+    for name, replacement in _TRAINING_CUDA_REDIRECTS.items():
+        _patch(torch.cuda, name, replacement)
+    for module_name, fixup in _TRAINING_FIXUPS.items():
+        module = sys.modules.get(module_name)
+        if module is not None:
+            fixup(module)
+    # The mode stack is per thread: this covers the thread that runs the training loop.
+    _STATE.device_mode = _CudaDevicesOnCPU()
+    _STATE.device_mode.__enter__()
 
 
 def disable() -> None:
@@ -526,20 +693,38 @@ def disable() -> None:
 
 
 def is_enabled() -> bool:
-    """Whether the layer is currently on."""
+    """Whether the layer is currently on (with or without the training-loop part)."""
     return _STATE.active
 
 
 @contextlib.contextmanager
-def enabled(force: bool = False) -> Iterator[None]:
+def enabled(force: bool = False, *, training: bool = False) -> Iterator[None]:
     """Context manager: enable() on entry; on exit disable() unless it was already enabled."""
     was_enabled = is_enabled()
-    enable(force=force)
+    enable(force=force, training=training)
     try:
         yield
     finally:
         if not was_enabled:
             disable()
+
+
+def in_rng_tracker_fork() -> bool:
+    """Whether Megatron's ``CudaRNGStatesTracker.fork`` is on the calling stack.
+
+    For host-sync counters under this layer. ``fork`` ends with
+    ``torch.all(cpu_rng_state == torch.get_rng_state()).item()``, a comparison of two states of the
+    *CPU* generator: host tensors on a GPU too, so that read never waits for the device. Here every
+    tensor is a host tensor, so a counter of device reads cannot tell it by its device and asks
+    this instead. (κ is drawn inside such a fork: :mod:`elastic_moe_plugin.mcore.budget_rng`.)
+    """
+    frame = sys._getframe(1)
+    suffix = os.path.join("tensor_parallel", "random.py")
+    while frame is not None:
+        if frame.f_code.co_name == "fork" and frame.f_code.co_filename.endswith(suffix):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def disable_torch_compile() -> None:

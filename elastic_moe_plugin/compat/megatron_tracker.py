@@ -85,6 +85,24 @@ def record(name: str, value: torch.Tensor, layer_number: int, num_layers: int, d
     save_to_aux_losses_tracker(name, value, layer_number, num_layers, reduce_group=None, avg_group=dp_group)
 
 
+def ensure(name: str, num_layers: int, device: Any) -> None:
+    """Create ``name`` with zero values [num_layers] unless it exists (Megatron's own
+    ``force_initialize``, without tying the entry's size to the report's layer count). Every rank
+    must report the same names: a report all-reduces each entry it holds, so a rank that lacks one
+    (a pipeline stage without the layers that record it) would leave the others waiting."""
+    if has_metrics_tracker():
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        get_moe_metrics_tracker().ensure_initialized(name, num_layers, device=device)
+        return
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    if name not in tracker:
+        tracker[name] = {"values": torch.zeros(num_layers, device=device), "reduce_group": None,
+                         "avg_group": None, "reduce_group_has_dp": False}
+
+
 def report(names: list[str], iteration: int, *, writer: Any, wandb_writer: Any, per_layer_logging: bool,
            num_layers: int, pg_collection: Any = None) -> None:
     """Megatron's own report of ``names``: PP sum, DP average, mean over ``num_layers`` layers, written
@@ -130,4 +148,4 @@ def isolated() -> Iterator[None]:
         tracker.update(saved)
 
 
-__all__ = ["entries", "has_metrics_tracker", "isolated", "record", "report", "reset", "values", "zero"]
+__all__ = ["ensure", "entries", "has_metrics_tracker", "isolated", "record", "report", "reset", "values", "zero"]

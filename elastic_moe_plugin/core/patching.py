@@ -8,7 +8,8 @@ Two pieces, used by every adapter (``mcore``, ``hf``), the dispatcher fixes and 
   name, never stacks a patch on a patch), marks it (``__elastic_moe_patched__``, ``__wrapped__``)
   and remembers the stock object. :meth:`set` redirects an attribute and remembers what was there.
   :meth:`restore` puts the originals back by identity, in reverse order, and deletes attributes
-  that did not exist before.
+  that did not exist before. :meth:`when_imported` defers an install to the import of the module
+  that holds the target (a module the training script imports later).
 - :class:`PatchLifecycle`: ``apply(config)`` / ``remove()`` / ``patched(config)`` for one
   framework. One re-entrant lock (a failed ``apply(config, model=...)`` re-applies the previous
   config while holding it), the framework's version guard on every apply, idempotence (the same
@@ -22,11 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import inspect
 import logging
 import os
+import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -92,6 +97,22 @@ class AttributePatches:
         self._record(owner, name, vars(owner).get(name, MISSING))
         setattr(owner, name, value)
 
+    def when_imported(self, module_name: str, install: Callable[[types.ModuleType], None]) -> None:
+        """Run ``install(module)`` (which calls :meth:`wrap` / :meth:`set`) as soon as ``module_name``
+        is imported: now if it already is, else right after the module's code has run.
+
+        For targets in modules a training script imports after the patch is applied (Megatron-LM's
+        ``megatron.training.training``, imported by the script the entry point runs). A hook still
+        pending at :meth:`restore` is cancelled. An error raised by ``install`` propagates out of
+        the ``import`` statement that loaded the module.
+        """
+        module = sys.modules.get(module_name)
+        if module is not None:
+            install(module)
+            return
+        hook = _POST_IMPORT.add(module_name, install)
+        self._undo.append(lambda: _POST_IMPORT.cancel(hook))
+
     def on_restore(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` when :meth:`restore` runs (after the attributes are put back)."""
         self._undo.append(undo)
@@ -120,6 +141,81 @@ class AttributePatches:
         return len(self._entries)
 
 
+class _PostImportHooks(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` finder that runs callbacks right after a named module executes.
+
+    It finds nothing itself: for a module with pending callbacks it asks the other finders for the
+    spec and wraps the loader so the callbacks run after the module's own code (the module keeps its
+    real loader). It sits on ``sys.meta_path`` only while some callback is pending.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._pending: dict[str, list[tuple[object, Callable[[types.ModuleType], None]]]] = {}
+        self._searching = threading.local()  # names this finder is resolving through the others
+
+    def add(self, module_name: str, callback: Callable[[types.ModuleType], None]) -> object:
+        hook = object()
+        with self._lock:
+            self._pending.setdefault(module_name, []).append((hook, callback))
+            if self not in sys.meta_path:
+                sys.meta_path.insert(0, self)
+        return hook
+
+    def cancel(self, hook: object) -> None:
+        with self._lock:
+            for name in list(self._pending):
+                self._pending[name] = [entry for entry in self._pending[name] if entry[0] is not hook]
+                if not self._pending[name]:
+                    del self._pending[name]
+            if not self._pending and self in sys.meta_path:
+                sys.meta_path.remove(self)
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        searching = self._searching.__dict__.setdefault("names", set())
+        if fullname not in self._pending or fullname in searching:
+            return None  # not ours, or a finder like this one (it delegates too) asking back
+        searching.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _RunHooksAfterExec(spec.loader, self)
+                    return spec
+            return None
+        finally:
+            searching.discard(fullname)
+
+    def run(self, module: types.ModuleType) -> None:
+        with self._lock:
+            callbacks = self._pending.pop(module.__name__, [])
+            if not self._pending and self in sys.meta_path:
+                sys.meta_path.remove(self)
+        for _, callback in callbacks:
+            callback(module)
+
+
+class _RunHooksAfterExec(importlib.abc.Loader):
+    def __init__(self, loader: Any, hooks: _PostImportHooks) -> None:
+        self._loader, self._hooks = loader, hooks
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        self._hooks.run(module)
+
+
+_POST_IMPORT = _PostImportHooks()
+
+
 @dataclasses.dataclass(frozen=True)
 class VersionGuard:
     """The tested version range of a framework, and the variable that overrides it.
@@ -143,11 +239,17 @@ class VersionGuard:
     def range(self) -> str:
         return f">={self.minimum},<{self.maximum}"
 
-    def check(self, read_version: Callable[[], Version]) -> Version:
+    def check(self, read_version: Callable[[], Version | None]) -> Version | None:
         """The version ``read_version()`` finds if inside the range (or overridden, with a warning).
 
+        ``read_version`` returns the version of the code that will be patched, ``None`` when that
+        code is importable but carries no version at all, and raises
+        ``importlib.metadata.PackageNotFoundError`` when it is not importable. The override
+        variable accepts both an out-of-range and an unknown version.
+
         Raises:
-            error: the framework is missing, or outside the range and not overridden.
+            error: the framework is missing, or outside the range (or of unknown version) and not
+                overridden.
         """
         try:
             found = read_version()
@@ -156,15 +258,16 @@ class VersionGuard:
                 f"elastic-moe needs {self.framework} {self.range}, which is not installed: pip install "
                 f"'elastic-moe-plugin[{self.extra}]' (or '{self.framework}{self.range}')."
             ) from None
-        if self.minimum <= Version(found.base_version) < self.maximum:
+        if found is not None and self.minimum <= Version(found.base_version) < self.maximum:
             return found
+        described = "an unknown version (no version attribute, no package metadata)" if found is None else str(found)
         if os.environ.get(self.override_env, "").lower() in ("1", "true", "yes"):
             logging.getLogger("elastic_moe_plugin").warning(
                 "elastic-moe: %s %s is outside the tested range %s; %s is set, trying anyway.",
-                self.framework, found, self.range, self.override_env)
+                self.framework, described, self.range, self.override_env)
             return found
         raise self.error(
-            f"elastic-moe supports {self.framework} {self.range}, found {found}. Install a supported "
+            f"elastic-moe supports {self.framework} {self.range}, found {described}. Install a supported "
             f"version (pip install '{self.framework}{self.range}'), or set {self.override_env}=1 to try anyway."
         )
 
@@ -177,7 +280,7 @@ class PatchLifecycle:
         install: ``install(config, patches)`` makes every replacement through ``patches``. If it
             raises, whatever it already replaced is restored before the error propagates.
         guard: the framework's tested range, checked on every :meth:`apply`.
-        read_version: the version of the framework code being patched.
+        read_version: the version of the framework code being patched (see :meth:`VersionGuard.check`).
         logger: where the one INFO line per apply goes.
     """
 
@@ -186,7 +289,7 @@ class PatchLifecycle:
         name: str,
         install: Callable[[ElasticConfig, AttributePatches], None],
         guard: VersionGuard,
-        read_version: Callable[[], Version],
+        read_version: Callable[[], Version | None],
         logger: logging.Logger,
     ) -> None:
         self.name = name
@@ -232,7 +335,7 @@ class PatchLifecycle:
             raise TypeError(f"{self.name}.apply expects an ElasticConfig, got {type(config).__name__}.")
         return config
 
-    def check_version(self) -> Version:
+    def check_version(self) -> Version | None:
         """The framework's version, if supported; else raise (see :meth:`VersionGuard.check`)."""
         return self._guard.check(self._read_version)
 

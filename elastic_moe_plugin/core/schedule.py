@@ -16,9 +16,12 @@ Vocabulary
       q(j) = a(j) - a(j + 1)
       Σ_{j > k0} a(j) = ½ · E|κ - k0|       (for a schedule with E[κ] = k0)
 
-Sampling draws from torch's *default* generator unless one is passed: Megatron's activation
-recomputation and ``torch.utils.checkpoint`` replay the default generator's state, so budgets
-drawn there are replayed exactly; a private generator silently breaks recompute.
+Sampling draws from the generator it is given (torch's default generator when none). The adapters
+give κ a stream of its own, seeded with ``BUDGET_SEED_OFFSET`` + the framework's seed, that their
+checkpoints save and their activation recompute replays: a named state of Megatron's RNG tracker
+(:mod:`elastic_moe_plugin.mcore.budget_rng`), a generator saved in transformers' ``rng_state``
+files (:mod:`elastic_moe_plugin.hf.budget_rng`). A private generator that nothing saves or replays
+would silently break recompute and resume.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+#: κ's stream is seeded with this + the framework's seed: a large prime, so it never meets the seeds
+#: Megatron gives its own tracker states (seed, seed + 2718 + tp_rank, seed + 1024 + 100·ep_rank + ...)
+BUDGET_SEED_OFFSET = 2_147_483_647
 
 SamplingMode = Literal["iid", "balanced"]
 SAMPLING_MODES: tuple[str, ...] = ("iid", "balanced")

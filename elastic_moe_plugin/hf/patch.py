@@ -13,6 +13,9 @@ Per covered family (``transformers.models.<family>.modeling_<family>``, see :mod
   implementation (:mod:`.experts`); any other call runs the stock dispatcher, bitwise stock.
 - ``modeling_<family>.load_balancing_loss_func``: counts the *realised* assignments of logits that
   came from an elastic router (paper §3.2); for any other logits the original runs, bitwise stock.
+- ``transformers.trainer.Trainer._save_rng_state`` / ``_load_rng_state``: the Trainer's
+  ``rng_state`` files also carry κ's own generator (:mod:`.budget_rng`), so a resumed run
+  continues the κ sequence.
 
 Nothing else is touched: parameters, buffers and state-dict keys are stock, so checkpoints are
 interchangeable with unpatched transformers. The lifecycle (lock, idempotence,
@@ -37,6 +40,7 @@ from elastic_moe_plugin.core.errors import ConfigError, UnsupportedTransformersE
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
 from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf.experts import experts_forward
 from elastic_moe_plugin.hf.families import (
     FAMILIES,
@@ -95,6 +99,7 @@ def _install(config: ElasticConfig, patches: AttributePatches) -> None:
         if callable(module.__dict__.get("load_balancing_loss_func")) and id(module) not in loss_patched:
             loss_patched.add(id(module))  # families sharing a modeling module share one loss function
             patches.wrap(module, "load_balancing_loss_func", _load_balancing_loss)
+    budget_rng.install(patches)  # the Trainer's rng_state files carry κ's generator
 
 
 # The lambda reads transformers_version at call time (tests substitute it).

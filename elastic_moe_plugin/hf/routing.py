@@ -3,8 +3,9 @@
 One MoE layer in training (paper §3.2, Eq. 4-5; the gate weights follow ``docs/gates.md``)::
 
     (1) z [T, E] = x W^T                                  (the stock router logits)
-    (2) κ [T] ~ q on {a..b}                              (BudgetSchedule.sample, torch's default
-                                                           generator: replayed by checkpointing)
+    (2) κ [T] ~ q on {a..b}                              (BudgetSchedule.sample on κ's own generator,
+                                                           hf.budget_rng: saved by the Trainer,
+                                                           replayed by gradient checkpointing)
     (3) p = softmax(z) in fp32; the top-b candidates by p, sorted by rank
     (4) slot j (0-based) is kept iff j < κ_t; weights by core.gates.weigh_candidates:
             full_softmax  w = p_e                          (norm_topk_prob=False, OLMoE)
@@ -34,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from elastic_moe_plugin.core import records
 from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
 from elastic_moe_plugin.core.plan import LayerPlan
+from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf.experts import mark_kept_slots
 
 #: router_logits tensor → (candidate ids LongTensor [T, b], kept-slot mask BoolTensor [T, b]).
@@ -64,8 +66,8 @@ def elastic_routing(
     # can size their work from this host int instead of reading Σκ back from the device.
     balanced = budgets is None and plan.top_p is None and plan.sampling == "balanced"
     pair_count = num_tokens * plan.schedule.center if balanced else None
-    if budgets is None and plan.top_p is None:
-        budgets = plan.schedule.sample(num_tokens, plan.sampling, device=router_logits.device)  # (2)
+    if budgets is None and plan.top_p is None:  # (2) κ's own stream; a checkpoint's recompute replays
+        budgets = budget_rng.draw(router, plan, num_tokens, router_logits.device, replay=_in_backward())
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (3) as stock: fp32 softmax
     candidates, candidate_ids = torch.topk(probs, width, dim=-1)  # sorted by rank, like stock top-k
     if budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass

@@ -14,13 +14,15 @@ Modules: :mod:`.patch` (what is patched: ``TopKRouter.routing`` and ``__init__``
 plus the dispatcher fixes of :mod:`.dispatch`; the lifecycle; validation and plans),
 :mod:`.routing` (one elastic router forward), :mod:`.aux_loss` (load balancing on the realised
 map), :mod:`.records` and :mod:`.tracking` (routing records, metrics in Megatron's MoE tracker),
-:mod:`.spec` (``ElasticTopKRouter`` for explicit specs), :mod:`.megatron_lm` (Megatron-LM's
-scripts with the patch applied). ``docs/parallelism.md`` covers the parallelisms and dispatchers.
+:mod:`.budget_rng` (κ's own stream, a named state of Megatron's RNG tracker), :mod:`.spec`
+(``ElasticTopKRouter`` for explicit specs), :mod:`.megatron_lm` (Megatron-LM's scripts with the
+patch applied) and :mod:`.training_log` (the routing metrics in Megatron-LM's own log).
+``docs/parallelism.md`` covers the parallelisms and dispatchers.
 
 Elastic routing, one MoE layer in training (paper §3.2, Eq. 4-5)::
 
     (1) logits [T, E] = gating(x)                    (stock; z-loss applied as stock)
-    (2) κ [T] ~ q on {a..b}                         (BudgetSchedule, torch's default generator)
+    (2) κ [T] ~ q on {a..b}                         (BudgetSchedule, on κ's own stream: budget_rng)
     (3) top-b candidates by the stock selection rule (softmax / sigmoid / sqrtsoftplus score,
         expert bias for selection only, group-limited routing with b), sorted by rank
     (4) keep the first κ_t candidates of token t; weights by the gate convention (docs/gates.md):

@@ -17,7 +17,10 @@ Every rank runs this module. It
    (``--elastic-moe-config`` / ``ELASTIC_MOE_CONFIG``) < ``ELASTIC_MOE_*`` < the flags, and applies
    :func:`elastic_moe_plugin.mcore.apply` (a class-level patch of ``TopKRouter``, so routers built
    later by the script route elastically in training);
-3. runs the script in this process as ``__main__`` (``runpy.run_path``), with ``sys.argv`` set to
+3. unless ``--elastic-moe-log-metrics false``, installs :mod:`elastic_moe_plugin.mcore.training_log`:
+   at every ``--log-interval`` step the routing metrics go to Megatron-LM's TensorBoard / W&B
+   writers and its console line (installed when the script imports ``megatron.training``);
+4. runs the script in this process as ``__main__`` (``runpy.run_path``), with ``sys.argv`` set to
    the script and the remaining Megatron arguments. The script's folder is put first on
    ``sys.path`` before step 2 imports megatron, as ``python SCRIPT`` would have it, so a
    Megatron-LM checkout's ``megatron`` package serves both the patch and the script.
@@ -26,6 +29,7 @@ Every rank runs this module. It
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import runpy
@@ -35,18 +39,34 @@ from typing import Sequence
 from elastic_moe_plugin.core.config import ConfigError, ElasticConfig, add_cli_arguments, config_from_cli
 
 FLAG_PREFIX = "--elastic-moe-"
+#: an option of this entry point, not of ElasticConfig: Megatron-LM's log gets the routing metrics
+LOG_METRICS_FLAG = FLAG_PREFIX + "log-metrics"
 USAGE = ("python -m elastic_moe_plugin.megatron_lm PATH/TO/pretrain_gpt.py [megatron args] "
-         "[--elastic-moe-schedule 6-10] [--elastic-moe-layers 3-7] [--elastic-moe-<field> VALUE ...]")
+         "[--elastic-moe-schedule 6-10] [--elastic-moe-layers 3-7] [--elastic-moe-<field> VALUE ...] "
+         "[--elastic-moe-log-metrics true|false]")
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
-def split_argv(argv: Sequence[str], environ=None) -> tuple[ElasticConfig, str, list[str]]:
-    """``argv`` (without the program name) -> (config, script path, Megatron's own arguments).
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What the command line asks for: the routing config, the script, Megatron's own arguments,
+    and whether routing metrics go to Megatron-LM's log."""
+
+    config: ElasticConfig
+    script: str
+    megatron_args: list[str]
+    log_metrics: bool = True
+
+
+def parse_argv(argv: Sequence[str], environ=None) -> Launch:
+    """``argv`` (without the program name) -> :class:`Launch`.
 
     Raises:
         ConfigError: no script given, an unknown ``--elastic-moe-*`` flag, or an invalid value.
     """
     parser = argparse.ArgumentParser(prog="elastic_moe_plugin.megatron_lm", add_help=False, allow_abbrev=False)
     add_cli_arguments(parser, prefix=FLAG_PREFIX)
+    parser.add_argument(LOG_METRICS_FLAG, dest="elastic_moe_log_metrics", default="true", metavar="BOOL")
     known, rest = parser.parse_known_args(list(argv))
     flags = [a.split("=", 1)[0] for a in parser._option_string_actions]  # noqa: SLF001 - argparse's own table
     stray = [a for a in rest if a.startswith(FLAG_PREFIX)]
@@ -62,7 +82,22 @@ def split_argv(argv: Sequence[str], environ=None) -> tuple[ElasticConfig, str, l
     script, megatron_args = rest[0], rest[1:]
     if not script.endswith(".py"):
         raise ConfigError(f"{script!r} is not a Python script. Usage: {USAGE}")
-    return config_from_cli(known, environ), script, megatron_args
+    log_metrics = _BOOLEANS.get(str(known.elastic_moe_log_metrics).strip().lower())
+    if log_metrics is None:
+        raise ConfigError(f"{LOG_METRICS_FLAG}={known.elastic_moe_log_metrics!r} is invalid: expected true or "
+                          f"false (1/0, yes/no, on/off). Pass {LOG_METRICS_FLAG} false to keep the routing metrics "
+                          f"out of Megatron-LM's log.")
+    return Launch(config_from_cli(known, environ), script, megatron_args, log_metrics)
+
+
+def split_argv(argv: Sequence[str], environ=None) -> tuple[ElasticConfig, str, list[str]]:
+    """``argv`` (without the program name) -> (config, script path, Megatron's own arguments).
+
+    Raises:
+        ConfigError: as :func:`parse_argv`.
+    """
+    launch = parse_argv(argv, environ)
+    return launch.config, launch.script, launch.megatron_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,10 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"usage: {USAGE}\n\n{__doc__}")
         return 0
     try:
-        config, script, megatron_args = split_argv(argv)
+        launch = parse_argv(argv)
     except ConfigError as error:
         print(f"elastic_moe_plugin.megatron_lm: error: {error}", file=sys.stderr)
         return 2
+    config, script, megatron_args = launch.config, launch.script, launch.megatron_args
     if not os.path.isfile(script):
         print(f"elastic_moe_plugin.megatron_lm: error: training script {script!r} does not exist.", file=sys.stderr)
         return 2
@@ -85,10 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not sys.path or sys.path[0] != script_dir:
         sys.path.insert(0, script_dir)
     from elastic_moe_plugin import mcore
+    from elastic_moe_plugin.mcore import training_log
 
     mcore.apply(config)
+    if launch.log_metrics:
+        training_log.install()
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"elastic-moe: {config}; running {script}", file=sys.stderr, flush=True)
+        logged = "routing metrics in Megatron-LM's log" if launch.log_metrics else f"{LOG_METRICS_FLAG} false"
+        print(f"elastic-moe: {config}; {logged}; running {script}", file=sys.stderr, flush=True)
     sys.argv = [script, *megatron_args]
     runpy.run_path(script, run_name="__main__")
     return 0

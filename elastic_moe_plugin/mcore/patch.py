@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.metadata
 import logging
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -32,7 +34,7 @@ from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError, UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
 from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
-from elastic_moe_plugin.mcore import dispatch
+from elastic_moe_plugin.mcore import budget_rng, dispatch
 from elastic_moe_plugin.mcore.routing import elastic_routing
 
 logger = logging.getLogger("elastic_moe_plugin.mcore")
@@ -42,9 +44,32 @@ VERSION_GUARD = VersionGuard("megatron-core", Version("0.16"), Version("0.20"),
 SUPPORTED_MCORE_RANGE, ALLOW_UNSUPPORTED_ENV = VERSION_GUARD.range, VERSION_GUARD.override_env
 
 
-def megatron_core_version() -> Version:
-    """The installed megatron-core's version."""
-    return Version(importlib.metadata.version("megatron-core"))
+def megatron_core_version() -> Version | None:
+    """The version of the ``megatron.core`` Python imports, i.e. of the code :func:`apply` patches.
+
+    Read from the imported package, ``megatron.core.__version__`` (``megatron/core/package_info.py``,
+    present in the wheel and in a Megatron-LM source tree alike), not from installed package metadata:
+    a checkout on ``PYTHONPATH`` has no metadata at all, and with a wheel installed *and* a checkout
+    first on ``sys.path`` (as ``python -m elastic_moe_plugin.megatron_lm SCRIPT`` arranges) the
+    metadata describes the wheel while the checkout is what runs. The metadata is read only when the
+    imported package carries no version; ``None`` when neither exists.
+
+    Raises:
+        importlib.metadata.PackageNotFoundError: ``megatron.core`` is not importable.
+    """
+    try:
+        core = importlib.import_module("megatron.core")
+    except ModuleNotFoundError as error:
+        if error.name in ("megatron", "megatron.core"):
+            raise importlib.metadata.PackageNotFoundError("megatron-core") from None
+        raise
+    found = getattr(core, "__version__", None)
+    if found is None:
+        try:
+            found = importlib.metadata.version("megatron-core")
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return Version(str(found))
 
 
 # ---------------------------------------------------------------------------------- install
@@ -87,8 +112,23 @@ def _patched_init(original: Callable) -> Callable:
         config = _PATCH.config
         if config is not None:
             validate_router(self, config)
+            _ROUTERS.add(self)
+            if config.enabled and not config.resolve(num_experts=self.config.num_moe_experts,
+                                                     topk=self.config.moe_router_topk).is_static:
+                # Seeded now, after Megatron seeds its tracker and before load_checkpoint restores
+                # a saved stream (mcore.budget_rng).
+                budget_rng.ensure_registered()
 
     return __init__
+
+
+#: every TopKRouter built while the patch was applied (weakly), for logging hooks that get no model
+_ROUTERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def built_routers() -> list[torch.nn.Module]:
+    """The live ``TopKRouter`` instances built while the patch was applied, in no particular order."""
+    return list(_ROUTERS)
 
 
 # ---------------------------------------------------------------------------------- lifecycle

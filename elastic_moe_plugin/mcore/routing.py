@@ -14,6 +14,7 @@ from elastic_moe_plugin.core import records
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
 from elastic_moe_plugin.core.plan import LayerPlan
+from elastic_moe_plugin.mcore import budget_rng
 from elastic_moe_plugin.mcore.aux_loss import apply_realised_aux_losses, realised_assignments
 from elastic_moe_plugin.mcore.dispatch import mark_elastic
 
@@ -46,21 +47,23 @@ def token_shard(router) -> tuple[int, int]:
 
 
 def draw_budgets(router, plan: LayerPlan, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """κ [T] for this rank's tokens, from torch's default generator.
+    """κ [T] for this rank's tokens, from the budget stream (:mod:`.budget_rng`).
 
     Every rank draws the uniforms of all token shards (``num_shards · T``, one global stream) and
-    keeps its own slice. Megatron seeds the default generator identically on the ranks of a
-    pipeline stage, so tensor-parallel peers holding the same tokens get the same κ, while
-    data/context/sequence-parallel shards get independent draws; activation recompute replays the
-    generator state, so recomputed layers see the same κ.
+    keeps its own slice. The budget stream is seeded identically on the ranks of a pipeline stage,
+    so tensor-parallel peers holding the same tokens get the same κ, while data/context/
+    sequence-parallel shards get independent draws. Megatron's checkpoints save the stream and its
+    activation recompute restores it, so a resumed run continues the κ sequence and a recomputed
+    layer sees the same κ.
     """
     cached = router.__dict__.get("_elastic_token_shard")
     if cached is None:  # process groups are fixed for the router's life
         cached = router.__dict__["_elastic_token_shard"] = token_shard(router)
     num_shards, shard = cached
-    if num_shards == 1:
-        return plan.schedule.sample(num_tokens, plan.sampling, device=device)
-    uniforms = torch.rand(num_shards * num_tokens, dtype=torch.float64, device=device)
+    with budget_rng.forked():
+        if num_shards == 1:
+            return plan.schedule.sample(num_tokens, plan.sampling, device=device)
+        uniforms = torch.rand(num_shards * num_tokens, dtype=torch.float64, device=device)
     return plan.schedule.budgets_from_uniforms(uniforms[shard * num_tokens : (shard + 1) * num_tokens], plan.sampling)
 
 

@@ -242,6 +242,110 @@ def test_enable_before_import_fixes_megatron_modules_as_they_load():
     assert result.returncode == 0 and "hook ok" in result.stdout, result.stderr[-3000:]
 
 
+def test_training_redirects_run_cuda_devices_on_the_cpu_and_disable_undoes_them():
+    """enable(training=True): device count 1, set_device a no-op, CUDA device arguments on the CPU."""
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
+
+    megatron_cpu.disable()
+    try:
+        before = _attribute_snapshot()
+        queue_name = _results_queue_function(filesystem_async)
+        stock_queue = getattr(filesystem_async, queue_name)
+        megatron_cpu.enable()
+        assert torch.cuda.device_count() == 0 or torch.cuda.is_available()  # the runtime layer alone: untouched
+        megatron_cpu.enable(training=True)  # adds to the layer that is on
+        assert torch.cuda.device_count() == 1
+        torch.cuda.set_device(3)  # no-op
+        assert torch.zeros(2, device="cuda").device == torch.device("cpu")
+        assert torch.tensor([1.0], device=torch.device("cuda", 0)).device == torch.device("cpu")
+        assert torch.empty(2, device=0).device == torch.device("cpu")
+        x = torch.ones(2)
+        assert x.cuda() is x and x.to("cuda:1").device == torch.device("cpu")
+        assert x.to(torch.float64).dtype == torch.float64  # other arguments pass through
+        assert getattr(filesystem_async, queue_name) is not stock_queue
+        megatron_cpu.disable()
+        assert _attribute_snapshot() == before and getattr(filesystem_async, queue_name) is stock_queue
+        if not torch.cuda.is_available():
+            with pytest.raises((AssertionError, RuntimeError)):  # the mode is gone: a CPU torch has no CUDA
+                torch.zeros(2, device="cuda")
+    finally:
+        megatron_cpu.disable()
+        megatron_cpu.enable()
+
+
+def _results_queue_function(module) -> str:
+    """0.17+: ``get_write_results_queue(mp_mode)``; 0.16: ``_get_write_results_queue()``."""
+    return "get_write_results_queue" if hasattr(module, "get_write_results_queue") else "_get_write_results_queue"
+
+
+def test_checkpoint_writer_results_queue_is_started_by_fork():
+    """A spawned Manager would re-import the test in a fresh interpreter without this layer."""
+    code = textwrap.dedent(
+        """
+        import multiprocessing
+        from elastic_moe_plugin.compat import megatron_cpu
+        megatron_cpu.enable(training=True)
+        import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
+        started = []
+        original = multiprocessing.get_context
+        multiprocessing.get_context = lambda method=None: started.append(method) or original(method)
+        filesystem_async.mp.get_context = multiprocessing.get_context
+        name = "get_write_results_queue" if hasattr(filesystem_async, "get_write_results_queue") else "_get_write_results_queue"
+        queue = getattr(filesystem_async, name)()
+        queue.put(42)
+        assert queue.get() == 42 and started == ["fork"], started
+        print("queue ok")
+        """
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 0 and "queue ok" in result.stdout, result.stderr[-3000:]
+
+
+def _wheel_training_is_importable() -> bool:
+    import importlib.util
+
+    import megatron.core
+
+    training = importlib.util.find_spec("megatron.training")
+    return training is not None and (pathlib.Path(training.origin).parents[1]
+                                     == pathlib.Path(megatron.core.__file__).parents[1])
+
+
+@pytest.mark.skipif(not _wheel_training_is_importable(),
+                    reason="no megatron.training next to this megatron.core (the megatron-core 0.16.1 wheel ships none)")
+def test_megatron_training_imports_with_both_layers_and_initializes_without_cuda():
+    """The wheel's megatron.training on this Python: typing.override (3.11), the dataset helpers'
+    build skipped when the compiled extension imports, initialize_megatron(allow_no_cuda=True)."""
+    code = textwrap.dedent(
+        """
+        import subprocess, typing
+        from elastic_moe_plugin.compat import megatron_cpu, megatron_training
+        megatron_cpu.enable(training=True)
+        megatron_training.enable()
+        import megatron.training.training as training
+        import megatron.core.datasets.utils as dataset_utils
+        assert training.initialize_megatron.keywords == {"allow_no_cuda": True}
+        stock = training.initialize_megatron.func
+        calls = []
+        subprocess.run = lambda *a, **k: calls.append(a)  # the stock helper would run `make`
+        assert dataset_utils.compile_helpers() is None and calls == []
+        megatron_training.disable()
+        megatron_cpu.disable()
+        assert training.initialize_megatron is stock
+        assert not getattr(dataset_utils.compile_helpers, "__elastic_moe_patched__", False)
+        print("training ok", hasattr(typing, "override"))
+        """
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                            check=False, env={**os.environ, "TORCH_COMPILE_DISABLE": "1"})
+    assert result.returncode == 0 and "training ok" in result.stdout, result.stderr[-3000:]
+    if sys.version_info < (3, 12):
+        assert "training ok False" in result.stdout, "disable() must remove the typing.override it added"
+
+
 def test_paged_stash_stand_in_raises_clearly():
     import importlib.util
 
@@ -277,6 +381,16 @@ def test_rng_tracker_forks_on_the_cpu_generator(single_process):
     torch.testing.assert_close(a, torch.rand(5, generator=model_parallel), rtol=0, atol=0)
     torch.testing.assert_close(b, torch.rand(5, generator=default), rtol=0, atol=0)
     torch.testing.assert_close(c, torch.rand(5, generator=model_parallel), rtol=0, atol=0)
+
+
+def test_cuda_initial_seed_is_the_seed_megatron_gave_the_generator(single_process):
+    """model_parallel_cuda_manual_seed seeds the "CUDA" generator through torch.cuda.manual_seed;
+    torch.cuda.initial_seed reads it back (the budget stream is seeded from it)."""
+    from megatron.core import tensor_parallel
+
+    assert torch.cuda.initial_seed() == torch.cuda.random.initial_seed() == 1234
+    tensor_parallel.model_parallel_cuda_manual_seed(77)
+    assert torch.cuda.initial_seed() == 77
 
 
 def test_activation_recompute_replays_forked_dropout(single_process):

@@ -54,6 +54,9 @@ def _hf_targets():
                        (loaded.module, "load_balancing_loss_func")]
             if loaded.experts is not None:
                 points.append((loaded.experts, "forward"))
+    from transformers.trainer import Trainer
+
+    points += [(Trainer, "_save_rng_state"), (Trainer, "_load_rng_state")]  # κ's generator in rng_state files
     return list(dict.fromkeys((owner, name) for owner, name in points).keys())
 
 
@@ -77,7 +80,12 @@ def _mcore_targets():
 
     from elastic_moe_plugin.mcore import dispatch
 
-    return [(TopKRouter, "routing"), (TopKRouter, "__init__")] + [(owner, name) for owner, name, _ in dispatch._targets()]
+    targets = [(TopKRouter, "routing"), (TopKRouter, "__init__")]
+    if "spec" in dispatch._holders:
+        # An ElasticTopKRouter built earlier in this process holds the dispatcher fixes for the life
+        # of the process (the explicit-spec route): they are not the patch's to restore.
+        return targets
+    return targets + [(owner, name) for owner, name, _ in dispatch._targets()]
 
 
 def _mcore_stacked_routers():

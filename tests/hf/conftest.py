@@ -157,10 +157,13 @@ def _one_torch_thread():
 @pytest.fixture
 def hf_clean():
     from elastic_moe_plugin import hf
+    from elastic_moe_plugin.hf import budget_rng
 
     hf.remove()
+    budget_rng.reset()  # κ's generator seeds afresh from the test's torch.manual_seed
     yield
     hf.remove()
+    budget_rng.reset()
 
 
 @pytest.fixture

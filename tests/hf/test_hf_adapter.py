@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 from elastic_moe_plugin import ElasticConfig, hf
 from elastic_moe_plugin.core.config import ConfigError
 from elastic_moe_plugin.core.patching import PATCH_MARKER
-from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET, BudgetSchedule
+from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf import families as hf_families
 from elastic_moe_plugin.hf import patch as hf_patch
 
@@ -38,6 +39,7 @@ def _step(model, inputs, seed=7, **extra):
     """One training forward + backward; everything the comparisons need, detached."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
+    budget_rng.reset()  # κ from a generator seeded with `seed`, as the default generator is
     out = model(**inputs, output_router_logits=True, **extra)
     out.loss.backward()
     return {
@@ -73,7 +75,9 @@ def _all_patch_points():
         assert loaded.experts is not None, family.name  # every covered family's experts follow κ in 5.19
         points += [(loaded.router, "forward"), (loaded.decoder_layer, "__init__"), (loaded.experts, "forward"),
                    (loaded.module, "load_balancing_loss_func")]
-    return points
+    from transformers.trainer import Trainer
+
+    return points + [(Trainer, "_save_rng_state"), (Trainer, "_load_rng_state")]
 
 
 # ------------------------------------------------------------------------------- patch checklist
@@ -353,10 +357,12 @@ def test_moe_block_equals_dense_reference_for_every_experts_implementation(tiny,
         block.gate.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(3))
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(11), requires_grad=True)
     torch.manual_seed(12)
+    budget_rng.reset()
     y = block(x)
     budgets = block.gate._elastic_record.budgets
-    torch.manual_seed(12)  # κ comes from the default generator, first thing in the router
-    assert torch.equal(budgets, BudgetSchedule.parse("1-3", center=2).sample(16))
+    # κ comes from its own generator, seeded with BUDGET_SEED_OFFSET + torch.initial_seed() at its first draw
+    generator = torch.Generator().manual_seed(BUDGET_SEED_OFFSET + 12)
+    assert torch.equal(budgets, BudgetSchedule.parse("1-3", center=2).sample(16, generator=generator))
     assert set(budgets.tolist()) == {1, 2, 3}
     with torch.no_grad():
         reference = _dense_reference(block, x, budgets, norm)

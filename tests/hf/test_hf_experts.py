@@ -22,6 +22,7 @@ from transformers.integrations import moe  # noqa: E402
 
 from elastic_moe_plugin import ElasticConfig, hf  # noqa: E402
 from elastic_moe_plugin.hf import experts as hf_experts  # noqa: E402
+from elastic_moe_plugin.hf import budget_rng  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 
@@ -44,6 +45,7 @@ def _train_step(model, seed: int = 7, checkpointed: bool = False):
     embeds = _embeds().requires_grad_()
     labels = torch.randint(3, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
     torch.manual_seed(seed)
+    budget_rng.reset()  # κ's own stream seeds afresh from `seed`: two models of a comparison draw alike
     out = model(inputs_embeds=embeds, labels=labels, output_router_logits=True, use_cache=False)
     out.loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from elastic_moe_plugin import ElasticConfig, mcore
+from elastic_moe_plugin.mcore import budget_rng
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
 
@@ -91,8 +92,9 @@ def test_per_layer_ranges_in_a_tiny_gpt_trained_with_adam(make_config):
 
 
 def test_moe_recompute_replays_the_budgets(make_config):
-    """Selective recompute of the MoE layer replays the default generator, so the budgets (and the
-    gradients) equal those of a run without recompute, and histograms count each token once."""
+    """Selective recompute of the MoE layer replays the budget stream (a state of Megatron's RNG
+    tracker, which the checkpoint snapshots), so the budgets (and the gradients) equal those of a
+    run without recompute, and histograms count each token once."""
     elastic = ElasticConfig(schedule="1-3")
     tokens, positions, mask, labels = _batch(seed=3)
     runs = []
@@ -105,6 +107,7 @@ def test_moe_recompute_replays_the_budgets(make_config):
         with mcore.patched(elastic):
             model = _gpt(make_config, seed=5, **overrides)
             torch.manual_seed(21)
+            budget_rng.reset()  # both runs draw κ from a stream seeded with 21
             loss = model(tokens, positions, attention_mask=mask, labels=labels).mean()
             loss.backward()
             runs.append((loss.detach(), [p.grad for p in model.parameters()],

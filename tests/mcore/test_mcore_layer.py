@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from elastic_moe_plugin import ElasticConfig, mcore
+from elastic_moe_plugin.mcore import budget_rng
 from elastic_moe_plugin.mcore import LayerPlan, elastic_routing
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 
@@ -262,6 +263,7 @@ def test_elastic_router_spec_equals_the_monkey_patch(make_config, make_moe_layer
     def run(layer, seed=42):
         xx = x.clone().requires_grad_()
         torch.manual_seed(seed)
+        budget_rng.reset()  # both layers draw κ from a stream seeded with `seed`
         out, _ = layer(xx)
         (out * grad_out).sum().backward()
         return [out.detach(), xx.grad] + [p.grad for p in layer.parameters()]

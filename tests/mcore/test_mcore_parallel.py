@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_moe_plugin import ElasticConfig, mcore
+from elastic_moe_plugin.mcore import budget_rng
 from elastic_moe_plugin.mcore import routing as routing_module
 from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError
 from elastic_moe_plugin.compat import megatron_cpu
@@ -123,9 +124,9 @@ def _router(config, layer_number=1):
 
 
 def _router_kappa(config, x):
-    """(κ, default-generator state right before the draw) of one training router forward."""
+    """(κ, budget-stream state right before the draw) of one training router forward."""
     router = _router(config)
-    state = torch.default_generator.get_state()
+    state = budget_rng.state()
     router(x)
     return mcore.routing_records(router)[0].budgets, state
 
@@ -173,7 +174,7 @@ def _layer_scenario(rank, world, init_method, *, dispatcher, tp=1, ep=1, sp=None
     etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     _load_weights(layer, *_full_weights(), etp_rank=etp_rank, etp=tp)
     x, upstream = _tokens(rank)
-    state = torch.default_generator.get_state()
+    state = budget_rng.state()
     out, x_grad, kappa = _run_layer(layer, x, upstream)
     edp_group = parallel_state.get_expert_data_parallel_group()
     return {
@@ -491,7 +492,7 @@ def test_dp2_budgets_differ_and_slice_one_global_stream(world2):
     assert [r["token_shard"] for r in per_rank] == [(2, 0), (2, 1)]
     for sampling in ("iid", "balanced"):
         (kappa0, state0), (kappa1, state1) = per_rank[0][sampling], per_rank[1][sampling]
-        assert torch.equal(state0, state1), "Megatron seeds the DP ranks' default generators alike"
+        assert torch.equal(state0, state1), "the DP ranks' budget streams must be seeded alike"
         assert not torch.equal(kappa0, kappa1), f"{sampling}: DP ranks must draw different κ"
         if sampling == "iid":  # concatenated = one process drawing 2·T uniforms
             assert torch.equal(torch.cat([kappa0, kappa1]), _stream_budgets(state0, 2 * S * B))
@@ -579,6 +580,7 @@ def _gpt_grads(make_config, **overrides):
     tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
     causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).view(1, 1, SEQ, SEQ)
     torch.manual_seed(21)
+    budget_rng.reset()  # every run draws κ from a stream seeded with 21
     loss = model(tokens[:, :-1], torch.arange(SEQ).expand(2, SEQ), attention_mask=causal, labels=tokens[:, 1:]).mean()
     loss.backward()
     budgets = {i: r.budgets for i, r in mcore.routing_records(model).items()}

@@ -1,12 +1,10 @@
 """Recipes (configs/), the launcher, the budget, the wrappers and the Megatron-LM entry point.
 
-Two checks run in subprocesses, started together as soon as a test that needs them is collected
-so they overlap with the in-process tests:
-
-- ``python -m elastic_moe_plugin.tools.recipes.argcheck``: every recipe's rendered flags through
-  ms-swift's and Megatron-LM's own argument parsers (plus negative controls that must fail);
-- the Megatron-LM entry point under torchrun on CPU, running a stand-in ``pretrain_gpt.py``
-  (``tests/fixtures/megatron_lm``).
+One check runs in a subprocess, started as soon as a test that needs it is collected so it
+overlaps with the in-process tests: ``python -m elastic_moe_plugin.tools.recipes.argcheck``, every
+recipe's rendered flags through ms-swift's and Megatron-LM's own argument parsers (plus negative
+controls that must fail). The Megatron-LM entry point's training runs (Megatron-LM's own loop, under
+torchrun on CPU) are in ``tests/mcore/test_megatron_lm.py``; its argument splitting is tested here.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ import yaml
 
 from elastic_moe_plugin import cli
 from elastic_moe_plugin.core.config import ENV_VARS, ElasticConfig
-from elastic_moe_plugin.megatron_lm import split_argv
+from elastic_moe_plugin.megatron_lm import parse_argv, split_argv
 from elastic_moe_plugin.tools.recipes.load import _load_tree, list_recipe_files, load_recipe, setting_dirs
 from elastic_moe_plugin.tools.recipes.recipe import CONFIGS_DIR, display_path
 from elastic_moe_plugin.tools.recipes.render import prepare_model_override, render
@@ -36,7 +34,6 @@ from elastic_moe_plugin.tools.recipes.topology import first_slurm_host, resolve_
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "recipes.md"
-FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm"
 SETTINGS = ("olmoe_sft", "qwen3_sft", "pretrain")
 RECIPES = list_recipe_files()
 RECIPE_IDS = [name for name, _ in RECIPES]
@@ -98,16 +95,6 @@ class _Background:
                 [sys.executable, "-m", "elastic_moe_plugin.tools.recipes.argcheck", "--json", *[str(p) for _, p in RECIPES], *bad],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
             )
-        if "entry" in names and "entry" not in self.procs:
-            self.procs["entry"] = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                 str(FIXTURES / "run_on_cpu.py"), str(FIXTURES / "checkout" / "pretrain_gpt.py"),
-                 "--num-layers", "4", "--hidden-size", "32", "--elastic-moe-schedule", "6-10",
-                 "--num-attention-heads", "4", "--num-experts", "16", "--moe-router-topk", "8",
-                 "--moe-ffn-hidden-size", "32", "--seq-length", "16", "--micro-batch-size", "2",
-                 "--elastic-moe-layers=1-2", "--train-iters", "2", "--result-file", str(self.tmp / "entry.json")],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-            )
 
     def result(self, name: str) -> tuple[int, str, str]:
         if name not in self.results:
@@ -131,8 +118,6 @@ def background(tmp_path_factory, request):
         if item.module is not None and item.module.__name__ == __name__:
             if "argcheck" in item.fixturenames:
                 wanted.add("argcheck")
-            if "entry_run" in item.fixturenames:
-                wanted.add("entry")
     runner.start(wanted)
     yield runner
     runner.stop()
@@ -150,15 +135,6 @@ def argcheck(background):
     code, out, err = background.result("argcheck")
     assert out.strip(), f"recipe_argcheck printed nothing (exit {code}):\n{err[-4000:]}"
     return json.loads(out)
-
-
-@pytest.fixture(scope="module")
-def entry_run(background):
-    if not HAVE_MEGATRON:
-        pytest.skip("megatron-core is not installed")
-    code, out, _ = background.result("entry")
-    assert code == 0, f"torchrun ... elastic_moe_plugin.megatron_lm failed (exit {code}):\n{out[-6000:]}"
-    return json.loads((background.tmp / "entry.json").read_text()), out
 
 
 # ====================================================================================== recipes load and render
@@ -657,15 +633,12 @@ def test_entry_point_takes_the_elastic_flags_out():
         split_argv(["train.py", "--elastic-moe-top-p", "2"], environ={})
 
 
-@pytest.mark.megatron
-def test_megatron_lm_entry_runs_a_stand_in_pretrain_gpt_under_torchrun(entry_run):
-    result, log = entry_run
-    assert "STAND-IN OK" in log
-    assert not any(arg.startswith("--elastic-moe") for arg in result["argv"])
-    assert result["argv"][0].endswith("pretrain_gpt.py") and "--train-iters" in result["argv"]
-    assert (result["schedule"], result["layers"], result["sigma"]) == ("6-10", "1-2", 1.5)
-    assert result["elastic_layers"] == [1, 2]
-    for layer in ("1", "2"):
-        assert len(result["budgets"][layer]) > 1 and set(result["budgets"][layer]) <= set(range(6, 11))
-    assert result["budgets"]["0"] == [8] and result["budgets"]["3"] == [8]
-    assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
+def test_entry_point_logs_routing_metrics_unless_told_not_to():
+    assert parse_argv(["train.py", "--lr", "1"], environ={}).log_metrics is True
+    launch = parse_argv(["train.py", "--elastic-moe-log-metrics", "false", "--lr", "1"], environ={})
+    assert launch.log_metrics is False and launch.megatron_args == ["--lr", "1"]
+    assert parse_argv(["train.py", "--elastic-moe-log-metrics=off"], environ={}).log_metrics is False
+    with pytest.raises(ValueError, match=r"--elastic-moe-log-metrics='maybe' is invalid: expected true or false"):
+        parse_argv(["train.py", "--elastic-moe-log-metrics", "maybe"], environ={})
+    with pytest.raises(ValueError, match="did you mean --elastic-moe-log-metrics"):
+        parse_argv(["train.py", "--elastic-moe-log-metric", "false"], environ={})

@@ -204,6 +204,7 @@ def block_scenario(shape: BlockShape, implementation: str) -> tuple[dict[str, St
     variant's ``pairs()`` leaves the Σκ its router dispatched in the counted forward."""
     from elastic_moe_plugin import hf
     from elastic_moe_plugin.core.config import ElasticConfig
+    from elastic_moe_plugin.hf import budget_rng
 
     block = build_block(shape, implementation)
     size = shape.sizes[implementation]
@@ -211,11 +212,16 @@ def block_scenario(shape: BlockShape, implementation: str) -> tuple[dict[str, St
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(1, tokens, size.hidden, generator=generator)
     grad_out = torch.randn(1, tokens, size.hidden, generator=generator)
-    setups = {
-        "stock": hf.remove,
-        "iid": lambda: hf.apply(ElasticConfig(schedule=shape.schedule, sampling="iid")),
-        "balanced": lambda: hf.apply(ElasticConfig(schedule=shape.schedule, sampling="balanced")),
-    }
+    def elastic(sampling: str):
+        def setup() -> None:
+            hf.apply(ElasticConfig(schedule=shape.schedule, sampling=sampling))
+            # Every run of a variant draws the same κ (κ's own stream, seeded afresh): the eager loop
+            # syncs once per expert hit, so a count that moved with the draw would compare nothing.
+            torch.manual_seed(0)
+            budget_rng.reset()
+        return setup
+
+    setups = {"stock": hf.remove, "iid": elastic("iid"), "balanced": elastic("balanced")}
     dispatched: dict[str, int] = {}
 
     def forward():

@@ -77,9 +77,22 @@ class SyncCounter(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in SYNC_OPS:
+        if func.overloadpacket.__name__ in SYNC_OPS and not _host_only_read(args):
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+def _host_only_read(args) -> bool:
+    """A read that waits for no device, so not a sync: the RNG-state comparison at the end of
+    Megatron's tracker fork (two CPU generator states, on a GPU too), and, where a GPU computes,
+    any read of CPU tensors. On a CPU-only machine every other read stands for the device read it
+    would be on a GPU, and counts."""
+    from elastic_moe_plugin.compat import megatron_cpu
+
+    if megatron_cpu.in_rng_tracker_fork():
+        return True
+    tensors = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+    return torch.cuda.is_available() and bool(tensors) and all(t.device.type == "cpu" for t in tensors)
 
 
 # ------------------------------------------------------------------------------------ results

@@ -1,0 +1,114 @@
+"""Opt-in shims that let the megatron-core *wheel*'s ``megatron.training`` run on Python 3.11.
+
+Nothing here concerns CUDA (that is :mod:`elastic_moe_plugin.compat.megatron_cpu`): these are a
+Python-version shim and a packaging gap of the wheel, both hit on a GPU machine too. Megatron-LM
+run from its own checkout on Python >= 3.12 needs neither.
+
+Usage (before ``megatron.training`` is imported; tests and the CPU recipes only)::
+
+    from elastic_moe_plugin.compat import megatron_training
+
+    megatron_training.enable()
+    ...                                # import and run megatron.training
+    megatron_training.disable()        # restores every attribute by identity
+
+What ``enable()`` changes (verified against the megatron-core 0.19.2 wheel):
+
+* ``typing.override`` (added in Python 3.12, PEP 698) -> ``typing_extensions.override``, its
+  backport, when ``typing`` lacks it. ``megatron/training/models/gpt.py`` (and the config modules
+  it imports) do ``from typing import override``; the wheel declares ``Requires-Python >= 3.12``
+  but is otherwise importable on 3.11. On 3.12 and later nothing is set.
+* ``megatron.core.datasets.utils.compile_helpers`` -> skips the build when the compiled dataset
+  helpers (``megatron.core.datasets.helpers_cpp``) already import. ``initialize_megatron`` runs
+  ``make -C megatron/core/datasets`` on rank 0 and exits the job when it fails; the wheel ships
+  the compiled extension but not the Makefile, so the build always fails there. Without a
+  compiled extension the stock build runs unchanged. Applied when the module is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import threading
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from elastic_moe_plugin.core.patching import AttributePatches
+
+__all__ = ["DATASET_UTILS_MODULE", "disable", "enable", "enabled", "is_enabled"]
+
+DATASET_UTILS_MODULE = "megatron.core.datasets.utils"
+_HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
+
+_LOCK = threading.RLock()
+_PATCHES: AttributePatches | None = None
+
+
+def _compiled_helpers_import() -> bool:
+    try:
+        importlib.import_module(_HELPERS_MODULE)
+    except ImportError:
+        return False
+    return True
+
+
+def _skip_build_when_compiled(original: Callable[[], Any]) -> Callable[[], Any]:
+    @functools.wraps(original)
+    def compile_helpers() -> Any:
+        if _compiled_helpers_import():
+            return None  # the wheel's prebuilt extension: there is nothing to build (and no Makefile)
+        return original()
+
+    return compile_helpers
+
+
+def _fix_dataset_utils(patches: AttributePatches, module: types.ModuleType) -> None:
+    patches.wrap(module, "compile_helpers", _skip_build_when_compiled)
+
+
+def enable() -> None:
+    """Install the shims (idempotent). Call before ``megatron.training`` is imported."""
+    global _PATCHES
+    with _LOCK:
+        if _PATCHES is not None:
+            return
+        patches = AttributePatches()
+        try:
+            if not hasattr(typing, "override"):
+                import typing_extensions
+
+                patches.set(typing, "override", typing_extensions.override)
+            patches.when_imported(DATASET_UTILS_MODULE, functools.partial(_fix_dataset_utils, patches))
+        except BaseException:
+            patches.restore()
+            raise
+        _PATCHES = patches
+
+
+def disable() -> None:
+    """Remove the shims (idempotent), restoring every attribute by identity."""
+    global _PATCHES
+    with _LOCK:
+        if _PATCHES is not None:
+            _PATCHES.restore()
+            _PATCHES = None
+
+
+def is_enabled() -> bool:
+    """Whether the shims are installed."""
+    return _PATCHES is not None
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[None]:
+    """Context manager: :func:`enable` on entry; on exit :func:`disable` unless it was already on."""
+    was_enabled = is_enabled()
+    enable()
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            disable()

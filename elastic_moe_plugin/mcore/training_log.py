@@ -1,0 +1,251 @@
+"""Routing metrics in Megatron-LM's own log: a wrap of ``megatron.training.training.training_log``.
+
+``python -m elastic_moe_plugin.megatron_lm`` installs it by default (``--elastic-moe-log-metrics
+false`` turns it off); a script of one's own can call :func:`install` before training. At every
+step on which Megatron-LM prints its console line (``iteration % --log-interval == 0``, and the
+first iteration), on every rank, before Megatron's own logging:
+
+1. the per-layer routing metrics of the elastic routers (:mod:`elastic_moe_plugin.core.metrics`:
+   realised κ and its histogram, exposure P(κ ≥ r) next to the schedule's a(r), retained gate
+   weight, tokens-per-expert imbalance, share of tokens off the static top-k set) are recorded
+   into a Megatron MoE metrics tracker and reported with Megatron's own report: summed over
+   pipeline stages, averaged over data parallelism, written to Megatron-LM's TensorBoard and W&B
+   writers as ``elastic_moe/<name>`` (mean over the model's elastic MoE layers) and
+   ``moe/elastic_moe/<name>_layer_<i>``;
+2. a few of them (:data:`CONSOLE_METRICS`, layer means) are appended to the MoE section of
+   Megatron's console line, next to ``load_balancing_loss``: megatron-core >= 0.17 builds that
+   section from ``MoEMetricsTracker.report``'s return value, which a second wrap extends while
+   this step's ``training_log`` runs (0.16 has no such section: TensorBoard/W&B only);
+3. the κ histograms are reset, so each log covers the steps since the previous one.
+
+Why ``training_log``: it is the one function Megatron-LM's ``train()`` calls once per iteration to
+log, on every rank (the report's collectives need them all), after the optimizer step, with the
+iteration number; it has had that role and name in every Megatron-LM release, and ``train()`` looks
+it up in the module at call time, so a module-level wrap reaches it. The alternatives are either
+too wide (``MoEMetricsTracker.report`` also serves other loops and has no notion of a logging step)
+or too deep (the console string is built inside ``training_log``). Nothing runs on other steps
+beyond one modulo, so non-logging steps pay no host sync; a logging step pays what the metrics
+cost (one read per metric, ``docs/diagnostics.md``).
+
+Version guard: at install (when ``megatron.training.training`` is imported) the signature of
+``training_log`` must bind an ``iteration`` argument, else :class:`UnsupportedMegatronError` names
+the symbol and the flag that turns the hook off. The router patch's version range applies as well
+(the entry point applies it first, on the same Megatron).
+
+The metrics need no model: the routers come from :func:`elastic_moe_plugin.mcore.patch.built_routers`
+(every ``TopKRouter`` built while the patch was applied), the schedule from the active config and
+Megatron-LM's arguments (``--num-experts``, ``--moe-router-topk``, ``--num-layers``,
+``--moe-layer-freq``), identical on every rank, so every rank reports the same names even where a
+pipeline stage holds no elastic layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastic_moe_plugin.compat import megatron_tracker
+from elastic_moe_plugin.core import metrics
+from elastic_moe_plugin.core.errors import UnsupportedMegatronError
+from elastic_moe_plugin.core.patching import AttributePatches
+from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.mcore import patch, tracking
+
+logger = logging.getLogger("elastic_moe_plugin.mcore.training_log")
+
+TRAINING_MODULE = "megatron.training.training"
+#: layer means shown on Megatron's console line (everything goes to TensorBoard / W&B)
+CONSOLE_METRICS = ("mean_kappa", "retained_weight_sum_mean", "tokens_per_expert_max_over_mean", "topk_set_changed_frac")
+
+_LOCK = threading.RLock()
+_PATCHES: AttributePatches | None = None
+#: the console fragment of the logging step in progress, consumed by the next MoE report
+_PENDING_CONSOLE: list[str] = []
+
+
+# ---------------------------------------------------------------------------------- lifecycle
+def install() -> None:
+    """Wrap Megatron-LM's ``training_log`` (now, or when ``megatron.training.training`` is
+    imported). Idempotent; :func:`remove` restores it by identity.
+
+    Raises:
+        UnsupportedMegatronError: this ``training_log`` takes no ``iteration`` argument.
+    """
+    global _PATCHES
+    with _LOCK:
+        if _PATCHES is not None:
+            return
+        patches = AttributePatches()
+        try:
+            patches.when_imported(TRAINING_MODULE, functools.partial(_install, patches))
+        except BaseException:
+            patches.restore()
+            raise
+        _PATCHES = patches
+
+
+def remove() -> None:
+    """Restore ``training_log`` (and ``MoEMetricsTracker.report``); cancel a pending install."""
+    global _PATCHES
+    with _LOCK:
+        if _PATCHES is not None:
+            _PATCHES.restore()
+            _PATCHES = None
+        _PENDING_CONSOLE.clear()
+
+
+def is_installed() -> bool:
+    """Whether :func:`install` is in effect (the wrap may still wait for the module's import)."""
+    return _PATCHES is not None
+
+
+def _install(patches: AttributePatches, module: types.ModuleType) -> None:
+    stock = vars(module).get("training_log")
+    parameters = inspect.signature(stock).parameters if callable(stock) else {}
+    if "iteration" not in parameters:
+        raise UnsupportedMegatronError(
+            f"elastic-moe logs its routing metrics by wrapping {TRAINING_MODULE}.training_log(..., iteration, ...), "
+            f"but this Megatron-LM has {'no such function' if stock is None else 'no iteration argument there'}. "
+            f"Pass --elastic-moe-log-metrics false, and log with elastic_moe_plugin.mcore.log_routing_metrics."
+        )
+    patches.wrap(module, "training_log", _logging_step)
+    if megatron_tracker.has_metrics_tracker():
+        from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+
+        patches.wrap(MoEMetricsTracker, "report", _with_console_fragment)
+
+
+# ---------------------------------------------------------------------------------- the wraps
+def _logging_step(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        iteration = arguments["iteration"]
+        megatron_args = _megatron_args()
+        logging_step = iteration % megatron_args.log_interval == 0 or bool(arguments.get("is_first_iteration"))
+        if not logging_step:
+            return original(*args, **kwargs)
+        fragment = log_step(iteration, megatron_args, pg_collection=arguments.get("pg_collection"))
+        _PENDING_CONSOLE[:] = [fragment] if fragment else []
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _PENDING_CONSOLE.clear()
+
+    return training_log
+
+
+def _with_console_fragment(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def report(self, *args: Any, **kwargs: Any) -> Any:
+        text = original(self, *args, **kwargs)
+        if _PENDING_CONSOLE and isinstance(text, str):
+            text += _PENDING_CONSOLE.pop()  # the first report of the step: training_log's MoE section
+        return text
+
+    return report
+
+
+def _megatron_args():
+    from megatron.training import get_args
+
+    return get_args()
+
+
+# ---------------------------------------------------------------------------------- one logging step
+@functools.lru_cache(maxsize=16)
+def metric_names(schedule: BudgetSchedule, num_experts: int) -> tuple[str, ...]:
+    """Every per-layer metric name :func:`metrics.layer_metrics` gives for ``schedule``, sorted:
+    read off one synthetic token (the names depend on the schedule only, never on the data)."""
+    width = schedule.high
+    histogram = torch.zeros(width + 1, dtype=torch.long)
+    histogram[list(schedule.budgets)] = 1
+    ids = torch.full((1, width), -1, dtype=torch.long)
+    ids[0, : min(schedule.center, num_experts)] = torch.arange(min(schedule.center, num_experts))
+    record = metrics.RoutingRecord(budgets=torch.tensor([schedule.center]), expert_ids=ids,
+                                   retained_weight_sums=torch.ones(1))
+    return tuple(sorted(metrics.layer_metrics(record, histogram, schedule, num_experts)))
+
+
+class _Capture:
+    """A TensorBoard-like writer that remembers every scalar and forwards it to ``writer``."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+        self.scalars: dict[str, float] = {}
+
+    def add_scalar(self, tag: str, value: Any, step: int, *args: Any, **kwargs: Any) -> None:
+        self.scalars[tag] = float(value)
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, step, *args, **kwargs)
+
+
+def _schedule(config, megatron_args) -> BudgetSchedule | None:
+    if config is None or not config.enabled:
+        return None
+    schedule = config.resolve(num_experts=megatron_args.num_experts, topk=megatron_args.moe_router_topk)
+    return None if schedule.is_static and config.mode != "top_p" else schedule
+
+
+def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str:
+    """Report the routing metrics of this logging step (call on every rank); the console fragment.
+
+    Returns:
+        ``" elastic_moe/<name>: <value> |"`` for :data:`CONSOLE_METRICS` (layer means after the
+        cross-rank reduction; ``""`` when no elastic schedule is active).
+    """
+    config = patch.active_config()
+    schedule = _schedule(config, megatron_args) if megatron_args.num_experts else None
+    if schedule is None:
+        return ""
+    from megatron.training import get_tensorboard_writer, get_wandb_writer
+
+    routers = [router for router in patch.built_routers() if router.training]
+    per_layer = tracking.per_layer_metrics(routers) if routers else {}
+    names = [tracking.TRACKER_PREFIX + name for name in metric_names(schedule, int(megatron_args.num_experts))]
+    num_layers = int(megatron_args.num_layers)
+    divisor = tracking._num_elastic_moe_layers(megatron_args, config, per_layer)  # noqa: SLF001 - one rule for both hooks
+    writer = _Capture(get_tensorboard_writer())
+    device = torch.cuda.current_device()
+    with megatron_tracker.isolated():
+        _record(per_layer, num_layers, device)
+        for name in names:
+            megatron_tracker.ensure(name, num_layers, device)
+        megatron_tracker.report(names, iteration, writer=writer, wandb_writer=get_wandb_writer(),
+                                per_layer_logging=True, num_layers=divisor, pg_collection=pg_collection)
+    if routers:
+        tracking.reset(routers)
+    return "".join(f" {tracking.TRACKER_PREFIX}{name}: {writer.scalars[tracking.TRACKER_PREFIX + name]:.2f} |"
+                   for name in CONSOLE_METRICS if tracking.TRACKER_PREFIX + name in writer.scalars)
+
+
+def _record(per_layer: dict[int, dict[str, float]], num_layers: int, device: Any) -> None:
+    """Each value at ``values[layer]`` of ``elastic_moe/<name>``, from one host-to-device copy."""
+    if not per_layer:
+        return
+    names = sorted({name for values in per_layer.values() for name in values})
+    table = torch.tensor([[values.get(name, 0.0) for values in per_layer.values()] for name in names],
+                         dtype=torch.float32).to(device)
+    dp_group = None if megatron_tracker.has_metrics_tracker() else _data_parallel_group()
+    for row, name in enumerate(names):
+        for column, (layer, values) in enumerate(per_layer.items()):
+            if name in values:
+                megatron_tracker.record(tracking.TRACKER_PREFIX + name, table[row, column], layer + 1, num_layers, dp_group)
+
+
+def _data_parallel_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+
+
+__all__ = ["CONSOLE_METRICS", "TRAINING_MODULE", "install", "is_installed", "log_step", "metric_names", "remove"]

@@ -1,0 +1,73 @@
+"""``core.patching``: deferred installs (``AttributePatches.when_imported``), on real modules.
+
+The modules are written to a temporary folder and imported for real; nothing is faked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from elastic_moe_plugin.core.patching import PATCH_MARKER, AttributePatches
+
+
+@pytest.fixture
+def module_dir(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [n for n in sys.modules if n.startswith("elastic_moe_probe_")]:
+        del sys.modules[name]
+
+
+def _write(folder, name: str) -> None:
+    (folder / f"{name}.py").write_text("def greet():\n    return 'stock'\n")
+
+
+def _shout(original):
+    return lambda: original().upper()
+
+
+def test_an_install_waits_for_the_import_and_restore_puts_the_stock_function_back(module_dir):
+    _write(module_dir, "elastic_moe_probe_later")
+    patches = AttributePatches()
+    patches.when_imported("elastic_moe_probe_later", lambda module: patches.wrap(module, "greet", _shout))
+    assert "elastic_moe_probe_later" not in sys.modules
+    module = importlib.import_module("elastic_moe_probe_later")
+    assert module.greet() == "STOCK" and getattr(module.greet, PATCH_MARKER)
+    assert type(module.__loader__).__name__ == "SourceFileLoader", "the module keeps its real loader"
+    patches.restore()
+    assert module.greet() == "stock" and not hasattr(module.greet, PATCH_MARKER)
+
+
+def test_an_already_imported_module_is_patched_at_once(module_dir):
+    _write(module_dir, "elastic_moe_probe_now")
+    module = importlib.import_module("elastic_moe_probe_now")
+    patches = AttributePatches()
+    patches.when_imported("elastic_moe_probe_now", lambda m: patches.wrap(m, "greet", _shout))
+    assert module.greet() == "STOCK"
+    patches.restore()
+    assert module.greet() == "stock"
+
+
+def test_restore_cancels_a_pending_install_and_leaves_no_finder(module_dir):
+    _write(module_dir, "elastic_moe_probe_never")
+    finders = list(sys.meta_path)
+    patches = AttributePatches()
+    patches.when_imported("elastic_moe_probe_never", lambda m: patches.wrap(m, "greet", _shout))
+    assert len(sys.meta_path) == len(finders) + 1
+    patches.restore()
+    assert sys.meta_path == finders
+    assert importlib.import_module("elastic_moe_probe_never").greet() == "stock"
+
+
+def test_two_deferred_installs_on_one_module_both_run(module_dir):
+    _write(module_dir, "elastic_moe_probe_twice")
+    first, second = AttributePatches(), AttributePatches()
+    seen = []
+    first.when_imported("elastic_moe_probe_twice", lambda m: seen.append("first"))
+    second.when_imported("elastic_moe_probe_twice", lambda m: seen.append("second"))
+    importlib.import_module("elastic_moe_probe_twice")
+    assert seen == ["first", "second"]
+    first.restore(), second.restore()

@@ -1,0 +1,44 @@
+"""The Megatron-LM logging hook (``elastic_moe_plugin.mcore.training_log``), in process.
+
+Its end-to-end behaviour (Megatron-LM's console line and TensorBoard event files, on every rank,
+through ``python -m elastic_moe_plugin.megatron_lm``) is in ``test_megatron_lm.py``; here the names
+every rank reports and the version guard.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from elastic_moe_plugin import ElasticConfig, mcore
+from elastic_moe_plugin.core.errors import UnsupportedMegatronError
+from elastic_moe_plugin.core.patching import AttributePatches
+from elastic_moe_plugin.mcore import tracking, training_log
+
+pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
+
+
+@pytest.mark.parametrize("schedule, topk, experts", [("1-3", 2, 8), ("6-10", 8, 16)])
+def test_every_rank_reports_the_names_a_routed_layer_produces(schedule, topk, experts, make_config, make_router):
+    """The names come from the schedule alone, so a pipeline stage without elastic layers reports
+    the same list as one with them (else Megatron's report would wait forever in its all-reduce)."""
+    mcore.apply(ElasticConfig(schedule=schedule))
+    router = make_router(make_config(num_moe_experts=experts, moe_router_topk=topk), weight_std=0.5)
+    router(torch.randn(64, 1, 16))
+    routed = set(tracking.per_layer_metrics(router)[0])
+    elastic_schedule = ElasticConfig(schedule=schedule).budget_schedule(topk)
+    assert set(training_log.metric_names(elastic_schedule, experts)) == routed
+    assert {"mean_kappa", f"kappa_frac_{elastic_schedule.high}", f"exposure_rank_{elastic_schedule.high}"} <= routed
+
+
+def test_a_training_log_without_an_iteration_argument_is_refused_with_the_way_out():
+    module = types.ModuleType("megatron.training.training")
+    module.training_log = lambda loss_dict, total_loss_dict: None
+    with pytest.raises(UnsupportedMegatronError, match=r"training_log\(\.\.\., iteration, \.\.\.\).*no iteration argument"
+                                                      r".*--elastic-moe-log-metrics false"):
+        training_log._install(AttributePatches(), module)
+    del module.training_log
+    with pytest.raises(UnsupportedMegatronError, match="no such function"):
+        training_log._install(AttributePatches(), module)

@@ -1,0 +1,349 @@
+"""Megatron-LM's own training loop with the plugin, for real: ``megatron.training.pretrain``.
+
+``examples/megatron_lm/pretrain_gpt_moe.py`` (the project's own script: Megatron's argument
+parsing, ``initialize_megatron``, GPT model builder, ``train_step``, ``training_log``, torch_dist
+checkpoints, mock data) runs under torchrun on gloo, on CPU, through
+``python -m elastic_moe_plugin.megatron_lm`` (``tests/fixtures/megatron_lm/run_on_cpu.py`` switches
+the opt-in CPU layer on first; ``--stock`` runs the script without the plugin). A tiny MoE GPT:
+2 layers, 4 experts, top-2, alltoall dispatcher, aux loss; 10 iterations of 2 micro-batches of
+4 x 32 tokens; dropout off (under the CPU emulation dropout shares the CPU generator with data
+loading, so even stock Megatron would not resume bit-exactly with it on).
+
+The nine runs start with the module's first test, two processes at a time (each takes 10-20 s,
+mostly imports; about 80 s in all on 2 cores), and the tests read their logs, TensorBoard event
+files, checkpoints and, through ``RUN_ON_CPU_OBSERVE``, the experts per token each router handed
+its dispatcher.
+
+megatron-core 0.16.1's wheel ships no ``megatron.training``; under the 0.16.1 pass the one on the
+path is the 0.19.2 wheel's, which needs megatron.core 0.19, so this module skips there (the router,
+tracker and budget-stream tests of the other modules run on both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_moe_plugin import ElasticConfig
+from elastic_moe_plugin.core.schedule import BudgetSchedule
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "megatron_lm" / "pretrain_gpt_moe.py"
+LAUNCHER = REPO / "tests" / "fixtures" / "megatron_lm" / "run_on_cpu.py"
+
+LAYERS, EXPERTS, TOPK, SEQ, MICRO_BATCH, GLOBAL_BATCH, ITERS = 2, 4, 2, 32, 4, 8, 10
+TOKENS_PER_FORWARD = MICRO_BATCH * SEQ  # per rank and micro-batch
+SCHEDULE = "1-3"  # around k = 2
+MEGATRON_ARGS = [
+    "--num-layers", str(LAYERS), "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+    "--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK), "--moe-ffn-hidden-size", "32",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+    "--moe-aux-loss-coeff", "0.01", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+    "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERS),
+    "--lr", "1e-3", "--seed", "1234", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
+    # CPU: gloo, no fused kernels or Transformer Engine (see elastic_moe_plugin.compat.megatron_cpu)
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-gelu-fusion", "--disable-bias-linear",
+    "--clip-grad", "0",
+]
+ELASTIC = ["--elastic-moe-schedule", SCHEDULE]
+
+
+def _skip_reason() -> str | None:
+    import importlib.util
+
+    core, training = importlib.util.find_spec("megatron.core"), importlib.util.find_spec("megatron.training")
+    if core is None:
+        return "megatron-core is not installed"
+    if training is None:
+        return "this megatron-core ships no megatron.training"
+    if Path(core.origin).parents[1] != Path(training.origin).parents[1]:
+        return (f"megatron.training ({Path(training.origin).parents[1]}) is not the one of the imported "
+                f"megatron.core ({Path(core.origin).parents[1]}): the megatron-core 0.16.1 wheel ships no "
+                f"megatron.training, and the 0.19.2 wheel's needs megatron.core 0.19")
+    return None
+
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+if _skip_reason():
+    pytestmark.append(pytest.mark.skip(reason=_skip_reason()))
+
+
+# ====================================================================================== the runs
+@dataclasses.dataclass
+class Run:
+    args: list[str]
+    nproc: int = 1
+    stock: bool = False
+    after: tuple[str, ...] = ()  # runs whose checkpoints this one loads
+
+
+def _runs(tmp: Path) -> dict[str, Run]:
+    ckpt = {name: str(tmp / f"ckpt_{name}") for name in ("stock", "elastic")}
+    return {
+        "stock": Run(["--exit-interval", "4", "--save", ckpt["stock"], "--save-interval", "4",
+                      "--tensorboard-dir", str(tmp / "tb_stock")], stock=True),
+        "static": Run(["--exit-interval", "4", "--elastic-moe-schedule", "static"]),
+        "elastic": Run([*ELASTIC, "--save", ckpt["elastic"], "--save-interval", "5", "--tensorboard-dir", str(tmp / "tb_elastic")]),
+        "resumed": Run([*ELASTIC, "--load", ckpt["elastic"], "--ckpt-step", "5"], after=("elastic",)),
+        "elastic_to_static": Run(["--elastic-moe-schedule", "static", "--load", ckpt["elastic"], "--ckpt-step", "5",
+                                  "--exit-interval", "7"], after=("elastic",)),
+        "static_to_elastic": Run([*ELASTIC, "--load", ckpt["stock"], "--exit-interval", "6"], after=("stock",)),
+        "recompute_full": Run([*ELASTIC, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                               "--recompute-num-layers", "1", "--exit-interval", "3", "--elastic-moe-log-metrics", "false"]),
+        "recompute_selective": Run([*ELASTIC, "--recompute-granularity", "selective", "--recompute-modules", "moe",
+                                    "--exit-interval", "3"]),
+        "ep2_layer1": Run([*ELASTIC, "--elastic-moe-layers", "1", "--expert-model-parallel-size", "2",
+                           "--exit-interval", "3"], nproc=2),
+    }
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    returncode: int
+    output: str
+    observed: dict[int, dict[int, list[list[int]]]]  # rank -> layer -> per forward: bincount of experts per token
+
+    def lines(self) -> dict[int, str]:
+        """{iteration: Megatron's console line} without its timestamp and timing."""
+        found = {}
+        for line in self.output.splitlines():
+            match = re.search(r"\biteration\s+(\d+)/\s*\d+ \|(.*)$", line)
+            if match:
+                found[int(match.group(1))] = re.sub(r" elapsed time per iteration \(ms\): [\d.]+ \|", "", match.group(2))
+        return found
+
+    def value(self, iteration: int, name: str) -> float:
+        return float(re.search(rf" {re.escape(name)}: ([^ |]+) \|", self.lines()[iteration]).group(1))
+
+
+def _environment() -> dict[str, str]:
+    drop = ("ELASTIC_MOE_", "MASTER_", "TORCHELASTIC_", "PET_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(TORCH_COMPILE_DISABLE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NO_VCS_VERSION="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return env
+
+
+def _start(name: str, run: Run, tmp: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(run.nproc),
+               str(LAUNCHER), *(["--stock"] if run.stock else []), str(SCRIPT), *MEGATRON_ARGS, *run.args]
+    env = {**_environment(), "RUN_ON_CPU_OBSERVE": str(tmp / f"observed_{name}")}
+    with open(tmp / f"{name}.log", "w") as log:  # a file, not a pipe: nobody reads a pipe while runs overlap
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp)
+
+
+def _collect(name: str, process: subprocess.Popen, tmp: Path) -> Result:
+    process.wait()
+    output = (tmp / f"{name}.log").read_text()
+    observed = {}
+    for path in tmp.glob(f"observed_{name}.*"):
+        observed[int(path.suffix[1:])] = {int(layer): forwards for layer, forwards in json.loads(path.read_text()).items()}
+    return Result(name, process.returncode, output, observed)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Result]:
+    """Every run, two processes at a time, each started once the checkpoints it loads exist."""
+    tmp = tmp_path_factory.mktemp("megatron_lm")
+    pending, running, done = dict(_runs(tmp)), {}, {}
+    deadline = time.monotonic() + 900
+    while pending or running:
+        for name, (process, run) in list(running.items()):
+            if process.poll() is not None:
+                done[name] = _collect(name, process, tmp)
+                del running[name]
+        busy = sum(run.nproc for _, run in running.values())
+        for name, run in list(pending.items()):
+            if all(dep in done for dep in run.after) and (busy == 0 or busy + run.nproc <= 2):
+                running[name] = (_start(name, run, tmp), run)
+                busy += run.nproc
+                del pending[name]
+        if time.monotonic() > deadline:
+            for process, _ in running.values():
+                process.kill()
+            pytest.fail(f"Megatron-LM runs still running after 15 minutes: {sorted(running)}")
+        time.sleep(0.2)
+    done["tmp"] = tmp
+    return done
+
+
+def _ok(runs, name) -> Result:
+    result = runs[name]
+    assert result.returncode == 0, f"run {name!r} failed (exit {result.returncode}):\n{result.output[-6000:]}"
+    return result
+
+
+def _without_metrics(line: str) -> str:
+    return re.sub(r" elastic_moe/[a-z_]+: [^ |]+ \|", "", line)
+
+
+def _schedule() -> BudgetSchedule:
+    return ElasticConfig(schedule=SCHEDULE).budget_schedule(TOPK)
+
+
+# ====================================================================================== static == stock
+def test_static_prints_the_loss_lines_of_stock_megatron_digit_for_digit(runs):
+    stock, static = _ok(runs, "stock").lines(), _ok(runs, "static").lines()
+    assert sorted(stock) == sorted(static) == [1, 2, 3, 4]
+    for iteration in stock:
+        assert static[iteration] == stock[iteration], f"iteration {iteration}"
+        assert "lm loss:" in stock[iteration] and "load_balancing_loss:" in stock[iteration]
+        assert "elastic_moe/" not in static[iteration]
+    assert "elastic-moe: ElasticConfig(schedule='static'" in runs["static"].output
+
+
+# ====================================================================================== elastic κ
+def test_elastic_kappa_follows_the_pmf_and_the_dispatcher_saw_one_to_three_experts(runs):
+    elastic = _ok(runs, "elastic")
+    schedule = _schedule()
+    assert sorted(elastic.lines()) == list(range(1, ITERS + 1))
+    for layer in range(LAYERS):
+        forwards = elastic.observed[0][layer]
+        assert len(forwards) == ITERS * GLOBAL_BATCH // MICRO_BATCH
+        totals = [sum(column) for column in zip(*forwards)]
+        tokens = sum(totals)
+        assert tokens == len(forwards) * TOKENS_PER_FORWARD
+        assert totals[0] == 0 and all(count == 0 for count in totals[schedule.high + 1:]), totals
+        for budget, probability in zip(schedule.budgets, schedule.pmf):
+            observed = totals[budget] / tokens
+            sd = math.sqrt(probability * (1 - probability) / tokens)
+            assert abs(observed - probability) < 4 * sd, f"layer {layer}, κ={budget}: {observed:.4f} vs {probability:.4f}"
+        mean = sum(budget * totals[budget] for budget in schedule.budgets) / tokens
+        assert abs(mean - TOPK) < 0.1
+
+
+def test_the_console_line_carries_the_routing_metrics(runs):
+    elastic = _ok(runs, "elastic")
+    for iteration in range(1, ITERS + 1):
+        line = elastic.lines()[iteration]
+        moe_section = line[line.index("load_balancing_loss:"):line.index("loss scale:")]
+        for name in ("mean_kappa", "retained_weight_sum_mean", "tokens_per_expert_max_over_mean", "topk_set_changed_frac"):
+            assert f" elastic_moe/{name}: " in moe_section, line
+        # this step's two forwards, both layers (log interval 1: the histograms cover one step)
+        forwards = [elastic.observed[0][layer][2 * iteration - 2: 2 * iteration] for layer in range(LAYERS)]
+        per_layer = [sum(b * sum(f[b] for f in layer) for b in range(EXPERTS + 1)) / (2 * TOKENS_PER_FORWARD)
+                     for layer in forwards]
+        assert elastic.value(iteration, "elastic_moe/mean_kappa") == pytest.approx(sum(per_layer) / LAYERS, abs=0.005)
+
+
+def test_only_the_selected_layers_vary(runs):
+    ep2 = _ok(runs, "ep2_layer1")
+    assert sorted(ep2.observed) == [0, 1]
+    for rank, layers in ep2.observed.items():
+        for counts in layers[0]:
+            assert counts[TOPK] == TOKENS_PER_FORWARD and sum(counts) == TOKENS_PER_FORWARD, f"rank {rank}: layer 0 is static"
+        for counts in layers[1]:
+            assert counts[0] == 0 and sum(counts[1:4]) == TOKENS_PER_FORWARD and counts[1] and counts[3], f"rank {rank}"
+
+
+def test_expert_parallel_in_two_processes_routes_elastically(runs):
+    ep2 = _ok(runs, "ep2_layer1")
+    lines = ep2.lines()
+    assert sorted(lines) == [1, 2, 3] and all(math.isfinite(ep2.value(i, "lm loss")) for i in lines)
+    # the two data-parallel ranks hold other tokens and draw other κ (slices of one stream)
+    assert ep2.observed[0][1] != ep2.observed[1][1]
+    assert "elastic_moe/mean_kappa" in lines[3]
+
+
+# ====================================================================================== recompute
+def test_selective_recompute_of_the_moe_layer_changes_nothing(runs):
+    elastic, selective = _ok(runs, "elastic"), _ok(runs, "recompute_selective")
+    assert sorted(selective.lines()) == [1, 2, 3]
+    for iteration in (1, 2, 3):
+        assert selective.lines()[iteration] == elastic.lines()[iteration], f"iteration {iteration}"
+    assert selective.observed[0] == {layer: forwards[:6] for layer, forwards in elastic.observed[0].items()}
+
+
+def test_full_recompute_changes_nothing_and_metrics_can_be_turned_off(runs):
+    elastic, full = _ok(runs, "elastic"), _ok(runs, "recompute_full")
+    assert "--elastic-moe-log-metrics false" in full.output
+    for iteration in (1, 2, 3):
+        assert "elastic_moe/" not in full.lines()[iteration]
+        assert full.lines()[iteration] == _without_metrics(elastic.lines()[iteration]), f"iteration {iteration}"
+    assert full.observed[0] == {layer: forwards[:6] for layer, forwards in elastic.observed[0].items()}
+
+
+# ====================================================================================== checkpoints
+def test_resume_continues_the_uninterrupted_run_exactly(runs):
+    """Every line of the resumed run equals the uninterrupted run's, but one: Megatron-LM logs the
+    first iteration of a run without resetting its loss accumulators, so a run's second line shows
+    the mean of its first two iterations (iteration 2 of the uninterrupted run, 7 of the resumed)."""
+    elastic, resumed = _ok(runs, "elastic"), _ok(runs, "resumed")
+    assert sorted(resumed.lines()) == list(range(6, ITERS + 1))
+    for iteration in (6, *range(8, ITERS + 1)):
+        assert resumed.lines()[iteration] == elastic.lines()[iteration], f"iteration {iteration}"
+    for name in ("lm loss", "load_balancing_loss"):
+        mean = (elastic.value(6, name) + elastic.value(7, name)) / 2
+        assert resumed.value(7, name) == pytest.approx(mean, rel=2e-6), name
+    without_losses = re.compile(r" (lm loss|load_balancing_loss): [^ |]+ \|")
+    assert without_losses.sub("", resumed.lines()[7]) == without_losses.sub("", elastic.lines()[7])
+    # the κ histograms of every forward after the checkpoint (2 per iteration), both layers
+    assert resumed.observed[0] == {layer: forwards[10:] for layer, forwards in elastic.observed[0].items()}
+
+
+def _tensor_shapes(checkpoint: Path) -> dict[str, tuple[int, ...] | None]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return {key: tuple(getattr(entry, "size", ())) or None for key, entry in metadata.items()}
+
+
+def test_checkpoints_have_stock_keys_and_shapes_and_load_across_schedules(runs):
+    _ok(runs, "stock"), _ok(runs, "elastic")
+    tmp = runs["tmp"]
+    stock = _tensor_shapes(tmp / "ckpt_stock" / "iter_0000004")
+    elastic = _tensor_shapes(tmp / "ckpt_elastic" / "iter_0000005")
+    assert len(stock) > 10 and stock == elastic
+    to_static, to_elastic = _ok(runs, "elastic_to_static"), _ok(runs, "static_to_elastic")
+    assert sorted(to_static.lines()) == [6, 7] and sorted(to_elastic.lines()) == [5, 6]
+    for result in (to_static, to_elastic):
+        assert all(math.isfinite(result.value(i, "lm loss")) for i in result.lines())
+    assert all(counts == [0, 0, TOKENS_PER_FORWARD, 0, 0] for layer in to_static.observed[0].values() for counts in layer)
+    assert all(len([c for c in counts if c]) == 3 for layer in to_elastic.observed[0].values() for counts in layer)
+
+
+# ====================================================================================== TensorBoard
+def _scalars(directory: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars: dict[str, dict[int, float]] = {}
+    for events in directory.glob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars.setdefault(tag, {}).update({event.step: event.value for event in accumulator.Scalars(tag)})
+    return scalars
+
+
+def test_routing_metrics_reach_the_tensorboard_event_files(runs):
+    from elastic_moe_plugin.mcore.training_log import metric_names
+
+    elastic, _ = _ok(runs, "elastic"), _ok(runs, "stock")
+    ours, stock = _scalars(runs["tmp"] / "tb_elastic"), _scalars(runs["tmp"] / "tb_stock")
+    names = metric_names(_schedule(), EXPERTS)
+    expected = {f"elastic_moe/{name}" for name in names} | {
+        f"moe/elastic_moe/{name}_layer_{layer}" for name in names for layer in range(LAYERS)}
+    assert {tag for tag in ours if "elastic_moe" in tag} == expected
+    assert set(stock) == set(ours) - expected, "Megatron's own tags must be unchanged"
+    assert all(sorted(ours[tag]) == list(range(1, ITERS + 1)) for tag in expected)
+    print(f"TensorBoard tags: stock {len(stock)}, with the plugin {len(ours)} ({len(expected)} elastic_moe)")
+    # per step and layer, the logged κ shares are the step's histogram (log interval 1)
+    for layer in range(LAYERS):
+        for step in range(1, ITERS + 1):
+            forwards = elastic.observed[0][layer][2 * step - 2: 2 * step]
+            for budget in _schedule().budgets:
+                share = sum(f[budget] for f in forwards) / (2 * TOKENS_PER_FORWARD)
+                assert ours[f"moe/elastic_moe/kappa_frac_{budget}_layer_{layer}"][step] == pytest.approx(share, abs=1e-6)
