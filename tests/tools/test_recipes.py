@@ -653,7 +653,7 @@ def test_entry_point_takes_the_elastic_flags_out():
         split_argv(["train.py", "--elastic-moe-shedule", "6-10"], environ={})
     with pytest.raises(ValueError, match="no training script"):
         split_argv(["--elastic-moe-schedule", "6-10"], environ={})
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(ValueError, match="--elastic-moe-top-p 2.0 is invalid"):
         split_argv(["train.py", "--elastic-moe-top-p", "2"], environ={})
 
 
