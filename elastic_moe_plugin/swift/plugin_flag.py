@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 #: ``ELASTIC_MOE_SWIFT_HOOK=0`` turns the hook off (then ms-swift sees ``--plugin`` as typed)
 OFF_SWITCH = "ELASTIC_MOE_SWIFT_HOOK"
 _OFF_VALUES = {"0", "false", "no", "off"}
+#: the file the wheel installs at the root of site-packages (``_build_hooks.py``)
+PTH_NAME = "elastic-moe-swift.pth"
 #: the flag this hook adds to ms-swift
 PLUGIN_FLAG = "--plugin"
 EXTERNAL_PLUGINS_FLAG = "--external_plugins"
@@ -277,6 +279,20 @@ def rewrite(argv: list[str], route: str, *, known: dict[str, SwiftPlugin] | None
 
 
 # ---------------------------------------------------------------------------------- the hook
+def hook_installed(environ=None) -> bool:
+    """Whether ``--plugin`` works for ms-swift run from this interpreter's environment: the ``.pth``
+    is in one of its site-packages directories (a wheel install; an editable install of a checkout
+    has none) and :data:`OFF_SWITCH` is not set."""
+    import site
+    import sysconfig
+
+    environ = os.environ if environ is None else environ
+    if environ.get(OFF_SWITCH, "").strip().lower() in _OFF_VALUES:
+        return False
+    directories = {sysconfig.get_paths()["purelib"], *getattr(site, "getsitepackages", lambda: [])()}
+    return any(os.path.isfile(os.path.join(directory, PTH_NAME)) for directory in directories)
+
+
 def loads_elastic_moe(argv: list[str]) -> bool:
     """Whether the ``--external_plugins`` ms-swift will use (the last one) loads an elastic-moe plugin
     file: the packaged one, or any file that imports ``elastic_moe_plugin`` (``patches/elastic_moe.py``
@@ -360,5 +376,5 @@ def activate() -> None:
              f"--callbacks elastic_moe), or unset the variables.")
 
 
-__all__ = ["OFF_SWITCH", "PluginFlagError", "Rewrite", "SwiftEntry", "SwiftPlugin", "activate", "known_plugins",
+__all__ = ["OFF_SWITCH", "PTH_NAME", "hook_installed", "PluginFlagError", "Rewrite", "SwiftEntry", "SwiftPlugin", "activate", "known_plugins",
            "loads_elastic_moe", "rewrite", "swift_entry", "swift_handles_plugins"]

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from elastic_moe_plugin.core.config import ENV_VARS, ElasticConfig
 from elastic_moe_plugin.swift import plugin_path
+from elastic_moe_plugin.swift.plugin_flag import OFF_SWITCH, hook_installed, rewrite
 from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
 from elastic_moe_plugin.tools.recipes.schema import RecipeError
 from elastic_moe_plugin.tools.recipes.topology import Fit, Topology, check_fit
@@ -183,7 +184,18 @@ def _render_swift(recipe: Recipe, topology: Topology, fit: Fit, command: LaunchC
                 "global_batch_size": batch["global"], "max_length": batch["seq_length"]}
         command.argv = ["megatron", "sft"]
     plugin = plugin_path()
-    command.argv += _swift_flags(recipe, head) + _swift_flags(recipe, args) + ["--external_plugins", str(plugin)]
+    flags = _swift_flags(recipe, head) + _swift_flags(recipe, args) + ["--plugin", "elastic_moe"]
+    if hook_installed():
+        command.notes.append("the plugin: --plugin elastic_moe (ms-swift has no such flag; the start-up hook of this "
+                             "install turns it into --external_plugins <plugin file> --callbacks elastic_moe on every "
+                             "rank, docs/swift.md)")
+    else:
+        # The same rewrite the hook makes, done here: this environment has no hook (an editable
+        # install of a checkout, or the off switch), so the command carries ms-swift's own flags.
+        flags = rewrite(flags, "sft").argv
+        command.notes.append(f"the plugin: --external_plugins {plugin} --callbacks elastic_moe (the path form: this "
+                             f"environment has no --plugin start-up hook: an editable install, or {OFF_SWITCH}=0)")
+    command.argv += flags
     cli = "swift/cli/sft.py" if recipe.launcher == "swift_sft" else "swift/cli/_megatron/sft.py"
     command.notes.append(
         f"{command.argv[0]} re-launches itself under: python -m torch.distributed.run --nproc_per_node "
