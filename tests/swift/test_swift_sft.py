@@ -58,8 +58,13 @@ def _assert_tolerance_is_safe(schedule, tokens: int) -> float:
 
 
 def _check_training_run(result, tiny_assets, model: str, topk: int, schedule_text: str, sampling: str):
+    from elastic_moe_plugin.swift import plugin_path
+
     assert result.returncode == 0, result.describe()
-    assert "Successfully imported external_plugins: ['patches/elastic_moe.py']" in result.output, result.describe()
+    # the path form loads the checkout's file as typed; a name loads the package's file
+    loaded = "patches/elastic_moe.py" if "patches/elastic_moe.py" in result.argv else str(plugin_path())
+    assert f"Successfully imported external_plugins: [{loaded!r}]" in result.output, result.describe()
+    assert "[INFO:elastic_moe] rank 0/1: plugin loaded" in result.output, result.describe()
     rows = result.training_rows()
     assert [row.get("global_step/max_steps") for row in rows] == ["1/3", "2/3", "3/3"], result.describe()
     schedule = _schedule(schedule_text, topk)
@@ -109,8 +114,12 @@ def test_swift_sft_olmoe_iid(swift_runs, tiny_assets):
 
 @pytest.mark.swift_runs("qwen3_moe_balanced")
 def test_swift_sft_qwen3_moe_balanced(swift_runs, tiny_assets):
-    """Qwen3-MoE (top-4, renormalised gate), 2-6 with balanced sampling: the mean κ is exactly 4."""
-    _check_training_run(swift_runs.result("qwen3_moe_balanced"), tiny_assets, *TRAINING_RUNS["qwen3_moe_balanced"])
+    """Qwen3-MoE (top-4, renormalised gate), 2-6 with balanced sampling: the mean κ is exactly 4.
+    Loaded with ``--plugin=elastic_moe`` through the start-up hook."""
+    result = swift_runs.result("qwen3_moe_balanced")
+    assert "--plugin=elastic_moe" in result.argv
+    _check_training_run(result, tiny_assets, *TRAINING_RUNS["qwen3_moe_balanced"])
+    assert "elastic-moe: plugin elastic_moe: passing it to ms-swift as --external_plugins" in result.output
 
 
 @pytest.mark.swift_runs("qwen3_moe_yaml_iid")
@@ -121,6 +130,7 @@ def test_swift_sft_yaml_env_block_selects_the_schedule(swift_runs, tiny_assets):
     assert not [key for key in result.env if key.startswith("ELASTIC_MOE_")]
     config = yaml.safe_load(Path(result.argv[-1]).read_text())
     assert config["ENV"] == {"ELASTIC_MOE_SCHEDULE": "2-6", "ELASTIC_MOE_SAMPLING": "iid"}
+    assert config["external_plugins"] == ["elastic_moe"]  # a plugin name where ms-swift expects a path
     rows = _check_training_run(result, tiny_assets, *TRAINING_RUNS["qwen3_moe_yaml_iid"])
     assert {f"elastic_moe/layer_0/kappa_frac_{b}" for b in range(2, 7)} <= set(rows[0])
     assert "elastic_moe/layer_0/kappa_frac_1" not in rows[0]
