@@ -200,6 +200,11 @@ def _hf_callback_class() -> type:
         histograms are reset after each log, so each log covers the steps since the previous one.
         """
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            # one line on rank 0: which layers are elastic, with what, and which stay static
+            model = kwargs.get("model")
+            hf.log_plan(model if model is not None else self.trainer.model)
+
         def on_init_end(self, args, state, control, **kwargs):
             # transformers orders callbacks as [flow, reporting (TensorBoard, W&B, ...), --callbacks,
             # progress/printer (swift's logging.jsonl)], and all of them read `logs` in on_log: run
@@ -243,6 +248,9 @@ def _megatron_callback_class() -> type:
         before the ``print``/``default_flow``/report callbacks that Megatron-SWIFT appends, so the
         metrics reach logging.jsonl and TensorBoard/W&B. The model chunks (virtual pipeline
         stages) of this rank count together, by global layer index."""
+
+        def on_train_begin(self):
+            tracking.log_plan(list(self.trainer.unwrapped_models))
 
         def on_log(self, logs: dict[str, Any]):
             if not _is_training_log(logs):

@@ -65,6 +65,11 @@ def _check_training_run(result, tiny_assets, model: str, topk: int, schedule_tex
     loaded = "patches/elastic_moe.py" if "patches/elastic_moe.py" in result.argv else str(plugin_path())
     assert f"Successfully imported external_plugins: [{loaded!r}]" in result.output, result.describe()
     assert "[INFO:elastic_moe] rank 0/1: plugin loaded" in result.output, result.describe()
+    sampling_text = f"{sampling} sampling"
+    gate = "full_softmax" if model == "olmoe" else "renormalized"
+    plan = (f"elastic-moe plan (transformers, 2 MoE layers): elastic {schedule_text} around k={topk} (σ=1.5), "
+            f"{gate} gate, {sampling_text}: layers 0-1; static: none")
+    assert result.output.count(plan) == 1, result.describe()
     rows = result.training_rows()
     assert [row.get("global_step/max_steps") for row in rows] == ["1/3", "2/3", "3/3"], result.describe()
     schedule = _schedule(schedule_text, topk)
@@ -162,7 +167,11 @@ def test_tensorboard_events_carry_the_routing_metrics(swift_runs):
 def test_bad_schedule_stops_swift_sft_before_training(swift_runs):
     result = swift_runs.result("bad_schedule")
     assert result.returncode != 0, result.describe()
-    assert "schedule='11-5' has low=11 > high=5" in result.output, result.describe()
+    # the plugin's message on its own, before ms-swift's traceback, naming the variable and the fix
+    message = ("elastic-moe: configuration error: environment: ELASTIC_MOE_SCHEDULE=11-5 has low=11 > high=5: "
+               "write the range as LOW-HIGH, e.g. ELASTIC_MOE_SCHEDULE=5-11.")
+    assert message in result.output, result.describe()
+    assert result.output.index(message) < result.output.index("Traceback")
     assert "ConfigError" in result.output
     assert result.training_rows() == []
     assert not (result.output_dir / "logging.jsonl").exists()
