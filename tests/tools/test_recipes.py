@@ -284,7 +284,12 @@ MLM_RECIPES = [(n, p) for n, p in RECIPES if n.startswith("pretrain/")]
 def test_ms_swift_accepts_the_rendered_arguments(argcheck, name):
     entry = argcheck["recipes"][name]
     assert entry.get("ok"), entry.get("error") or entry.get("skipped")
-    assert any(c.endswith("parser (ms-swift)") for c in entry["checked"])
+    parser = "MegatronSftArguments" if name.startswith("qwen3_sft/") else "SftArguments"
+    assert f"{parser} parser (ms-swift)" in entry["checked"]
+    # the --plugin form (after the start-up hook's rewrite) and the path form both parse, load the
+    # plugin file and name the elastic_moe callback
+    assert "--plugin elastic_moe rewritten as the start-up hook does" in entry["checked"]
+    assert "external_plugins loads the plugin file; callbacks include 'elastic_moe'" in entry["checked"]
 
 
 @pytest.mark.parametrize("name", [n for n, _ in MLM_RECIPES])

@@ -231,6 +231,9 @@ def check_recipes(paths: Iterable[str]) -> dict[str, Any]:
         argv = framework_args(command)
         entry: dict[str, Any] = {"launcher": recipe.launcher, "argv": argv, "ok": False}
         kind = "swift" if recipe.launcher in ("swift_sft", "megatron_sft") else "mlm"
+        # both ways a command may load the plugin, whichever this environment renders
+        forms = [framework_args(render(recipe, topology, plugin_form=form)) for form in ("plugin", "path")] \
+            if kind == "swift" else [argv]
         if kind not in checkers:
             try:
                 checkers[kind] = SwiftChecker() if kind == "swift" else MegatronLMChecker()
@@ -241,7 +244,9 @@ def check_recipes(paths: Iterable[str]) -> dict[str, Any]:
             if isinstance(checker, ImportError):
                 entry["skipped"] = f"{'ms-swift' if kind == 'swift' else 'megatron/training'} is not importable: {checker}"
             elif kind == "swift":
-                entry["checked"] = checker.check(recipe, argv)
+                entry["checked"] = []
+                for form in forms:
+                    entry["checked"] += [c for c in checker.check(recipe, form) if c not in entry["checked"]]
                 entry["ok"] = True
             else:
                 entry["checked"] = checker.check(recipe, argv, topology.world_size)
