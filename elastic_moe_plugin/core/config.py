@@ -41,6 +41,7 @@ OPERATIONAL_ENV_VARS: frozenset[str] = frozenset({
     "ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE",         # try an untested megatron-core
     "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS",  # try an untested transformers
     "ELASTIC_MOE_DEBUG",                           # assert dispatcher invariants (syncs)
+    "ELASTIC_MOE_SWIFT_HOOK",                      # 0: the ms-swift --plugin start-up hook stands aside
 })
 
 _LAYER_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")

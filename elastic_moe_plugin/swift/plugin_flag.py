@@ -46,9 +46,12 @@ This module imports only the standard library and :mod:`elastic_moe_plugin.swift
 from __future__ import annotations
 
 import os
-import re
 import sys
-from dataclasses import dataclass, field
+from typing import NamedTuple
+
+# Plain classes and NamedTuples, no dataclasses or regular expressions at module level: this module
+# is imported at interpreter start of ms-swift's processes, before anything else, and those imports
+# (dataclasses pulls in inspect, dis, ...) would be paid first here.
 
 #: ``ELASTIC_MOE_SWIFT_HOOK=0`` turns the hook off (then ms-swift sees ``--plugin`` as typed)
 OFF_SWITCH = "ELASTIC_MOE_SWIFT_HOOK"
@@ -67,16 +70,15 @@ _NOT_ROUTES = frozenset({"main", "utils", "__init__"})
 #: plugin registry would most likely appear here (relative to the ``swift`` package directory)
 _SWIFT_PLUGIN_SOURCES = ("arguments/base_args/base_args.py", "megatron/arguments/megatron_args.py",
                          "utils/utils.py")
-_PLUGIN_FIELD = re.compile(r"^[ \t]+(plugin\w*)[ \t]*:", re.MULTILINE)
-_ENTRY_POINTS = re.compile(r"entry_points\(")
+_PLUGIN_FIELD = r"^[ \t]+(plugin\w*)[ \t]*:"
+_ENTRY_POINTS = r"entry_points\("
 
 
 class PluginFlagError(ValueError):
     """A ``--plugin`` / ``--external_plugins`` value that names no plugin; the message lists the known ones."""
 
 
-@dataclass(frozen=True)
-class SwiftPlugin:
+class SwiftPlugin(NamedTuple):
     """A plugin ``--plugin NAME`` can load: the file ms-swift imports and the callbacks it registers."""
 
     name: str
@@ -94,8 +96,7 @@ def known_plugins() -> dict[str, SwiftPlugin]:
         description="Elastic Expert Routing (elastic-moe-plugin): per-token expert budgets in training")}
 
 
-@dataclass(frozen=True)
-class SwiftEntry:
+class SwiftEntry(NamedTuple):
     """An ms-swift entry-script process: its route (``sft``, ...), whether it is Megatron-SWIFT's, and
     the directory of the ``swift`` package it runs from."""
 
@@ -153,6 +154,8 @@ def swift_handles_plugins(swift_dir: str) -> str | None:
     discovery through ``importlib.metadata.entry_points``, in the files where ms-swift 4.6 keeps
     its arguments and its plugin loader.
     """
+    import re
+
     for relative in _SWIFT_PLUGIN_SOURCES:
         path = os.path.join(swift_dir, relative)
         try:
@@ -160,22 +163,21 @@ def swift_handles_plugins(swift_dir: str) -> str | None:
                 text = handle.read()
         except OSError:
             continue
-        match = _PLUGIN_FIELD.search(text)
+        match = re.search(_PLUGIN_FIELD, text, re.MULTILINE)
         if match:
             return f"ms-swift declares its own argument {match.group(1)!r} ({path})"
-        if _ENTRY_POINTS.search(text):
+        if re.search(_ENTRY_POINTS, text):
             return f"ms-swift discovers plugins through entry points ({path})"
     return None
 
 
 # ---------------------------------------------------------------------------------- rewriting
-@dataclass
-class Rewrite:
-    """The result of :func:`rewrite`: the new arguments and what changed."""
+class Rewrite(NamedTuple):
+    """The result of :func:`rewrite`: the new arguments, and the plugins given by name
+    (``--plugin NAME`` or ``--external_plugins NAME``); none means nothing changed."""
 
     argv: list[str]
-    #: the plugins given by name (``--plugin NAME`` or ``--external_plugins NAME``)
-    named: list[SwiftPlugin] = field(default_factory=list)
+    named: list[SwiftPlugin] = []
 
     @property
     def changed(self) -> bool:

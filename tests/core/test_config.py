@@ -135,7 +135,7 @@ def test_from_env():
 
 def test_operational_variables_are_not_config_errors():
     environ = {"ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE": "1", "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS": "1",
-               "ELASTIC_MOE_DEBUG": "1", "ELASTIC_MOE_SCHEDULE": "7-9"}
+               "ELASTIC_MOE_DEBUG": "1", "ELASTIC_MOE_SWIFT_HOOK": "0", "ELASTIC_MOE_SCHEDULE": "7-9"}
     assert ElasticConfig.from_env(environ) == ElasticConfig(schedule="7-9")
 
 
