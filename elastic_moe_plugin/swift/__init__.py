@@ -1,10 +1,14 @@
-"""ms-swift integration: what ``--external_plugins patches/elastic_moe.py`` does, and the callbacks.
+"""ms-swift integration: what ``--plugin elastic_moe`` (or ``--external_plugins FILE``) loads, and the callbacks.
 
-Usage (ms-swift 4.6)::
+Usage (ms-swift 4.6; docs/swift.md)::
 
-    ELASTIC_MOE_SCHEDULE=6-10 swift sft    ... --external_plugins patches/elastic_moe.py --callbacks elastic_moe
-    ELASTIC_MOE_SCHEDULE=6-10 megatron sft ... --external_plugins patches/elastic_moe.py --callbacks elastic_moe
+    ELASTIC_MOE_SCHEDULE=6-10 swift sft    ... --plugin elastic_moe
+    ELASTIC_MOE_SCHEDULE=6-10 megatron sft ... --plugin elastic_moe
+    # the fallback, where the start-up hook is not installed (an editable checkout):
+    ELASTIC_MOE_SCHEDULE=6-10 swift sft    ... --external_plugins "$(elastic-moe plugin-path)" --callbacks elastic_moe
 
+``--plugin`` is this package's: :mod:`.plugin_flag` (a start-up hook installed with the wheel)
+rewrites it into the second form in ms-swift's entry processes.
 ms-swift has no ``--plugin`` flag; its hook is ``--external_plugins FILE``. ``swift sft`` and
 ``megatron sft`` re-launch a child process (or torchrun), and the child imports the file on every
 rank in ``BaseArguments.__post_init__``, before any model is built (Megatron-SWIFT's arguments

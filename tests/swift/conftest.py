@@ -11,8 +11,12 @@
   overlap. A test declares the runs it reads with ``@pytest.mark.swift_runs("name", ...)``; only
   the runs of the selected tests are launched. ``swift_runs.result(name)`` waits for one.
 
-Every ``swift sft`` here runs from the repository root with the documented flags
-(``--external_plugins patches/elastic_moe.py --callbacks elastic_moe``), full fine-tuning,
+Every ``swift sft`` from the checkout runs from the repository root and loads the plugin in one of
+the accepted forms (:data:`PLUGIN_FORMS`: the documented fallback ``--external_plugins
+patches/elastic_moe.py --callbacks elastic_moe``, ``--plugin=elastic_moe``, ``--external_plugins
+elastic_moe``, ``plugin: elastic_moe`` in a YAML), the checkout's start-up hook made active by
+:func:`with_start_up_hook`; the ``wheel_*`` runs use the installed wheel from a folder outside the
+checkout (``wheel_venv``). All: full fine-tuning,
 ``--max_steps 3 --logging_steps 1``, ``--router_aux_loss_coef 0.01``, ``--check_model false``,
 ``--add_version false`` (a fixed output dir), TensorBoard reporting, one torch thread
 (``OMP_NUM_THREADS=1``: a 2-core runner stalls a thread pool on these tiny tensors), no GPU
