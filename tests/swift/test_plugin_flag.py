@@ -195,3 +195,19 @@ def test_the_pth_line_imports_nothing_outside_swift(tmp_path):
     result = subprocess.run([sys.executable, "-c", probe, str(site_dir)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_hook_imports_no_torch_in_an_entry_process():
+    """In ms-swift's entry process the hook runs before anything; it must not pull torch (or the
+    package's core) in itself."""
+    code = (
+        "import json, sys\n"
+        f"sys.argv[:] = [{str(_swift_dir() / 'cli' / 'sft.py')!r}, '--plugin', 'elastic_moe']\n"
+        "from elastic_moe_plugin.swift import plugin_flag\n"
+        "plugin_flag.activate()\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('elastic_moe_plugin.core'))))\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_MOE_")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
