@@ -36,8 +36,8 @@ It steps aside when
   plugins through entry points (:func:`swift_handles_plugins`): then ms-swift owns ``--plugin``.
 
 An unknown plugin name stops the process with exit status 2 and a message listing the known ones.
-It also warns, on rank 0, when ``ELASTIC_MOE_*`` variables are set but no elastic-moe plugin is
-loaded (such a run would train plain top-k and exit 0).
+It also warns, on rank 0 of a training route, when ``ELASTIC_MOE_*`` variables are set but no
+elastic-moe plugin is loaded (such a run would train plain top-k and exit 0).
 
 This module imports only the standard library and :mod:`elastic_moe_plugin.swift`'s light
 ``__init__`` (no torch): in a non-swift process the ``.pth`` line imports nothing at all.
@@ -372,7 +372,8 @@ def activate() -> None:
             names = ", ".join(plugin.name for plugin in result.named)
             _say(f"plugin {names}: passing it to ms-swift as {added} (ms-swift has no --plugin flag; "
                  f"{OFF_SWITCH}=0 turns this off).")
-    if variables and not loads_elastic_moe(sys.argv[1:]) and _is_rank_zero(environ):
+    # training routes only: infer/export re-import the plugins saved in a checkpoint's args.json
+    if variables and entry.route in TRAINING_ROUTES and not loads_elastic_moe(sys.argv[1:]) and _is_rank_zero(environ):
         _say(f"WARNING: {', '.join(variables)} set, but no elastic-moe plugin is loaded: this run trains plain "
              f"top-k and ignores them. Add --plugin elastic_moe (or --external_plugins \"$(elastic-moe plugin-path)\" "
              f"--callbacks elastic_moe), or unset the variables.")

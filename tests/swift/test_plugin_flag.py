@@ -138,13 +138,14 @@ def test_an_ms_swift_with_a_plugin_registry_is_left_alone(tmp_path):
     assert _activate_in_entry(copy, ["--plugin", "elastic_moe"])["argv"] == ["--plugin", "elastic_moe"]
 
 
-def _activate_in_entry(swift_dir: Path, arguments: list[str], env: dict[str, str] | None = None) -> dict:
+def _activate_in_entry(swift_dir: Path, arguments: list[str], env: dict[str, str] | None = None,
+                       route: str = "sft") -> dict:
     """Run :func:`plugin_flag.activate` in a fresh interpreter whose ``sys.argv`` is that of
     ``swift_dir``'s ``cli/sft.py`` entry script (as the ``.pth`` line sees it); returns the
     rewritten arguments, the exit status and stderr."""
     code = (
         "import json, sys\n"
-        f"sys.argv[:] = [{str(swift_dir / 'cli' / 'sft.py')!r}, *json.loads(sys.argv[1])]\n"
+        f"sys.argv[:] = [{str(swift_dir / 'cli' / f'{route}.py')!r}, *json.loads(sys.argv[1])]\n"
         "from elastic_moe_plugin.swift import plugin_flag\n"
         "plugin_flag.activate()\n"
         "print(json.dumps(sys.argv[1:]))\n"
@@ -180,6 +181,9 @@ def test_elastic_moe_variables_without_the_plugin_warn():
     assert loaded["stderr"] == ""
     other_rank = _activate_in_entry(_swift_dir(), ["--model", "m"], {"ELASTIC_MOE_SCHEDULE": "6-10", "RANK": "1"})
     assert other_rank["stderr"] == ""
+    # `swift infer --ckpt_dir` re-imports the plugins saved with the checkpoint: nothing to warn about
+    infer = _activate_in_entry(_swift_dir(), ["--ckpt_dir", "c"], {"ELASTIC_MOE_SCHEDULE": "6-10"}, route="infer")
+    assert infer["argv"] == ["--ckpt_dir", "c"] and infer["stderr"] == ""
 
 
 def test_the_pth_line_imports_nothing_outside_swift(tmp_path):
