@@ -8,6 +8,8 @@ BIN := $(VENV)/bin
 MCORE_LOW := 0.16.1
 MCORE_HIGH := 0.19.2
 MCORE_LOW_DIR := .mcore-$(MCORE_LOW)
+MCORE_BRIDGE := 1.6.5
+MCORE_BRIDGE_DIR := .mcore-bridge
 PYTEST_ARGS ?=
 export TORCH_COMPILE_DISABLE := 1
 
@@ -29,6 +31,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_HIGH)
 	rm -rf $(MCORE_LOW_DIR)
 	$(BIN)/pip install -q --no-deps --target $(MCORE_LOW_DIR) megatron-core==$(MCORE_LOW)
+	# mcore-bridge (Megatron-SWIFT's model layer) for tests/mcore/test_mcore_bridge_router.py, which
+	# loads its router module alone: the package itself needs Transformer Engine. --no-deps and a
+	# folder of its own: its dependencies would replace megatron-core 0.19.2.
+	rm -rf $(MCORE_BRIDGE_DIR)
+	$(BIN)/pip install -q --no-deps --target $(MCORE_BRIDGE_DIR) mcore-bridge==$(MCORE_BRIDGE)
 	touch $@
 
 demo: setup
@@ -46,4 +53,4 @@ test-mcore-low: setup
 	PYTHONPATH=$(MCORE_LOW_DIR) $(BIN)/python -m pytest -m megatron $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(MCORE_LOW_DIR) demo_out .pytest_cache
+	rm -rf $(VENV) $(MCORE_LOW_DIR) $(MCORE_BRIDGE_DIR) demo_out .pytest_cache

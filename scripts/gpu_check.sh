@@ -88,4 +88,70 @@ megatron_sft_smoke
 # End of section: megatron sft smoke run
 # ==================================================================================================
 
+# ==================================================================================================
+# Section: megatron sft --plugin elastic_moe (Megatron-SWIFT, the one-flag form), issue 16
+# The same tiny Qwen3-MoE, 2 steps, run from a folder outside the checkout with `--plugin
+# elastic_moe` (the start-up hook turns it into --external_plugins/--callbacks in the entry
+# process). Where this environment has no hook (an editable install of a checkout), a
+# sitecustomize hands the checkout's elastic-moe-swift.pth to site.addsitedir, as the tests do.
+# Passes if the run exits 0, the plugin is loaded before the model is built, the start-up plan line
+# is logged, and 2 training steps log elastic_moe/mean_kappa within 10% of 4.
+# ==================================================================================================
+megatron_sft_plugin_flag() {
+  local dir="$work/megatron_sft_plugin"
+  mkdir -p "$dir/elsewhere"
+  "$python" "$repo/tests/swift/_tiny_assets.py" "$dir/assets" > "$dir/assets.json"
+  local model="$dir/assets/qwen3_moe" dataset="$dir/assets/train.jsonl" out="$dir/out"
+  local hook_path=""
+  if [ "$("$python" -c 'from elastic_moe_plugin.swift.plugin_flag import hook_installed; print(hook_installed())')" != "True" ]; then
+    mkdir -p "$dir/hook/site"
+    cp "$repo/elastic-moe-swift.pth" "$dir/hook/site/"
+    printf 'import site\nsite.addsitedir(%s)\n' "'$dir/hook/site'" > "$dir/hook/sitecustomize.py"
+    hook_path="$dir/hook"
+    echo "gpu_check: no installed start-up hook here; using the checkout's .pth through $hook_path/sitecustomize.py"
+  fi
+  (
+    cd "$dir/elsewhere"
+    export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" NPROC_PER_NODE=1 MASTER_PORT="${MASTER_PORT:-29532}"
+    export ELASTIC_MOE_SCHEDULE=2-6 ELASTIC_MOE_SAMPLING=iid
+    if [ -n "$hook_path" ]; then export PYTHONPATH="$hook_path${PYTHONPATH:+:$PYTHONPATH}"; fi
+    megatron sft \
+      --model "$model" --model_type qwen3_moe --template qwen3 \
+      --dataset "$dataset" --split_dataset_ratio 0 --check_model false \
+      --plugin elastic_moe \
+      --tuner_type full --finetune true \
+      --expert_model_parallel_size 1 --moe_token_dispatcher_type alltoall \
+      --moe_grouped_gemm false --moe_permute_fusion false --moe_aux_loss_coeff 0.01 \
+      --micro_batch_size 4 --global_batch_size 4 --max_length 512 \
+      --train_iters 2 --logging_steps 1 --lr 1e-5 --min_lr 1e-6 \
+      --torch_dtype bfloat16 --bf16 true \
+      --dataset_num_proc 1 --dataloader_num_workers 0 \
+      --no_save_optim true --no_save_rng true --save_steps 1000 \
+      --output_dir "$out" --add_version false
+  ) > "$dir/megatron_sft.log" 2>&1 || { tail -80 "$dir/megatron_sft.log"; return 1; }
+  "$python" - "$dir/megatron_sft.log" "$out/logging.jsonl" <<'PY'
+import json
+import sys
+
+log = open(sys.argv[1]).read()
+assert "elastic-moe: plugin elastic_moe: passing it to ms-swift as --external_plugins" in log, "the hook did not act"
+assert "[INFO:elastic_moe] rank 0/1: plugin loaded" in log, "the plugin did not load"
+assert "elastic-moe plan (megatron-core, 2 MoE layers): elastic 2-6 around k=4" in log, "no start-up plan line"
+rows = [json.loads(line) for line in open(sys.argv[2]) if line.strip()]
+steps = [row for row in rows if "elastic_moe/mean_kappa" in row]
+for row in steps:
+    print(f"megatron sft --plugin step {row.get('iteration')}: loss={row.get('loss')} "
+          f"elastic_moe/mean_kappa={row['elastic_moe/mean_kappa']:.4f}")
+assert len(steps) >= 2, f"expected 2 logged training steps with elastic metrics, got {len(steps)}: {rows}"
+for row in steps:
+    assert abs(row["elastic_moe/mean_kappa"] - 4.0) <= 0.4, row["elastic_moe/mean_kappa"]
+print("megatron sft --plugin elastic_moe: OK")
+PY
+}
+megatron_sft_plugin_flag
+# ==================================================================================================
+# End of section: megatron sft --plugin elastic_moe
+# ==================================================================================================
+
 echo "gpu_check: all sections passed"

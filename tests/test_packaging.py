@@ -9,8 +9,11 @@ checkout. Checked:
 
 - the package, its recipes, evaluation suites and ms-swift plugin file import/resolve from the
   fresh venv's site-packages;
-- ``elastic-moe launch olmoe_sft/6-10 --dry-run``, ``elastic-moe budget pretrain/6-10``,
-  ``elastic-moe recipes``, the built-in ``avg9`` suite and ``elastic-moe plugin-path`` work.
+- ``elastic-moe launch olmoe_sft/6-10 --dry-run`` (rendering ``--plugin elastic_moe``), ``launch
+  --list``, ``elastic-moe budget pretrain/6-10``, ``elastic-moe recipes``, the built-in ``avg9``
+  suite and ``elastic-moe plugin-path`` work;
+- the ms-swift start-up hook's ``.pth`` lands at the root of site-packages, byte-identical to the
+  checkout's, listed in the wheel's RECORD, and ``pip uninstall`` removes it (in a second venv).
 """
 
 from __future__ import annotations
@@ -18,9 +21,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import sysconfig
-import venv
 from pathlib import Path
 
 import pytest
@@ -31,28 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> dict:
-    """{'python', 'bin', 'site', 'cwd'} of a fresh venv holding the wheel built from this checkout."""
-    work = tmp_path_factory.mktemp("wheel")
-    dist = work / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(dist)], check=True, cwd=work, capture_output=True, text=True)
-    wheels = list(dist.glob("elastic_moe_plugin-*.whl"))
-    assert len(wheels) == 1, wheels
-    env_dir = work / "venv"
-    venv.EnvBuilder(with_pip=False).create(env_dir)
-    python = env_dir / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
-    # the test venv's packages as a plain path entry (its .pth hooks, the editable finder among them, do not run)
-    (site / "_test_venv_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    # the fresh interpreter runs pip (seen through the path entry), so the console script's shebang is its own;
-    # --ignore-installed: pip must not uninstall the test venv's editable install it also sees there
-    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", str(wheels[0])],
-                   check=True, capture_output=True, text=True)
-    outside = work / "elsewhere"
-    outside.mkdir()
-    return {"python": str(python), "bin": env_dir / "bin", "site": site, "cwd": outside}
+def installed(wheel_venv) -> dict:
+    return wheel_venv
 
 
 def _run(installed: dict, *argv: str) -> subprocess.CompletedProcess:
@@ -90,8 +70,12 @@ def test_recipes_resolve_by_name_from_the_installed_package(installed):
                   "--nproc-per-node", "8", "--node-rank", "0", "--master-addr", "node0")
     assert launch.returncode == 0, launch.stderr
     assert "ELASTIC_MOE_SCHEDULE=6-10" in launch.stdout and "swift sft" in launch.stdout
-    plugin = _run(installed, "elastic-moe", "plugin-path").stdout.strip()
-    assert plugin in launch.stdout  # the rendered command loads the installed plugin file
+    # the installed start-up hook makes the one-flag form work: the command uses it
+    command_lines = [line for line in launch.stdout.splitlines() if not line.startswith("#")]
+    assert "  --plugin elastic_moe" in command_lines and not any("--external_plugins" in line for line in command_lines)
+    assert "# the plugin: --plugin elastic_moe" in launch.stdout
+    listing = _run(installed, "elastic-moe", "launch", "--list")
+    assert listing.returncode == 0 and "olmoe_sft/6-10" in listing.stdout and "33 recipes" in listing.stdout
 
     budget = _run(installed, "elastic-moe", "budget", "pretrain/6-10")
     assert budget.returncode == 0, budget.stderr
@@ -120,3 +104,35 @@ def test_plugin_path_prints_the_installed_file(installed):
     assert path.is_file() and path.name == "elastic_moe.py"
     assert path.resolve().is_relative_to(installed["site"].resolve())
     assert "from elastic_moe_plugin.swift import install" in path.read_text()
+
+
+def test_the_start_up_hook_is_installed_at_the_root_of_site_packages(installed):
+    pth = installed["site"] / "elastic-moe-swift.pth"
+    assert pth.read_bytes() == (REPO / "elastic-moe-swift.pth").read_bytes()
+    record = next(installed["site"].glob("elastic_moe_plugin-*.dist-info")) / "RECORD"
+    assert any(line.startswith("elastic-moe-swift.pth,") for line in record.read_text().splitlines())
+    # nowhere else: a copy inside the package would never run and only confuse
+    assert [p.name for p in installed["site"].rglob("*.pth") if "elastic" in p.name] == ["elastic-moe-swift.pth"]
+    probe = "from elastic_moe_plugin.swift.plugin_flag import hook_installed; print(hook_installed())"
+    assert _run(installed, installed["python"], "-c", probe).stdout.strip() == "True"
+
+
+def test_pip_uninstall_removes_the_start_up_hook(tmp_path, installed):
+    """In a venv of its own with its own pip (ensurepip, offline) and nothing else visible: pip must
+    never see, and so never touch, another environment's install of the package."""
+    import venv
+
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = str(env_dir / "bin" / "python")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV", "PIP_TARGET")}
+    site = Path(subprocess.run([python, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True, env=env).stdout.strip())
+    # -I: no PYTHONPATH, no user site, no current directory: pip sees this venv only
+    pip = [python, "-I", "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", str(installed["wheel"])], check=True,
+                   capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert (site / "elastic-moe-swift.pth").is_file()
+    subprocess.run([*pip, "uninstall", "-y", "elastic-moe-plugin"], check=True, capture_output=True, text=True,
+                   cwd=tmp_path, env=env)
+    assert not (site / "elastic-moe-swift.pth").exists() and not (site / "elastic_moe_plugin").exists()

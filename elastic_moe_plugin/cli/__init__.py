@@ -38,8 +38,9 @@ COMMANDS: dict[str, Command] = {
     ),
     "plugin-path": Command(
         "elastic_moe_plugin.cli.plugin_path",
-        "print the ms-swift plugin file (for --external_plugins)",
-        "Print the path of the installed ms-swift plugin file: swift sft ... --external_plugins \"$(elastic-moe plugin-path)\".",
+        "print the ms-swift plugin file (for --external_plugins, the fallback of --plugin elastic_moe)",
+        "Print the path of the installed ms-swift plugin file: swift sft ... --external_plugins \"$(elastic-moe plugin-path)\" "
+        "--callbacks elastic_moe, the fallback of swift sft ... --plugin elastic_moe (docs/swift.md).",
     ),
     "bench": Command(
         "elastic_moe_plugin.cli.bench",
@@ -73,7 +74,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "launch": Command(
         "elastic_moe_plugin.cli.launch",
-        "launch a recipe on this node (swift sft / megatron sft / torchrun pretrain_gpt.py), or --dry-run",
+        "launch a recipe on this node (swift sft / megatron sft / torchrun pretrain_gpt.py), --dry-run, or --list",
         "Render a recipe's exact launch command with its ELASTIC_MOE_* environment for this node and run it. "
         "Run once per node; reads SLURM or NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT when flags are not given.",
     ),

@@ -96,15 +96,35 @@ def _quiet_megatron(verbose: bool) -> Iterator[None]:
             logger.setLevel(level)
 
 
+def _missing_megatron() -> str | None:
+    """Why megatron-core cannot be imported (the demo trains a Megatron-core model), or None."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("megatron.core") is not None:
+            return None
+    except ImportError as error:
+        return str(error)
+    return "No module named 'megatron.core'"
+
+
 def run(args: argparse.Namespace) -> int:
+    missing = _missing_megatron()
+    if missing is not None:
+        print(f"elastic-moe demo: error: the demo trains a Megatron-core model, and megatron-core is not installed "
+              f"({missing}). Install the [megatron] extra: pip install 'elastic-moe-plugin[megatron]' "
+              f"(megatron-core >=0.16,<0.20; see README, 'Supported versions').", file=sys.stderr)
+        return 2
     import torch
 
-    from elastic_moe_plugin.core.config import ElasticConfig
+    from elastic_moe_plugin.core.config import ElasticConfig, Spelling
     from elastic_moe_plugin.tools.demo.corpus import file_corpus, synthetic_corpus
 
     settings = settings_from_args(args)
-    # Validate the schedule against the demo model before building anything.
-    elastic = ElasticConfig(schedule=settings.schedule, sigma=settings.sigma, layers=settings.layers)
+    # Validate the schedule against the demo model before building anything; messages name the
+    # demo's own flags (--schedule, --sigma, --layers).
+    elastic = ElasticConfig.from_dict({"schedule": settings.schedule, "sigma": settings.sigma, "layers": settings.layers},
+                                      source="elastic-moe demo", spelling=Spelling("cli", prefix="--"))
     schedule = elastic.resolve(num_experts=settings.num_experts, topk=settings.topk, num_layers=settings.num_layers)
     static = ElasticConfig(schedule="static")
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")

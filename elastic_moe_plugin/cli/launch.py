@@ -7,11 +7,14 @@ import argparse
 from typing import Mapping
 
 _USAGE = ("elastic-moe launch RECIPE [--nnodes N] [--nproc-per-node N] [--node-rank R] "
-          "[--master-addr HOST] [--master-port P] [--set KEY=VALUE] [--dry-run] [-- extra framework args]")
+          "[--master-addr HOST] [--master-port P] [--set KEY=VALUE] [--dry-run] [-- extra framework args]\n"
+          "       elastic-moe launch --list")
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe file, or a name under configs/ such as pretrain/6-10")
+    parser.add_argument("recipe", nargs="?", default=None,
+                        help="recipe file, or a built-in name such as olmoe_sft/6-10 (see --list)")
+    parser.add_argument("--list", action="store_true", help="list the built-in recipes with their descriptions and exit")
     _add_options(parser)
     # Everything after RECIPE: more options, then '--' and the framework's own extra flags.
     parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -34,11 +37,30 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from elastic_moe_plugin.tools.recipes.render import launch
 
+    if args.list:
+        return list_recipes()
+    if args.recipe is None:
+        from elastic_moe_plugin.tools.recipes.schema import RecipeError
+
+        raise RecipeError("launch needs a RECIPE (a file, or a built-in name such as olmoe_sft/6-10); "
+                          "elastic-moe launch --list prints them.")
     command = build_command(args)
     print(command.shell(), flush=True)
     if args.dry_run:
         return 0
     return launch(command)
+
+
+def list_recipes() -> int:
+    """Print every built-in recipe: name, launcher, one-line description (what ``--list`` shows)."""
+    from elastic_moe_plugin.tools.recipes.load import list_recipes as rows_of_recipes
+
+    rows = rows_of_recipes()
+    width = max((len(row["name"]) for row in rows), default=4)
+    for row in rows:
+        print(f"{row['name']:<{width}}  {row['launcher']:<12}  {row['description']}")
+    print(f"\n{len(rows)} recipes; run one with: elastic-moe launch NAME [--dry-run]")
+    return 0
 
 
 def build_command(args: argparse.Namespace, environ: Mapping[str, str] | None = None):

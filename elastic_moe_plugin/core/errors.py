@@ -2,7 +2,18 @@
 
 
 class ConfigError(ValueError):
-    """A setting of the elastic-moe plugin is invalid. The message names field, value, and fix."""
+    """A setting of the elastic-moe plugin is invalid. The message names field, value, and fix.
+
+    Attributes:
+        field: the setting the error is about (an ``ElasticConfig`` field name), when there is one.
+        fixes: the changes the message suggests, each a ``{field: value}`` mapping that passes the
+            same validation when applied to the refused settings (tests hold every message to it).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, fixes: tuple[dict, ...] = ()) -> None:
+        super().__init__(message)
+        self.field = field
+        self.fixes = tuple(fixes)
 
 
 class UnsupportedFrameworkError(RuntimeError):

@@ -16,6 +16,12 @@ Per layer:
     topk_set_changed_frac               share of tokens whose top-κ set differs from their static
                                         top-k set; top-κ is a prefix of the router ranking, so this
                                         is exactly the share with κ ≠ k
+
+Static layers (outside ``ElasticConfig.layers``, or every layer of a ``static`` schedule) route
+stock top-k and keep no record; they are reported at their fixed κ = k (``mean_kappa = k``,
+``kappa_frac_k = 1``, the static step as exposure, ``topk_set_changed_frac = 0``), so a dashboard
+shows every MoE layer. The model-wide ``elastic_moe/mean_kappa`` and ``topk_set_changed_frac``
+average over all of them; the weight and load averages over the layers that have records.
 """
 
 from __future__ import annotations
@@ -105,17 +111,36 @@ def layer_metrics(
     return metrics
 
 
+def static_layer_metrics(topk: int, schedule: BudgetSchedule) -> dict[str, float]:
+    """Scalars of a layer that routes stock top-``topk`` in training (κ = k for every token), under
+    the names :func:`layer_metrics` gives an elastic layer of ``schedule`` (module docstring)."""
+    metrics = {"mean_kappa": float(topk), "topk_set_changed_frac": 0.0}
+    for budget in schedule.budgets:
+        metrics[f"kappa_frac_{budget}"] = 1.0 if budget == topk else 0.0
+    for rank in range(1, max(schedule.high, topk) + 1):
+        metrics[f"exposure_rank_{rank}"] = metrics[f"survival_rank_{rank}"] = 1.0 if rank <= topk else 0.0
+    return metrics
+
+
 def routing_metrics(
     records: Mapping[int, RoutingRecord],
     histograms: Mapping[int, torch.Tensor],
     schedule: BudgetSchedule,
     num_experts: int,
+    static_layers: Mapping[int, int] | None = None,
 ) -> dict[str, float]:
-    """``{"elastic_moe/layer_{i}/{name}": value, "elastic_moe/{name}": mean over layers}``."""
+    """``{"elastic_moe/layer_{i}/{name}": value, "elastic_moe/{name}": mean over layers}``.
+
+    ``static_layers``: ``{layer index: k}`` of the layers that routed stock top-k (no record),
+    reported at κ = k (module docstring)."""
     flat: dict[str, float] = {}
     per_name: dict[str, list[float]] = {}
-    for layer in sorted(set(records) | set(histograms)):
-        values = layer_metrics(records.get(layer), histograms.get(layer), schedule, num_experts)
+    static_layers = {layer: k for layer, k in (static_layers or {}).items() if layer not in records and layer not in histograms}
+    for layer in sorted(set(records) | set(histograms) | set(static_layers)):
+        if layer in static_layers:
+            values = static_layer_metrics(static_layers[layer], schedule)
+        else:
+            values = layer_metrics(records.get(layer), histograms.get(layer), schedule, num_experts)
         for name, value in values.items():
             flat[f"{PREFIX}/layer_{layer}/{name}"] = value
             per_name.setdefault(name, []).append(value)

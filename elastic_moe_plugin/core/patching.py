@@ -355,7 +355,11 @@ class PatchLifecycle:
                 raise
             self._patches, self._config = patches, config
             self._generation += 1
-        self._logger.info("elastic-moe: patched %s with %s", ", ".join(patches.symbols()), config)
+        # one short line at INFO (it reaches ms-swift's console); the dotted names at DEBUG
+        symbols = patches.symbols()
+        owners = sorted({symbol.rpartition(".")[0].rpartition(".")[0] for symbol in symbols})
+        self._logger.info("elastic-moe: %s patched (%d attributes in %d modules)", self.name, len(symbols), len(owners))
+        self._logger.debug("elastic-moe: patched %s with %s", ", ".join(symbols), config)
         return True
 
     def remove(self) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Hashable
+import os
+from collections.abc import Callable, Hashable, Mapping
 
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 
@@ -83,4 +84,56 @@ def warn_if_top1_gate_is_constant(schedule: BudgetSchedule, gate: str, where: st
         "low >= 2 or gate='full_softmax'.", schedule.describe(), where)
 
 
-__all__ = ["PLAN_CACHE_ATTR", "PLAN_GATES", "LayerPlan", "cached_plan", "warn_if_top1_gate_is_constant"]
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for index in sorted(indices):
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def describe_plans(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, int], framework: str) -> str:
+    """The start-up line of a run: which MoE layers route elastically, with what, and which stay static.
+
+    Args:
+        plans: {0-based layer index: its training plan, None for a layer that routes stock top-k}.
+        topk: {layer index: the layer's top-k} (the static layers' k, and the elastic layers' centre).
+        framework: shown first, e.g. ``"transformers"`` or ``"megatron-core"``.
+
+    Example: ``elastic-moe plan (transformers, 16 MoE layers): elastic layers 3-7: 6-10 around k=8
+    (σ=1.5), renormalized gate, iid sampling; static top-8 layers 0-2, 8-15``.
+    """
+    groups: dict[str, list[int]] = {}
+    for layer, plan in plans.items():
+        if plan is None:
+            key = f"static top-{topk[layer]}"
+        elif plan.top_p is not None:
+            key = (f"elastic top-p {plan.top_p:g} (at most {plan.top_p_width} experts), {plan.gate} gate")
+        else:
+            key = f"elastic {plan.schedule.describe()}, {plan.gate} gate, {plan.sampling} sampling"
+        groups.setdefault(key, []).append(layer)
+    parts = [f"{key}: layers {_ranges(layers)}" for key, layers in
+             sorted(groups.items(), key=lambda item: (item[0].startswith("static"), min(item[1])))]
+    if not any(key.startswith("static") for key in groups):
+        parts.append("static: none")
+    if not any(key.startswith("elastic") for key in groups):
+        parts.insert(0, "elastic: none")
+    return f"elastic-moe plan ({framework}, {len(plans)} MoE layers): " + "; ".join(parts)
+
+
+def log_plan_once(line: str) -> bool:
+    """Log ``line`` at INFO on rank 0 (``RANK`` unset or 0), once per process and line; True if logged."""
+    if os.environ.get("RANK", "0") != "0" or line in _logged_plans:
+        return False
+    _logged_plans.add(line)
+    logger.info("%s", line)
+    return True
+
+
+_logged_plans: set[str] = set()
+
+__all__ = ["PLAN_CACHE_ATTR", "PLAN_GATES", "LayerPlan", "cached_plan", "describe_plans", "log_plan_once",
+           "warn_if_top1_gate_is_constant"]

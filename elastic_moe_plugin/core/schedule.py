@@ -45,6 +45,13 @@ _RANGE_SPEC = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 _INT_SPEC = re.compile(r"^\s*(\d+)\s*$")
 
 
+def symmetric_range(center: int, half_width: int, num_experts: int | None = None) -> str:
+    """The schedule spec ``"{center-d}-{center+d}"`` with ``d = half_width`` narrowed until the range
+    holds at least one expert per token and at most ``num_experts``; ``"static"`` when ``d`` reaches 0."""
+    d = min(half_width, center - 1, (num_experts - center) if num_experts is not None else half_width)
+    return "static" if d <= 0 else f"{center - d}-{center + d}"
+
+
 @dataclass(frozen=True)
 class BudgetSchedule:
     """A discretised Gaussian over the integer budgets {low..high}, centred at ``center``.
@@ -80,13 +87,13 @@ class BudgetSchedule:
         if self.low < 1:
             raise ValueError(
                 f"BudgetSchedule.low={self.low} is invalid: every token needs at least one expert, "
-                f"so low must be >= 1 (e.g. schedule '{max(1, 2 * self.center - self.high)}-{self.high}')."
+                f"so low must be >= 1 (e.g. schedule '{symmetric_range(self.center, self.high - self.center)}')."
             )
         if not self.low <= self.center <= self.high:
             raise ValueError(
                 f"BudgetSchedule center={self.center} lies outside the support {self.low}-{self.high}: "
                 f"expected low <= center <= high. Use a range around the model's top-k, "
-                f"e.g. '{max(1, self.center - 2)}-{self.center + 2}'."
+                f"e.g. '{symmetric_range(self.center, (self.high - self.low) // 2)}'."
             )
         sigma = self.sigma
         if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma <= 0:
@@ -103,7 +110,8 @@ class BudgetSchedule:
                 f"schedule '{self.low}-{self.high}' around center={self.center} has mean {self.mean:.4f}, "
                 f"not {self.center}: training would no longer be compute-matched with static top-{self.center}. "
                 f"Use a range symmetric around the center (low + high == 2 * center, e.g. "
-                f"'{self.center - 1}-{self.center + 1}'), or pass allow_off_center=True to accept it."
+                f"'{symmetric_range(self.center, (self.high - self.low) // 2)}'), or pass allow_off_center=True to "
+                f"accept it."
             )
 
     # ------------------------------------------------------------------ constructors
@@ -223,7 +231,7 @@ class BudgetSchedule:
             raise ValueError(
                 f"schedule {self.describe()} reaches budget {self.high}, but the model has only "
                 f"{num_experts} experts: expected high <= num_experts. Use a narrower range, e.g. "
-                f"'{max(1, 2 * topk - num_experts)}-{num_experts}' or less."
+                f"'{symmetric_range(topk, (self.high - self.low) // 2, num_experts)}'."
             )
 
     # ------------------------------------------------------------------ sampling

@@ -32,6 +32,8 @@ from elastic_moe_plugin.hf.patch import (
     check_transformers_version,
     gate_for,
     is_applied,
+    log_plan,
+    model_plans,
     patched,
     patched_symbols,
     remove,
@@ -47,6 +49,6 @@ __all__ = [
     "ALLOW_UNSUPPORTED_ENV", "FAMILIES", "SUPPORTED_TRANSFORMERS_RANGE", "LayerPlan", "RouterFamily",
     "RoutingRecord", "UnsupportedTransformersError", "active_config", "apply", "budget_histograms",
     "check_transformers_version", "covered_router_classes", "elastic_routing", "gate_for", "is_applied",
-    "patched", "patched_symbols", "realised_load_balancing_loss", "remove", "reset_budget_histograms",
+    "log_plan", "model_plans", "patched", "patched_symbols", "realised_load_balancing_loss", "remove", "reset_budget_histograms",
     "routing_metrics", "routing_records", "tag_layers", "transformers_version", "validate_model", "validate_router",
 ]

@@ -38,7 +38,13 @@ from packaging.version import Version
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError, UnsupportedTransformersError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
-from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
+from elastic_moe_plugin.core.plan import (
+    LayerPlan,
+    cached_plan,
+    describe_plans,
+    log_plan_once,
+    warn_if_top1_gate_is_constant,
+)
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf.experts import experts_forward
@@ -182,6 +188,7 @@ def apply(config: ElasticConfig | None = None, *, model: torch.nn.Module | None 
         if model is not None:
             tag_layers(model)
             validate_model(model, config)
+            log_plan(model)
 
 
 #: restore every patched attribute by identity (a no-op when not applied)
@@ -254,6 +261,35 @@ def _resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerP
         top_p = {"top_p": config.top_p, "top_p_width": config.top_p_max_experts or int(router.num_experts)}
     return LayerPlan(schedule=schedule, gate=gate, sampling=config.sampling, layer_index=layer_index,
                      cast_weights_to_logits=family.casts_weights, **top_p)
+
+
+def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
+    """({layer index: training plan, None = stock top-k}, {layer index: top-k}) of every covered
+    router of ``model`` under the active config, resolved as the router's first training forward
+    resolves it (nothing is cached); ``({}, {})`` when no config is active or it is disabled."""
+    config = _PATCH.config
+    plans: dict[int, LayerPlan | None] = {}
+    topk: dict[int, int] = {}
+    if config is None or not config.enabled:
+        return plans, topk
+    for position, (name, router, family) in enumerate(covered_routers(model)):
+        index = router.__dict__.get(LAYER_ATTR)
+        index = layer_index_from_name(name) if index is None else index
+        index = position if index is None else index
+        plans[index] = _resolve_plan(router, family, config)
+        topk[index] = int(router.top_k)
+    return plans, topk
+
+
+def log_plan(model: torch.nn.Module) -> str | None:
+    """Log (rank 0, once) and return the start-up line of :func:`~elastic_moe_plugin.core.plan.describe_plans`
+    for ``model``; None when no config is active."""
+    plans, topk = model_plans(model)
+    if not plans:
+        return None
+    line = describe_plans(plans, topk, "transformers")
+    log_plan_once(line)
+    return line
 
 
 # ---------------------------------------------------------------------------------- models

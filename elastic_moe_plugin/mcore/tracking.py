@@ -112,22 +112,75 @@ def _layer_inputs(model):
     """(records, histograms, schedule, num_experts) of the model's elastic routers, or None."""
     chunks = _chunks(model)
     records, histograms = _records_and_histograms(chunks)
-    resolved = resolve_schedule(chunks) if (records or histograms) else None
+    resolved = resolve_schedule(chunks) if (records or histograms or static_layers(chunks)) else None
     if resolved is None:
         return None
     schedule, num_experts, _ = resolved
     return records, histograms, schedule, num_experts
 
 
-def routing_metrics(model) -> dict[str, float]:
-    """Flat scalars of the model's elastic routers (one host sync per layer; logging steps only).
+def static_layers(model) -> dict[int, int]:
+    """{0-based global layer index: k} of the decoder-layer routers that ran a training forward as
+    stock top-k (cached plan None: outside ``ElasticConfig.layers``, or a ``static`` schedule); MTP
+    routers are not decoder layers and are left out."""
+    from elastic_moe_plugin.core.plan import PLAN_CACHE_ATTR
+
+    found = {}
+    for router in _routers(_chunks(model)):
+        cached = router.__dict__.get(PLAN_CACHE_ATTR)
+        layer_number = getattr(router, "layer_number", None)
+        if cached is None or cached[1] is not None or layer_number is None or getattr(router, "is_mtp_layer", False):
+            continue
+        if int(layer_number) - 1 < int(router.config.num_layers):
+            found[int(layer_number) - 1] = int(router.config.moe_router_topk)
+    return found
+
+
+def model_plans(model) -> tuple[dict[int, Any], dict[int, int]]:
+    """({0-based global layer index: training plan, None = stock top-k}, {layer index: top-k}) of
+    the decoder-layer routers of the chunks under :func:`mcore.active_config`, resolved as a first
+    training forward resolves them (``patch._resolve_plan``; nothing cached); ``({}, {})`` without
+    an active, enabled config."""
+    config = patch.active_config()
+    plans: dict[int, Any] = {}
+    topk: dict[int, int] = {}
+    if config is None or not config.enabled:
+        return plans, topk
+    for router in _routers(_chunks(model)):
+        layer_number = getattr(router, "layer_number", None)
+        if layer_number is None or getattr(router, "is_mtp_layer", False):
+            continue
+        if int(layer_number) - 1 >= int(router.config.num_layers):
+            continue
+        plans[int(layer_number) - 1] = patch._resolve_plan(router, config)
+        topk[int(layer_number) - 1] = int(router.config.moe_router_topk)
+    return plans, topk
+
+
+def log_plan(model) -> str | None:
+    """Log (rank 0, once) and return the start-up plan line for the chunks; None without a config."""
+    from elastic_moe_plugin.core.plan import describe_plans, log_plan_once
+
+    plans, topk = model_plans(model)
+    if not plans:
+        return None
+    line = describe_plans(plans, topk, "megatron-core")
+    log_plan_once(line)
+    return line
+
+
+def routing_metrics(model, *, include_static: bool = True) -> dict[str, float]:
+    """Flat scalars of the model's routers (one host sync per layer; logging steps only).
 
     Returns ``{"elastic_moe/layer_<i>/<name>": value, "elastic_moe/<name>": mean over layers}``
-    as :func:`elastic_moe_plugin.core.metrics.routing_metrics` defines them; ``{}`` when no router has
-    routed elastically yet or no elastic config is active.
+    as :func:`elastic_moe_plugin.core.metrics.routing_metrics` defines them, with the static layers
+    at κ = k unless ``include_static=False`` (Megatron's tracker path, whose layer mean divides by
+    the elastic layers); ``{}`` before the first training forward or without an active config.
     """
     inputs = _layer_inputs(model)
-    return metrics.routing_metrics(*inputs) if inputs is not None else {}
+    if inputs is None:
+        return {}
+    return metrics.routing_metrics(*inputs, static_layers(model) if include_static else None)
 
 
 def per_layer_metrics(model) -> dict[int, dict[str, float]]:
@@ -137,7 +190,7 @@ def per_layer_metrics(model) -> dict[int, dict[str, float]]:
         return {}
     records, histograms, schedule, num_experts = inputs
     return {layer: metrics.layer_metrics(records.get(layer), histograms.get(layer), schedule, num_experts)
-            for layer in sorted(set(records) | set(histograms))}
+            for layer in sorted(set(records) | set(histograms))}  # elastic layers only: they have records
 
 
 def reset(model) -> None:
@@ -181,7 +234,7 @@ def record_routing_metrics(model, *, loss_scale: float = 1.0) -> list[str]:
         the tracker names written (sorted); ``[]`` when there is nothing to record.
     """
     chunks = _chunks(model)
-    return _record(chunks, routing_metrics(chunks), loss_scale)
+    return _record(chunks, routing_metrics(chunks, include_static=False), loss_scale)
 
 
 def _layers_from_flat(flat: dict[str, float]) -> dict[int, dict[str, float]]:
@@ -262,7 +315,7 @@ def log_routing_metrics(
         :func:`routing_metrics` of this rank (before the cross-rank average), for console logs.
     """
     chunks = _chunks(model)
-    values = routing_metrics(chunks)
+    values = routing_metrics(chunks, include_static=False)
     if not values:
         return {}
     if writer is None and wandb_writer is None:
@@ -284,6 +337,6 @@ def log_routing_metrics(
 
 
 __all__ = [
-    "TRACKER_PREFIX", "log_routing_metrics", "per_layer_metrics", "record_routing_metrics", "reset",
-    "resolve_schedule", "routing_metrics",
+    "TRACKER_PREFIX", "log_plan", "log_routing_metrics", "model_plans", "per_layer_metrics", "record_routing_metrics", "reset",
+    "resolve_schedule", "routing_metrics", "static_layers",
 ]

@@ -1,10 +1,14 @@
-"""ms-swift integration: what ``--external_plugins patches/elastic_moe.py`` does, and the callbacks.
+"""ms-swift integration: what ``--plugin elastic_moe`` (or ``--external_plugins FILE``) loads, and the callbacks.
 
-Usage (ms-swift 4.6)::
+Usage (ms-swift 4.6; docs/swift.md)::
 
-    ELASTIC_MOE_SCHEDULE=6-10 swift sft    ... --external_plugins patches/elastic_moe.py --callbacks elastic_moe
-    ELASTIC_MOE_SCHEDULE=6-10 megatron sft ... --external_plugins patches/elastic_moe.py --callbacks elastic_moe
+    ELASTIC_MOE_SCHEDULE=6-10 swift sft    ... --plugin elastic_moe
+    ELASTIC_MOE_SCHEDULE=6-10 megatron sft ... --plugin elastic_moe
+    # the fallback, where the start-up hook is not installed (an editable checkout):
+    ELASTIC_MOE_SCHEDULE=6-10 swift sft    ... --external_plugins "$(elastic-moe plugin-path)" --callbacks elastic_moe
 
+``--plugin`` is this package's: :mod:`.plugin_flag` (a start-up hook installed with the wheel)
+rewrites it into the second form in ms-swift's entry processes.
 ms-swift has no ``--plugin`` flag; its hook is ``--external_plugins FILE``. ``swift sft`` and
 ``megatron sft`` re-launch a child process (or torchrun), and the child imports the file on every
 rank in ``BaseArguments.__post_init__``, before any model is built (Megatron-SWIFT's arguments
@@ -44,12 +48,16 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from elastic_moe_plugin.core.config import ElasticConfig
+if TYPE_CHECKING:
+    from elastic_moe_plugin.core.config import ElasticConfig
 
+# Nothing at module level imports torch: the start-up hook (:mod:`.plugin_flag`) imports this
+# package inside ms-swift's entry scripts before ms-swift itself.
 logger = logging.getLogger(__name__)
 
 CALLBACK_NAME = "elastic_moe"
@@ -73,9 +81,17 @@ def _importable(name: str) -> bool:
 def install(config: ElasticConfig | None = None) -> ElasticConfig:
     """Validate the configuration, patch every framework in use, register the callbacks.
 
+    Logs one line on every rank (``[INFO:elastic_moe] rank R/W: plugin loaded ...``), so a
+    multi-rank log shows that each rank loaded it.
+
     Raises:
-        ConfigError: a bad ``ELASTIC_MOE_*`` setting (the run stops before building a model).
+        ConfigError: a bad ``ELASTIC_MOE_*`` setting (the run stops before building a model). Its
+            message is printed on its own first (:func:`_report_config_errors_first`).
     """
+    from elastic_moe_plugin.core.config import ElasticConfig
+
+    _ensure_log_handler()
+    _report_config_errors_first()
     config = ElasticConfig.from_env() if config is None else config
     patched = []
     if _importable("transformers"):
@@ -89,9 +105,49 @@ def install(config: ElasticConfig | None = None) -> ElasticConfig:
         mcore.apply(config)
         patched.append("megatron-core")
     registered = _register_callbacks()
-    logger.info("elastic-moe: %s; patched %s; callback %r registered for %s", config,
-                ", ".join(patched) or "nothing (no framework found)", CALLBACK_NAME, ", ".join(registered) or "nothing")
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    logger.info("rank %s/%s: plugin loaded (pid %d): %s; patched %s; callback %r registered in %s", rank, world,
+                os.getpid(), config, ", ".join(patched) or "nothing (no framework found)", CALLBACK_NAME,
+                ", ".join(registered) or "nothing")
     return config
+
+
+def _ensure_log_handler() -> None:
+    """Show the plugin's INFO lines in ms-swift's output, in ms-swift's format (``[INFO:swift] ...``).
+
+    ms-swift configures only its own ``swift`` logger; without a handler the package's logger would
+    print nothing below WARNING. A handler the application already attached (to this logger or
+    the root) wins."""
+    package_logger = logging.getLogger("elastic_moe_plugin")
+    if package_logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(levelname)s:elastic_moe] %(message)s"))
+    package_logger.addHandler(handler)
+    package_logger.setLevel(logging.INFO)
+    package_logger.propagate = False
+
+
+def _report_config_errors_first() -> None:
+    """Print a :class:`ConfigError` that ends the process on its own line before the traceback.
+
+    ms-swift prints the traceback of whatever stops it, some 40 lines whose last one would be the
+    plugin's message. ``sys.excepthook`` runs for the exception that ends the process (on every
+    rank, torchrun workers included), so the message comes first, then the usual traceback."""
+    if getattr(sys.excepthook, "__elastic_moe_hook__", False):
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind, error, traceback):
+        from elastic_moe_plugin.core.errors import ConfigError
+
+        if isinstance(error, ConfigError) and os.environ.get("LOCAL_RANK", "0") == "0":
+            sys.stderr.write(f"\nelastic-moe: configuration error: {error}\n\n")
+            sys.stderr.flush()
+        previous(kind, error, traceback)
+
+    excepthook.__elastic_moe_hook__ = True
+    sys.excepthook = excepthook
 
 
 def _register_callbacks() -> list[str]:
@@ -148,6 +204,11 @@ def _hf_callback_class() -> type:
         histograms are reset after each log, so each log covers the steps since the previous one.
         """
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            # one line on rank 0: which layers are elastic, with what, and which stay static
+            model = kwargs.get("model")
+            hf.log_plan(model if model is not None else self.trainer.model)
+
         def on_init_end(self, args, state, control, **kwargs):
             # transformers orders callbacks as [flow, reporting (TensorBoard, W&B, ...), --callbacks,
             # progress/printer (swift's logging.jsonl)], and all of them read `logs` in on_log: run
@@ -191,6 +252,9 @@ def _megatron_callback_class() -> type:
         before the ``print``/``default_flow``/report callbacks that Megatron-SWIFT appends, so the
         metrics reach logging.jsonl and TensorBoard/W&B. The model chunks (virtual pipeline
         stages) of this rank count together, by global layer index."""
+
+        def on_train_begin(self):
+            tracking.log_plan(list(self.trainer.unwrapped_models))
 
         def on_log(self, logs: dict[str, Any]):
             if not _is_training_log(logs):

@@ -39,18 +39,17 @@ def test_disabled_config_routes_nothing_elastically():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"schedule": "0-4"}, r"low=0 is invalid"),
+        ({"schedule": "0-4"}, r"schedule='0-4' is invalid: low=0, but every token needs at least one expert"),
         ({"schedule": "11-5"}, r"low=11 > high=5"),
-        ({"schedule": "1-4"}, r"mean 2.2729, not 2"),
         ({"schedule": "x"}, r"schedule='x' does not parse"),
         ({"schedule": ""}, r"schedule='' is invalid"),
-        ({"schedule": "6-10", "center": 5}, r"center=5 lies outside the support 6-10"),
+        ({"schedule": "6-10", "center": 5}, r"schedule='6-10' \(the default: .*\) does not contain the model's top-5"),
         ({"sigma": 0.0}, r"sigma=0.0 is invalid"),
         ({"sigma": float("nan")}, r"sigma=nan is invalid"),
         ({"center": 0}, r"center=0 is invalid"),
         ({"gate": "softmax"}, r"gate='softmax' is not a gate convention.*full_softmax"),
         ({"sampling": "stratified"}, r"sampling='stratified' is not a sampling mode.*balanced"),
-        ({"enabled": "yes"}, r"enabled='yes' is invalid"),
+        ({"enabled": "yes"}, r"enabled='yes' is not true or false: expected one of enabled=True, enabled=False"),
         ({"mode": "nucleus"}, r"mode='nucleus' is not a router mode.*top_p"),
         ({"mode": "top_p", "top_p": 0.0}, r"top_p=0.0 is invalid: expected a number in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p=1.5 is invalid"),
@@ -73,10 +72,12 @@ def test_resolve_against_a_model():
         config.resolve(num_experts=64, topk=8, num_layers=6)
     with pytest.raises(ConfigError, match=r"reaches budget 10, but the model has only 8 experts"):
         ElasticConfig().resolve(num_experts=8, topk=8)
-    with pytest.raises(ConfigError, match=r"centred at 8, but the model routes to top-2"):
+    with pytest.raises(ConfigError, match=r"center=8, but the model routes to top-2"):
         ElasticConfig(center=8).resolve(num_experts=64, topk=2)
-    with pytest.raises(ConfigError, match=r"point mass at 8, but center=2"):
+    with pytest.raises(ConfigError, match=r"point mass at 8, but the model routes to top-2"):
         ElasticConfig(schedule="8").resolve(num_experts=64, topk=2)
+    with pytest.raises(ConfigError, match=r"schedule='1-4' around the model's top-2 has mean 2.2729, not 2"):
+        ElasticConfig(schedule="1-4").resolve(num_experts=8, topk=2)
 
 
 def test_yaml_round_trip(tmp_path):
@@ -95,7 +96,7 @@ def test_yaml_errors_name_file_and_key(tmp_path):
     with pytest.raises(ConfigError, match=r"bad.yaml: unknown key\(s\) 'schedul' \(did you mean 'schedule'\?\)"):
         ElasticConfig.from_yaml(path)
     path.write_text("schedule: 11-5\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: schedule='11-5' has low=11 > high=5"):
+    with pytest.raises(ConfigError, match=r"bad.yaml: schedule: 11-5 has low=11 > high=5"):
         ElasticConfig.from_yaml(path)
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match=r"expected a mapping"):
@@ -134,7 +135,7 @@ def test_from_env():
 
 def test_operational_variables_are_not_config_errors():
     environ = {"ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE": "1", "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS": "1",
-               "ELASTIC_MOE_DEBUG": "1", "ELASTIC_MOE_SCHEDULE": "7-9"}
+               "ELASTIC_MOE_DEBUG": "1", "ELASTIC_MOE_SWIFT_HOOK": "0", "ELASTIC_MOE_SCHEDULE": "7-9"}
     assert ElasticConfig.from_env(environ) == ElasticConfig(schedule="7-9")
 
 
@@ -155,11 +156,11 @@ def test_env_over_yaml(tmp_path):
 @pytest.mark.parametrize(
     ("environ", "message"),
     [
-        ({"ELASTIC_MOE_SCHEDULE": "11-5"}, r"environment: schedule='11-5' has low=11 > high=5"),
+        ({"ELASTIC_MOE_SCHEDULE": "11-5"}, r"environment: ELASTIC_MOE_SCHEDULE=11-5 has low=11 > high=5"),
         ({"ELASTIC_MOE_SIGMA": "wide"}, r"ELASTIC_MOE_SIGMA='wide' is invalid"),
         ({"ELASTIC_MOE_CENTER": "eight"}, r"ELASTIC_MOE_CENTER='eight' is invalid"),
         ({"ELASTIC_MOE_ENABLED": "maybe"}, r"ELASTIC_MOE_ENABLED='maybe' is invalid"),
-        ({"ELASTIC_MOE_GATE": "topk"}, r"gate='topk' is not a gate convention"),
+        ({"ELASTIC_MOE_GATE": "topk"}, r"ELASTIC_MOE_GATE=topk is not a gate convention"),
         ({"ELASTIC_MOE_SAMPLIN": "iid"}, r"ELASTIC_MOE_SAMPLIN is not an elastic-moe setting \(did you mean ELASTIC_MOE_SAMPLING\?\)"),
         ({"ELASTIC_MOE_CONFIG": "/nonexistent/x.yaml"}, r"does not exist"),
     ],
@@ -178,5 +179,5 @@ def test_cli_flags_map_onto_the_same_config(tmp_path):
     config = config_from_cli(args, environ={"ELASTIC_MOE_SIGMA": "1.0"})
     assert config == ElasticConfig(schedule="5-11", sigma=1.0, layers="3-7", sampling="balanced")
     bad = parser.parse_args(["--elastic-moe-schedule", "11-5"])
-    with pytest.raises(ConfigError, match=r"command line: schedule='11-5'"):
+    with pytest.raises(ConfigError, match=r"command line: --elastic-moe-schedule 11-5 has low=11 > high=5"):
         config_from_cli(bad, environ={})

@@ -490,7 +490,9 @@ def test_layer_selection_and_records_are_keyed_by_layer_index(tiny):
     assert list(histograms) == [1] and histograms[1].shape == (4,) and int(histograms[1].sum()) == 16
     metrics = hf.routing_metrics(model)
     assert metrics["elastic_moe/layer_1/mean_kappa"] == pytest.approx(record.budgets.double().mean().item())
-    assert not any(key.startswith("elastic_moe/layer_0/") for key in metrics)
+    # layer 0 routes stock top-2: logged at κ = k, with nothing measured beyond that
+    assert metrics["elastic_moe/layer_0/mean_kappa"] == 2.0 and metrics["elastic_moe/layer_0/kappa_frac_2"] == 1.0
+    assert "elastic_moe/layer_0/retained_weight_sum_mean" not in metrics
     assert hf.routing_metrics(tiny.model("olmoe")) == {}  # nothing routed yet
     hf.reset_budget_histograms(model)
     assert int(hf.budget_histograms(model)[1].sum()) == 0

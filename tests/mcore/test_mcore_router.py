@@ -700,7 +700,8 @@ def test_schedule_beyond_the_expert_count_fails_at_router_construction(make_conf
 
 def test_schedule_centred_elsewhere_fails_at_router_construction(make_config, make_router):
     mcore.apply(ElasticConfig(schedule="6-10", center=8))
-    with pytest.raises(ConfigError, match=r"centred at 8.*top-2"):
+    with pytest.raises(ConfigError, match=r"center=8, but the model routes to top-2.* Set center=None and "
+                                          r"schedule='1-3' \(the model's top-k\)"):
         make_router(make_config(num_moe_experts=16, moe_router_topk=2))
 
 

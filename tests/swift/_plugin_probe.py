@@ -232,6 +232,14 @@ def probe_megatron(result: dict) -> None:
         hidden.sum().backward()
         trainer = types.SimpleNamespace(unwrapped_models=[layers], args=types.SimpleNamespace(), state=types.SimpleNamespace())
         callback = callback_cls(trainer)
+        import logging
+
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logging.getLogger("elastic_moe_plugin").addHandler(handler)
+        callback.on_train_begin()  # BaseMegatronTrainer.train calls it before the first step
+        result["megatron_plan_lines"] = [line for line in lines if line.startswith("elastic-moe plan")]
         logs = {"loss": 1.0, "grad_norm": 0.5}
         callback.on_log(logs=logs)
         result["megatron_logs"] = {key: value for key, value in logs.items()}

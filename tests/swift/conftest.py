@@ -11,8 +11,12 @@
   overlap. A test declares the runs it reads with ``@pytest.mark.swift_runs("name", ...)``; only
   the runs of the selected tests are launched. ``swift_runs.result(name)`` waits for one.
 
-Every ``swift sft`` here runs from the repository root with the documented flags
-(``--external_plugins patches/elastic_moe.py --callbacks elastic_moe``), full fine-tuning,
+Every ``swift sft`` from the checkout runs from the repository root and loads the plugin in one of
+the accepted forms (:data:`PLUGIN_FORMS`: the documented fallback ``--external_plugins
+patches/elastic_moe.py --callbacks elastic_moe``, ``--plugin=elastic_moe``, ``--external_plugins
+elastic_moe``, ``plugin: elastic_moe`` in a YAML), the checkout's start-up hook made active by
+:func:`with_start_up_hook`; the ``wheel_*`` runs use the installed wheel from a folder outside the
+checkout (``wheel_venv``). All: full fine-tuning,
 ``--max_steps 3 --logging_steps 1``, ``--router_aux_loss_coef 0.01``, ``--check_model false``,
 ``--add_version false`` (a fixed output dir), TensorBoard reporting, one torch thread
 (``OMP_NUM_THREADS=1``: a 2-core runner stalls a thread pool on these tiny tensors), no GPU
@@ -73,14 +77,24 @@ def swift_command() -> list[str]:
     return [sys.executable, "-c", "import sys; from swift.cli.main import cli_main; sys.argv[0] = 'swift'; cli_main()"]
 
 
-def sft_flags(assets: TinyAssets, model: str, output_dir: Path) -> list[str]:
-    """The ``swift sft`` flags after ``sft`` (one run: 3 steps of one micro-batch of 8 rows)."""
+#: how a run loads the plugin: the documented fallback (a path, relative to the checkout) or a name
+PLUGIN_FORMS = {
+    "path": ["--external_plugins", PLUGIN, "--callbacks", "elastic_moe"],
+    "--plugin": ["--plugin", "elastic_moe"],
+    "--plugin=": ["--plugin=elastic_moe"],
+    "name as path": ["--external_plugins", "elastic_moe"],
+    "unknown name": ["--plugin", "nosuch"],
+}
+
+
+def sft_flags(assets: TinyAssets, model: str, output_dir: Path, plugin: str = "path", steps: int = 3) -> list[str]:
+    """The ``swift sft`` flags after ``sft`` (one run: ``steps`` steps of one micro-batch of 8 rows)."""
     model_type, template = MODELS[model][:2]
     return [
         "--model", str(assets.model_dir(model)), "--model_type", model_type, "--template", template,
         "--dataset", str(assets.dataset), "--check_model", "false",
-        "--external_plugins", PLUGIN, "--callbacks", "elastic_moe",
-        "--tuner_type", "full", "--max_steps", "3", "--logging_steps", "1", "--router_aux_loss_coef", "0.01",
+        *PLUGIN_FORMS[plugin],
+        "--tuner_type", "full", "--max_steps", str(steps), "--logging_steps", "1", "--router_aux_loss_coef", "0.01",
         "--per_device_train_batch_size", str(BATCH_SIZE), "--gradient_accumulation_steps", "1",
         "--max_length", "512", "--save_strategy", "no", "--report_to", "tensorboard",
         "--dataloader_num_workers", "0", "--dataset_num_proc", "1",
@@ -88,11 +102,12 @@ def sft_flags(assets: TinyAssets, model: str, output_dir: Path) -> list[str]:
     ]
 
 
-def yaml_config(assets: TinyAssets, model: str, output_dir: Path, env: dict[str, str]) -> str:
-    """A swift YAML config equivalent to :func:`sft_flags`, with an ``ENV:`` block (typed values)."""
+def yaml_config(assets: TinyAssets, model: str, output_dir: Path, env: dict[str, str], plugin: str = "path") -> str:
+    """A swift YAML config equivalent to :func:`sft_flags`, with an ``ENV:`` block (typed values);
+    ``plugin="--plugin"`` writes ``plugin: elastic_moe``."""
     import yaml
 
-    flags = sft_flags(assets, model, output_dir)
+    flags = sft_flags(assets, model, output_dir, plugin)
     config: dict[str, Any] = {"ENV": dict(env)}
     for key, value in zip(flags[::2], flags[1::2]):
         config[key.removeprefix("--")] = _yaml_value(key, value)
@@ -102,6 +117,8 @@ def yaml_config(assets: TinyAssets, model: str, output_dir: Path, env: dict[str,
 def _yaml_value(flag: str, value: str) -> Any:
     if flag in ("--external_plugins", "--callbacks"):
         return [value]
+    if flag == "--plugin":
+        return value
     if value in ("true", "false"):
         return value == "true"
     for kind in (int, float):
@@ -131,6 +148,7 @@ class RunSpec:
     output_dir: Path | None = None
     result_file: Path | None = None
     timeout: float = 420.0
+    cwd: Path = ROOT
 
 
 @dataclasses.dataclass
@@ -166,22 +184,71 @@ class RunResult:
         return f"{self.name}: rc={self.returncode} after {self.seconds:.0f}s\n$ {self.command}\n{self.output[-6000:]}"
 
 
+def with_start_up_hook(env: dict[str, str], work: Path) -> dict[str, str]:
+    """``env`` for a process tree in which the checkout's start-up hook acts as the wheel installs
+    it: a ``sitecustomize`` on ``PYTHONPATH`` hands a folder holding a copy of ``elastic-moe-swift.pth``
+    to ``site.addsitedir``, which executes its line the way it executes site-packages' ``.pth``
+    files (an editable install of the checkout ships no ``.pth``)."""
+    hook_dir, site_dir = work / "hook", work / "hook" / "site"
+    site_dir.mkdir(parents=True)
+    (site_dir / "elastic-moe-swift.pth").write_bytes((ROOT / "elastic-moe-swift.pth").read_bytes())
+    (hook_dir / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site_dir)!r})\n")
+    path = [str(hook_dir)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    return {**env, "PYTHONPATH": os.pathsep.join(path)}
+
+
 #: run name -> how to build it (assets, work dir, env) -> RunSpec
-def _sft_run(model: str, env: dict[str, str]):
+def _sft_run(model: str, env: dict[str, str], plugin: str = "path"):
     def build(assets: TinyAssets, work: Path, base: dict[str, str]) -> RunSpec:
         output_dir = work / "out"
-        return RunSpec([*swift_command(), "sft", *sft_flags(assets, model, output_dir)], {**base, **env}, output_dir)
+        run_env = {**base, **env}
+        if plugin != "path":
+            run_env = with_start_up_hook(run_env, work)
+        return RunSpec([*swift_command(), "sft", *sft_flags(assets, model, output_dir, plugin)], run_env, output_dir)
 
     return build
 
 
-def _yaml_run(model: str, env: dict[str, str]):
+def _yaml_run(model: str, env: dict[str, str], plugin: str = "path"):
     def build(assets: TinyAssets, work: Path, base: dict[str, str]) -> RunSpec:
         output_dir = work / "out"
         config = work / "sft.yaml"
-        config.write_text(yaml_config(assets, model, output_dir, env))
-        return RunSpec([*swift_command(), "sft", str(config)], dict(base), output_dir)
+        config.write_text(yaml_config(assets, model, output_dir, env, plugin))
+        run_env = dict(base) if plugin == "path" else with_start_up_hook(dict(base), work)
+        return RunSpec([*swift_command(), "sft", str(config)], run_env, output_dir)
 
+    return build
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wheel_run(model: str, env: dict[str, str], plugin: str = "--plugin", *, yaml_env: dict[str, str] | None = None,
+               steps: int = 3, nproc: int | None = None):
+    """``swift sft`` from the installed wheel (``wheel_venv``), run from a folder outside the checkout."""
+    def build(assets: TinyAssets, work: Path, base: dict[str, str], wheel: dict) -> RunSpec:
+        output_dir = work / "out"
+        run_env = {k: v for k, v in base.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        run_env.update(env, PATH=f"{wheel['bin']}{os.pathsep}{base.get('PATH', '')}")
+        if nproc is not None:
+            run_env.update(NPROC_PER_NODE=str(nproc), MASTER_PORT=str(_free_port()))
+        swift = str(wheel["bin"] / "swift")
+        if yaml_env is not None:
+            config = work / "sft.yaml"
+            config.write_text(yaml_config(assets, model, output_dir, yaml_env, plugin))
+            argv = [swift, "sft", str(config)]
+        else:
+            argv = [swift, "sft", *sft_flags(assets, model, output_dir, plugin, steps)]
+            if nproc is not None:
+                argv += ["--ddp_backend", "gloo"]
+        return RunSpec(argv, run_env, output_dir, cwd=wheel["cwd"])
+
+    build.needs_wheel = True
     return build
 
 
@@ -196,11 +263,20 @@ def _probe_run(mode: str):
 
 RUNS = {
     # transformers path, both models; the schedules are centred on each model's top-k
-    "olmoe_iid": _sft_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3"}),
-    "qwen3_moe_balanced": _sft_run("qwen3_moe", {"ELASTIC_MOE_SCHEDULE": "2-6", "ELASTIC_MOE_SAMPLING": "balanced"}),
-    # the schedule comes only from the YAML's ENV: block
-    "qwen3_moe_yaml_iid": _yaml_run("qwen3_moe", {"ELASTIC_MOE_SCHEDULE": "2-6", "ELASTIC_MOE_SAMPLING": "iid"}),
+    "olmoe_iid": _sft_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3"}),  # the documented fallback: a path
+    "qwen3_moe_balanced": _sft_run("qwen3_moe", {"ELASTIC_MOE_SCHEDULE": "2-6", "ELASTIC_MOE_SAMPLING": "balanced"},
+                                   plugin="--plugin="),
+    # the schedule comes only from the YAML's ENV: block; the plugin's name where ms-swift wants a path
+    "qwen3_moe_yaml_iid": _yaml_run("qwen3_moe", {"ELASTIC_MOE_SCHEDULE": "2-6", "ELASTIC_MOE_SAMPLING": "iid"},
+                                    plugin="name as path"),
     "bad_schedule": _sft_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "11-5"}),
+    # from the installed wheel, outside the checkout (test_swift_wheel.py)
+    "wheel_plugin": _wheel_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3"}),
+    "wheel_yaml": _wheel_run("qwen3_moe", {}, yaml_env={"ELASTIC_MOE_SCHEDULE": "2-6"}),
+    "wheel_bad_schedule": _wheel_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "9-7"}),
+    "wheel_unknown_plugin": _wheel_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3"}, plugin="unknown name"),
+    "wheel_off_switch": _wheel_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3", "ELASTIC_MOE_SWIFT_HOOK": "0"}),
+    "wheel_two_ranks": _wheel_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3"}, steps=2, nproc=2),
     # the plugin file in a `swift sft`-like and a `megatron sft`-like process
     "probe_hf": _probe_run("hf"),
     "probe_megatron": _probe_run("megatron"),
@@ -231,14 +307,17 @@ class SwiftRuns:
         if not names:
             return
         assets = self._request.getfixturevalue("tiny_assets") if _NEEDS_ASSETS & set(names) else None
+        wheel = (self._request.getfixturevalue("wheel_venv")
+                 if any(getattr(RUNS[name], "needs_wheel", False) for name in names) else None)
         cache = self._tmp.mktemp("swift_cache")
         base = base_env(cache)
         for name in names:
             work = self._tmp.mktemp(name)
-            spec = RUNS[name](assets, work, base)
+            build = RUNS[name]
+            spec = build(assets, work, base, wheel) if getattr(build, "needs_wheel", False) else build(assets, work, base)
             log = work / "output.log"
             with log.open("wb") as sink:
-                process = subprocess.Popen(spec.argv, cwd=ROOT, env=spec.env, stdout=sink, stderr=subprocess.STDOUT)
+                process = subprocess.Popen(spec.argv, cwd=spec.cwd, env=spec.env, stdout=sink, stderr=subprocess.STDOUT)
             self._running[name] = (process, spec, time.monotonic(), log)
 
     def result(self, name: str) -> RunResult:

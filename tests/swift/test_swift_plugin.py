@@ -127,3 +127,6 @@ def test_megatron_callback_is_registered_and_logs_routing_metrics(swift_runs):
         (logs["elastic_moe/layer_0/mean_kappa"] + logs["elastic_moe/layer_1/mean_kappa"]) / 2)
     assert not data["megatron_second_log_has_kappa_frac"]  # histograms reset after each log
     assert data["megatron_eval_log_keys"] == ["eval_loss"]  # evaluation logs are left alone
+    assert data["megatron_plan_lines"] == [
+        "elastic-moe plan (megatron-core, 2 MoE layers): elastic 1-3 around k=2 (σ=1.5), renormalized gate, "
+        "iid sampling: layers 0-1; static: none"]

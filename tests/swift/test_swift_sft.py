@@ -58,8 +58,18 @@ def _assert_tolerance_is_safe(schedule, tokens: int) -> float:
 
 
 def _check_training_run(result, tiny_assets, model: str, topk: int, schedule_text: str, sampling: str):
+    from elastic_moe_plugin.swift import plugin_path
+
     assert result.returncode == 0, result.describe()
-    assert "Successfully imported external_plugins: ['patches/elastic_moe.py']" in result.output, result.describe()
+    # the path form loads the checkout's file as typed; a name loads the package's file
+    loaded = "patches/elastic_moe.py" if "patches/elastic_moe.py" in result.argv else str(plugin_path())
+    assert f"Successfully imported external_plugins: [{loaded!r}]" in result.output, result.describe()
+    assert "[INFO:elastic_moe] rank 0/1: plugin loaded" in result.output, result.describe()
+    sampling_text = f"{sampling} sampling"
+    gate = "full_softmax" if model == "olmoe" else "renormalized"
+    plan = (f"elastic-moe plan (transformers, 2 MoE layers): elastic {schedule_text} around k={topk} (σ=1.5), "
+            f"{gate} gate, {sampling_text}: layers 0-1; static: none")
+    assert result.output.count(plan) == 1, result.describe()
     rows = result.training_rows()
     assert [row.get("global_step/max_steps") for row in rows] == ["1/3", "2/3", "3/3"], result.describe()
     schedule = _schedule(schedule_text, topk)
@@ -109,8 +119,12 @@ def test_swift_sft_olmoe_iid(swift_runs, tiny_assets):
 
 @pytest.mark.swift_runs("qwen3_moe_balanced")
 def test_swift_sft_qwen3_moe_balanced(swift_runs, tiny_assets):
-    """Qwen3-MoE (top-4, renormalised gate), 2-6 with balanced sampling: the mean κ is exactly 4."""
-    _check_training_run(swift_runs.result("qwen3_moe_balanced"), tiny_assets, *TRAINING_RUNS["qwen3_moe_balanced"])
+    """Qwen3-MoE (top-4, renormalised gate), 2-6 with balanced sampling: the mean κ is exactly 4.
+    Loaded with ``--plugin=elastic_moe`` through the start-up hook."""
+    result = swift_runs.result("qwen3_moe_balanced")
+    assert "--plugin=elastic_moe" in result.argv
+    _check_training_run(result, tiny_assets, *TRAINING_RUNS["qwen3_moe_balanced"])
+    assert "elastic-moe: plugin elastic_moe: passing it to ms-swift as --external_plugins" in result.output
 
 
 @pytest.mark.swift_runs("qwen3_moe_yaml_iid")
@@ -121,6 +135,7 @@ def test_swift_sft_yaml_env_block_selects_the_schedule(swift_runs, tiny_assets):
     assert not [key for key in result.env if key.startswith("ELASTIC_MOE_")]
     config = yaml.safe_load(Path(result.argv[-1]).read_text())
     assert config["ENV"] == {"ELASTIC_MOE_SCHEDULE": "2-6", "ELASTIC_MOE_SAMPLING": "iid"}
+    assert config["external_plugins"] == ["elastic_moe"]  # a plugin name where ms-swift expects a path
     rows = _check_training_run(result, tiny_assets, *TRAINING_RUNS["qwen3_moe_yaml_iid"])
     assert {f"elastic_moe/layer_0/kappa_frac_{b}" for b in range(2, 7)} <= set(rows[0])
     assert "elastic_moe/layer_0/kappa_frac_1" not in rows[0]
@@ -152,7 +167,11 @@ def test_tensorboard_events_carry_the_routing_metrics(swift_runs):
 def test_bad_schedule_stops_swift_sft_before_training(swift_runs):
     result = swift_runs.result("bad_schedule")
     assert result.returncode != 0, result.describe()
-    assert "schedule='11-5' has low=11 > high=5" in result.output, result.describe()
+    # the plugin's message on its own, before ms-swift's traceback, naming the variable and the fix
+    message = ("elastic-moe: configuration error: environment: ELASTIC_MOE_SCHEDULE=11-5 has low=11 > high=5: "
+               "write the range as LOW-HIGH, e.g. ELASTIC_MOE_SCHEDULE=5-11.")
+    assert message in result.output, result.describe()
+    assert result.output.index(message) < result.output.index("Traceback")
     assert "ConfigError" in result.output
     assert result.training_rows() == []
     assert not (result.output_dir / "logging.jsonl").exists()

@@ -163,10 +163,10 @@ def test_layer_subset_json_and_data_file(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--schedule", "6-10"], "outside the support 6-10"),
+        (["--schedule", "6-10"], "--schedule 6-10 does not contain the model's top-4"),
         (["--schedule", "1-9"], "not 4"),
         (["--layers", "2-7"], "selects layer(s) [4, 5, 6, 7]"),
-        (["--sigma", "0"], "sigma=0.0 is invalid"),
+        (["--sigma", "0"], "--sigma 0.0 is invalid"),
         (["--steps", "0"], "--steps=0 is invalid"),
         (["--data", "/nonexistent/corpus.txt"], "no such file"),
     ],
@@ -174,3 +174,23 @@ def test_layer_subset_json_and_data_file(tmp_path):
 def test_bad_settings_exit_2_before_training(capsys, tmp_path, argv, message):
     assert main(["demo", "--out", str(tmp_path / "out"), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_without_megatron_core_the_demo_names_the_extra(tmp_path):
+    """An environment without the [megatron] extra (megatron made unimportable in a fresh interpreter)."""
+    code = (
+        "import importlib.abc, sys\n"
+        "class WithoutMegatron(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'megatron' or name.startswith('megatron.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, WithoutMegatron())\n"
+        "from elastic_moe_plugin.cli import main\n"
+        "sys.exit(main(['demo', '--quick', '--out', sys.argv[1]]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "pip install 'elastic-moe-plugin[megatron]'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()

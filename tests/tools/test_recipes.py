@@ -172,8 +172,59 @@ def test_recipe_renders_for_2x8_with_its_elastic_environment(path):
     else:
         assert command.argv[:2] == (["swift", "sft"] if recipe.launcher == "swift_sft" else ["megatron", "sft"])
         assert command.env["NNODES"] == "2" and command.env["NPROC_PER_NODE"] == "8"
-        assert "--external_plugins" in command.argv
-        assert command.argv[command.argv.index("--external_plugins") + 1].endswith(".py")
+        _assert_loads_the_plugin_and_logs_its_metrics(command.argv)
+
+
+def _assert_loads_the_plugin_and_logs_its_metrics(argv: list[str]) -> None:
+    """The rendered ms-swift command loads the plugin file and names the ``elastic_moe`` callback,
+    either itself (path form) or through the start-up hook's rewrite of ``--plugin elastic_moe``."""
+    from elastic_moe_plugin.swift import plugin_path
+    from elastic_moe_plugin.swift.plugin_flag import rewrite
+
+    if "--plugin" in argv:
+        assert argv[argv.index("--plugin") + 1] == "elastic_moe" and "--external_plugins" not in argv
+        argv = rewrite(argv[2:], "sft").argv
+    assert argv[argv.index("--external_plugins") + 1] == str(plugin_path())
+    assert argv[argv.index("--callbacks") + 1] == "elastic_moe"
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["path form", "--plugin form"])
+@pytest.mark.parametrize("name", ["olmoe_sft/6-10", "qwen3_sft/6-10", "olmoe_sft/top8"])
+def test_rendered_swift_commands_log_the_routing_metrics(monkeypatch, name, hook):
+    """Where this environment has the start-up hook (a wheel install), ``--plugin elastic_moe``;
+    where not (an editable checkout), ``--external_plugins FILE --callbacks elastic_moe``. Either way
+    the run logs the metrics (the paper recipes used to leave ``--callbacks`` out)."""
+    from elastic_moe_plugin.tools.recipes import render as render_module
+
+    monkeypatch.setattr(render_module, "hook_installed", lambda: hook)
+    recipe = load_recipe(name)
+    command = render(recipe, resolve_topology(recipe, environ={}))
+    assert ("--plugin" in command.argv) is hook
+    _assert_loads_the_plugin_and_logs_its_metrics(command.argv)
+    assert any(note.startswith("the plugin: ") for note in command.notes)
+
+
+def test_a_recipe_callbacks_flag_is_extended_not_replaced(monkeypatch):
+    from elastic_moe_plugin.tools.recipes import render as render_module
+
+    monkeypatch.setattr(render_module, "hook_installed", lambda: False)
+    recipe = load_recipe("olmoe_sft/6-10", ["args.callbacks=[early_stop]"])
+    argv = render(recipe, resolve_topology(recipe, environ={})).argv
+    assert argv.count("--callbacks") == 1
+    assert argv[argv.index("--callbacks") + 1: argv.index("--callbacks") + 3] == ["early_stop", "elastic_moe"]
+
+
+def test_launch_list_prints_every_recipe_with_its_description(capsys):
+    from elastic_moe_plugin.cli import main
+    from elastic_moe_plugin.tools.recipes.load import list_recipes
+
+    assert main(["launch", "--list"]) == 0
+    out = capsys.readouterr().out
+    rows = list_recipes()
+    assert len(rows) == 33
+    for row in rows:
+        assert any(line.startswith(row["name"] + " ") and line.rstrip().endswith(row["description"])
+                   for line in out.splitlines()), row
 
 
 def test_top9_control_is_trained_at_9_and_evaluated_at_8():
@@ -209,7 +260,12 @@ MLM_RECIPES = [(n, p) for n, p in RECIPES if n.startswith("pretrain/")]
 def test_ms_swift_accepts_the_rendered_arguments(argcheck, name):
     entry = argcheck["recipes"][name]
     assert entry.get("ok"), entry.get("error") or entry.get("skipped")
-    assert any(c.endswith("parser (ms-swift)") for c in entry["checked"])
+    parser = "MegatronSftArguments" if name.startswith("qwen3_sft/") else "SftArguments"
+    assert f"{parser} parser (ms-swift)" in entry["checked"]
+    # the --plugin form (after the start-up hook's rewrite) and the path form both parse, load the
+    # plugin file and name the elastic_moe callback
+    assert "--plugin elastic_moe rewritten as the start-up hook does" in entry["checked"]
+    assert "external_plugins loads the plugin file; callbacks include 'elastic_moe'" in entry["checked"]
 
 
 @pytest.mark.parametrize("name", [n for n, _ in MLM_RECIPES])
@@ -629,7 +685,7 @@ def test_entry_point_takes_the_elastic_flags_out():
         split_argv(["train.py", "--elastic-moe-shedule", "6-10"], environ={})
     with pytest.raises(ValueError, match="no training script"):
         split_argv(["--elastic-moe-schedule", "6-10"], environ={})
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(ValueError, match="--elastic-moe-top-p 2.0 is invalid"):
         split_argv(["train.py", "--elastic-moe-top-p", "2"], environ={})
 
 

@@ -1,5 +1,6 @@
-"""ms-swift plugin file: ``--external_plugins patches/elastic_moe.py`` from a checkout, or
-``--external_plugins "$(elastic-moe plugin-path)"`` for the installed package's copy.
+"""ms-swift plugin file, loaded by ``swift sft ... --plugin elastic_moe`` (the installed start-up hook
+passes this file to ``--external_plugins``), by ``--external_plugins patches/elastic_moe.py`` from a
+checkout, or by ``--external_plugins "$(elastic-moe plugin-path)"``.
 
 The two copies are identical (a test keeps them equal). The installed copy sits alone in its
 directory because ms-swift puts a plugin's directory first on ``sys.path``. All logic lives in

@@ -138,10 +138,26 @@ class SwiftChecker:
                 self.parsers[launcher] = _strict(HfArgumentParser([cls]))
 
     def check(self, recipe: Recipe, argv: list[str]) -> list[str]:
+        import os
+
+        from elastic_moe_plugin.swift import CALLBACK_NAME, plugin_path
+        from elastic_moe_plugin.swift.plugin_flag import rewrite
+
         checked = [f"{self.classes[recipe.launcher].__name__} parser (ms-swift)"]
+        if "--plugin" in argv:
+            # what the start-up hook does in ms-swift's entry process, before ms-swift parses
+            argv = rewrite(argv, "sft").argv
+            checked.append("--plugin elastic_moe rewritten as the start-up hook does")
         namespace, remaining = self.parsers[recipe.launcher].parse_known_args(argv)
         if remaining:
             raise _ParseError(f"{self.classes[recipe.launcher].__name__} does not accept: {remaining}")
+        plugins = [os.path.realpath(path) for path in getattr(namespace, "external_plugins", [])]
+        if os.path.realpath(plugin_path()) not in plugins:
+            raise _ParseError(f"external_plugins={namespace.external_plugins} does not load the plugin {plugin_path()}")
+        if CALLBACK_NAME not in (getattr(namespace, "callbacks", None) or []):
+            raise _ParseError(f"callbacks={getattr(namespace, 'callbacks', None)} lacks {CALLBACK_NAME!r}: the run would "
+                              f"log no routing metric")
+        checked.append(f"external_plugins loads the plugin file; callbacks include {CALLBACK_NAME!r}")
         from swift.utils import json_parse_to_dict
 
         for key in ("megatron_extra_kwargs", "model_kwargs"):
@@ -215,6 +231,9 @@ def check_recipes(paths: Iterable[str]) -> dict[str, Any]:
         argv = framework_args(command)
         entry: dict[str, Any] = {"launcher": recipe.launcher, "argv": argv, "ok": False}
         kind = "swift" if recipe.launcher in ("swift_sft", "megatron_sft") else "mlm"
+        # both ways a command may load the plugin, whichever this environment renders
+        forms = [framework_args(render(recipe, topology, plugin_form=form)) for form in ("plugin", "path")] \
+            if kind == "swift" else [argv]
         if kind not in checkers:
             try:
                 checkers[kind] = SwiftChecker() if kind == "swift" else MegatronLMChecker()
@@ -225,7 +244,9 @@ def check_recipes(paths: Iterable[str]) -> dict[str, Any]:
             if isinstance(checker, ImportError):
                 entry["skipped"] = f"{'ms-swift' if kind == 'swift' else 'megatron/training'} is not importable: {checker}"
             elif kind == "swift":
-                entry["checked"] = checker.check(recipe, argv)
+                entry["checked"] = []
+                for form in forms:
+                    entry["checked"] += [c for c in checker.check(recipe, form) if c not in entry["checked"]]
                 entry["ok"] = True
             else:
                 entry["checked"] = checker.check(recipe, argv, topology.world_size)

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from elastic_moe_plugin.core.config import ENV_VARS, ElasticConfig
 from elastic_moe_plugin.swift import plugin_path
+from elastic_moe_plugin.swift.plugin_flag import OFF_SWITCH, hook_installed, rewrite
 from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
 from elastic_moe_plugin.tools.recipes.schema import RecipeError
 from elastic_moe_plugin.tools.recipes.topology import Fit, Topology, check_fit
@@ -113,8 +114,12 @@ def _megatron_lm_flags(recipe: Recipe, flags: Mapping[str, Any]) -> list[str]:
 
 
 def render(recipe: Recipe, topology: Topology, extra_args: Iterable[str] = (), *,
-           megatron_lm_dir: str | None = None) -> LaunchCommand:
+           megatron_lm_dir: str | None = None, plugin_form: str = "auto") -> LaunchCommand:
     """Render the command that launches ``recipe`` on this node.
+
+    ``plugin_form`` (ms-swift launchers): ``"plugin"`` renders ``--plugin elastic_moe``,
+    ``"path"`` ``--external_plugins FILE --callbacks elastic_moe``; ``"auto"`` the first where this
+    environment has the start-up hook (:func:`~elastic_moe_plugin.swift.plugin_flag.hook_installed`).
 
     Raises:
         RecipeError: when the world size does not fit the recipe.
@@ -131,7 +136,9 @@ def render(recipe: Recipe, topology: Topology, extra_args: Iterable[str] = (), *
         f"elastic: {recipe.elastic}",
     ])
     if recipe.launcher in ("swift_sft", "megatron_sft"):
-        _render_swift(recipe, topology, fit, command)
+        if plugin_form not in ("auto", "plugin", "path"):
+            raise ValueError(f"plugin_form={plugin_form!r}: expected 'auto', 'plugin' or 'path'.")
+        _render_swift(recipe, topology, fit, command, plugin_form)
     else:
         _render_megatron_lm(recipe, topology, command, megatron_lm_dir)
     command.argv += list(extra_args)
@@ -144,7 +151,7 @@ def render(recipe: Recipe, topology: Topology, extra_args: Iterable[str] = (), *
     return command
 
 
-def _render_swift(recipe: Recipe, topology: Topology, fit: Fit, command: LaunchCommand) -> None:
+def _render_swift(recipe: Recipe, topology: Topology, fit: Fit, command: LaunchCommand, plugin_form: str) -> None:
     """``swift sft`` / ``megatron sft`` with ms-swift's torchrun variables."""
     model, batch, args = recipe.model, recipe.batch, recipe.args
     command.env.update({
@@ -183,7 +190,18 @@ def _render_swift(recipe: Recipe, topology: Topology, fit: Fit, command: LaunchC
                 "global_batch_size": batch["global"], "max_length": batch["seq_length"]}
         command.argv = ["megatron", "sft"]
     plugin = plugin_path()
-    command.argv += _swift_flags(recipe, head) + _swift_flags(recipe, args) + ["--external_plugins", str(plugin)]
+    flags = _swift_flags(recipe, head) + _swift_flags(recipe, args) + ["--plugin", "elastic_moe"]
+    if plugin_form == "plugin" or (plugin_form == "auto" and hook_installed()):
+        command.notes.append("the plugin: --plugin elastic_moe (ms-swift has no such flag; the start-up hook of this "
+                             "install turns it into --external_plugins <plugin file> --callbacks elastic_moe on every "
+                             "rank, docs/swift.md)")
+    else:
+        # The same rewrite the hook makes, done here: this environment has no hook (an editable
+        # install of a checkout, or the off switch), so the command carries ms-swift's own flags.
+        flags = rewrite(flags, "sft").argv
+        command.notes.append(f"the plugin: --external_plugins {plugin} --callbacks elastic_moe (the path form: this "
+                             f"environment has no --plugin start-up hook: an editable install, or {OFF_SWITCH}=0)")
+    command.argv += flags
     cli = "swift/cli/sft.py" if recipe.launcher == "swift_sft" else "swift/cli/_megatron/sft.py"
     command.notes.append(
         f"{command.argv[0]} re-launches itself under: python -m torch.distributed.run --nproc_per_node "

@@ -51,14 +51,15 @@ OWNED_FLAGS: dict[str, dict[str, str]] = {
     "swift_sft": {
         "model": "model.name", "per_device_train_batch_size": "batch.micro",
         "gradient_accumulation_steps": "batch.global (derived from the world size)",
-        "max_length": "batch.seq_length", "external_plugins": "the launcher (plugin_path())",
+        "max_length": "batch.seq_length", "external_plugins": "the launcher (--plugin elastic_moe)",
+        "plugin": "the launcher (--plugin elastic_moe)",
     },
     "megatron_sft": {
         "model": "model.name", "micro_batch_size": "batch.micro", "global_batch_size": "batch.global",
         "max_length": "batch.seq_length", "tensor_model_parallel_size": "parallel.tp",
         "pipeline_model_parallel_size": "parallel.pp", "context_parallel_size": "parallel.cp",
         "expert_model_parallel_size": "parallel.ep", "expert_tensor_parallel_size": "parallel.etp",
-        "external_plugins": "the launcher (plugin_path())",
+        "external_plugins": "the launcher (--plugin elastic_moe)", "plugin": "the launcher (--plugin elastic_moe)",
     },
     "megatron_lm": {
         "num-layers": "model.num_layers", "hidden-size": "model.hidden_size",

@@ -3,9 +3,8 @@ model's own consistency, and the ``elastic:`` block resolved against the model."
 
 from __future__ import annotations
 
-import re
 
-from elastic_moe_plugin.core.config import ConfigError, ElasticConfig
+from elastic_moe_plugin.core.config import ConfigError, ElasticConfig, Spelling
 from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
 from elastic_moe_plugin.tools.recipes.schema import (
     LAUNCHERS,
@@ -116,33 +115,24 @@ def _check_elastic(recipe: Recipe) -> None:
     try:
         elastic.resolve(num_experts=model.num_experts, topk=model.training_topk, num_layers=model.num_layers)
     except ConfigError as error:
-        message = str(error)
-        key = "layers" if message.startswith("layers=") else "schedule"
+        key = error.field or "schedule"
         raise RecipeError(
-            f"{recipe.file_of('elastic', key)}: elastic.{key}: {message} (model {model.name}: "
-            f"{model.num_layers} layers, {model.num_experts} experts, training top-{model.training_topk})"
+            f"{recipe.file_of('elastic', key)}: {error} (model {model.name}: {model.num_layers} layers, "
+            f"{model.num_experts} experts, training top-{model.training_topk})", field=key, fixes=error.fixes
         ) from None
 
 
 def _elastic_config(recipe: Recipe) -> ElasticConfig:
+    """The recipe's ``elastic:`` block as an ElasticConfig; messages spell settings as the block's
+    keys (``elastic.schedule: 6-10``) and name the file that set the key."""
     values = recipe.data.get("elastic") or {}
     try:
-        return ElasticConfig(**values)
+        return ElasticConfig.from_dict(values, source="elastic", spelling=Spelling("yaml", prefix="elastic."))
     except ConfigError as error:
-        message = str(error)
-        key = _first_field(message)
+        message = str(error).removeprefix("elastic: ")
+        key = error.field
         file = recipe.file_of("elastic", key) if key else recipe.file_of("elastic")
-        label = f"elastic.{key}" if key else "elastic"
-        raise RecipeError(f"{file}: {label}: {message}") from None
-    except TypeError as error:  # pragma: no cover - keys are checked per file before
-        raise RecipeError(f"{recipe.file_of('elastic')}: elastic: {error}") from None
-
-
-def _first_field(message: str) -> str | None:
-    """The ElasticConfig field an error message is about: the one named first."""
-    hits = [(m.start(), name) for name in ElasticConfig.field_names()
-            for m in [re.search(rf"\b{name}\b", message)] if m]
-    return min(hits)[1] if hits else None
+        raise RecipeError(f"{file}: {message}", field=key, fixes=error.fixes) from None
 
 
 def _check_placeholders(recipe: Recipe) -> None:
