@@ -476,6 +476,25 @@ def test_aux_losses_use_the_realised_assignments(kind, masked, make_config, make
             assert torch.count_nonzero(logits.grad[mask]) == 0
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
+@pytest.mark.parametrize("kind", AUX_TYPES)
+def test_top_p_mode_aux_losses_use_the_realised_assignments(kind, masked, make_config, make_router, moe_tracker):
+    """mode='top_p' has no fixed budget (κ comes from the probabilities): its aux losses normalise
+    by the realised Σκ, not by T·k, although its plan's schedule is the point mass at k."""
+    coeff = 0.01
+    config = make_config(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=coeff)
+    mcore.apply(ElasticConfig(mode="top_p", top_p=0.4))
+    router = make_router(config)
+    mask = _padding_mask() if masked else None
+    name = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+            "global_aux_loss": "global_load_balancing_loss"}[kind]
+    logits = (torch.randn(S, B, 8, generator=torch.Generator().manual_seed(3)) * 2).requires_grad_()
+    _, routing_map = router.routing(logits, padding_mask=mask)
+    assert int(routing_map.sum()) != S * B * config.moe_router_topk
+    hand = _hand_aux(kind, logits.detach(), routing_map, mask, coeff, S, B)
+    torch.testing.assert_close(moe_tracker.values(name)[0].double(), hand / coeff, rtol=1e-5, atol=1e-9)
+
+
 def test_seq_aux_loss_with_a_fully_padded_sequence_is_finite(make_config, make_router, moe_tracker):
     config = make_config(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01)
     mcore.apply(ElasticConfig(schedule="1-3"))
