@@ -29,7 +29,7 @@ Elastic routing, one MoE layer in training (paper §3.2, Eq. 4-5)::
                                                      softmax over the kept logits like Megatron
         sigmoid       w = s_e / Σ_kept s if κ_t > 1 else s_e   (Megatron's rule with κ for k)
         then × moe_router_topk_scaling_factor
-    (5) capacity dropping as stock, sized with b
+    (5) capacity dropping as stock, capacity ceil(T·k/E · cf) from k (E[κ] = k), not from b
     (6) load balancing on the realised assignments: f_i = c_i / Σ_j c_j = c_i / Σκ with c the
         realised per-expert counts before capacity drops (paper: "load-balancing statistics are
         computed over the realized dispatched assignments")

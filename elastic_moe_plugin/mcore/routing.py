@@ -147,7 +147,9 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
     Returns:
         probs [T, E] (sparse, dtype of logits) and routing_map [T, E] (bool), the stock contract;
         row t of routing_map has κ_t True entries (fewer after capacity drops; drop-and-pad adds
-        zero-weight padding entries).
+        zero-weight padding entries). With a capacity factor cf, column e has at most
+        ``get_capacity(T·k, E, cf)`` True entries, as stock (drop-and-pad: exactly that many when
+        it is at most T).
     """
     from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
 
@@ -181,11 +183,17 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
     routing_map = routing_map.scatter(1, candidate_ids, kept)
     realised_map = routing_map
 
+    capacity_dropped = None
     if model.moe_expert_capacity_factor is not None:
+        # Capacity from k, not b: ceil(T·k/E · cf) per expert, stock's number for the same cf, since
+        # the expected load per expert is T·E[κ]/E = T·k/E. The drop-and-pad dispatchers size their
+        # buffers from the same T·k, so the padded map and the buffers agree (docs/parallelism.md).
         probs, routing_map = apply_router_token_dropping(
-            probs, routing_map, router_topk=plan.width, capacity_factor=model.moe_expert_capacity_factor,
+            probs, routing_map, router_topk=plan.schedule.center, capacity_factor=model.moe_expert_capacity_factor,
             drop_policy=model.moe_token_drop_policy, pad_to_capacity=model.moe_pad_expert_input_to_capacity,
         )
+        # [T, b]: selected slots the capacity mask removed (for the drop metrics; no host sync)
+        capacity_dropped = kept & ~routing_map.gather(1, candidate_ids)
 
     if router.training and torch.is_grad_enabled() and router.is_aux_loss_enabled():
         assignments = realised_assignments(router, plan, logits, realised_map, padding_mask, seq_length, bsz)
@@ -194,6 +202,6 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
     router._apply_expert_bias(routing_map, padding_mask=padding_mask)
     # Counted once per real step: recompute's first pass runs without grad (as stock expert-bias counting).
     records.remember(router, plan.width, budgets, candidate_ids, kept, retained_weight_sums,
-                     count=torch.is_grad_enabled())
+                     count=torch.is_grad_enabled(), capacity_dropped=capacity_dropped)
     # Dispatchers size buffers from k unless told otherwise (see mcore.dispatch).
     return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced")

@@ -82,13 +82,29 @@ def _assert_all_equal(stock, other):
 
 
 # ======================================================================== point mass == stock
+#: σ of a schedule {k−1..k+1} whose outer budgets have probability exactly 0 (exp(−1/(2σ²))
+#: underflows), so κ ≡ k is drawn through the elastic code path with candidate width b = k + 1
+POINT_MASS_SIGMA = 1e-3
+
+
+def point_mass_config(topk: int) -> ElasticConfig:
+    """κ ≡ k through ``elastic_routing`` (not the static short-cut), with b = k + 1 ≠ k, so that
+    anything sized from b instead of k shows."""
+    return ElasticConfig(schedule=f"{topk - 1}-{topk + 1}", sigma=POINT_MASS_SIGMA)
+
+
 STOCK_CASES = {
     "softmax_post": {},
     "softmax_pre": dict(moe_router_pre_softmax=True),
     "sigmoid_expert_bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+    # b // group_topk = 3 // 2 = k // group_topk: the elastic group scores are stock's
     "group_limited": dict(num_moe_experts=8, moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk=2),
     "capacity_drop": dict(moe_expert_capacity_factor=1.0),
+    "capacity_drop_position": dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position"),
     "drop_and_pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+    "drop_and_pad_position": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True,
+                                  moe_token_drop_policy="position"),
+    "top8_capacity_drop": dict(num_moe_experts=16, moe_router_topk=8, moe_expert_capacity_factor=1.0),
     "aux_loss": dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01),
     "seq_aux_loss": dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01),
     "global_aux_loss": dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.01),
@@ -98,9 +114,13 @@ STOCK_CASES = {
 }
 
 
+@pytest.mark.parametrize("route", ["static_shortcut", "point_mass_elastic"])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
 @pytest.mark.parametrize("case", list(STOCK_CASES))
-def test_static_schedule_is_bitwise_stock(case, masked, make_config, make_router, moe_tracker):
+def test_static_schedule_is_bitwise_stock(case, masked, route, make_config, make_router, moe_tracker):
+    """Through the patched ``router.forward``: ``schedule="static"`` (which runs stock code) and a
+    point mass drawn by the elastic code path both reproduce stock bit for bit: probs, map,
+    gradients, aux/z-loss logs and the expert-bias and aux-loss buffers."""
     if masked and case == "sigmoid_expert_bias":
         pytest.skip("stock Megatron's _apply_expert_bias cannot take a padding mask ([T,E] & [T] broadcast)")
     config = make_config(**STOCK_CASES[case])
@@ -118,11 +138,18 @@ def test_static_schedule_is_bitwise_stock(case, masked, make_config, make_router
 
     stock = [_run(stock_router, x, mask, grad_probs, moe_tracker, seed=s) for s in (7, 8)]
     moe_tracker.reset()
-    with mcore.patched(ElasticConfig(schedule="static")):
+    elastic = point_mass_config(config.moe_router_topk) if route == "point_mass_elastic" else ElasticConfig(schedule="static")
+    with mcore.patched(elastic):
         assert mcore.is_applied()
         patched = [_run(patched_router, x, mask, grad_probs, moe_tracker, seed=s) for s in (7, 8)]
+        records = mcore.routing_records(patched_router)
     for a, b in zip(stock, patched):
         _assert_all_equal(a, b)
+    if route == "point_mass_elastic":  # it really took the elastic path, with b = k + 1
+        assert records[0].expert_ids.shape[1] == config.moe_router_topk + 1
+        assert torch.equal(records[0].budgets, torch.full((S * B,), config.moe_router_topk))
+    else:
+        assert records == {}
     # The comparison is not vacuous: the aux losses and z-loss cases really logged something.
     if config.moe_aux_loss_coeff or config.moe_z_loss_coeff:
         assert any(stock[-1]["tracker:" + n] is not None and stock[-1]["tracker:" + n].abs().sum() > 0 for n in TRACKED)
