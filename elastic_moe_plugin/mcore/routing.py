@@ -117,8 +117,9 @@ def _select_candidates(router, plan: LayerPlan, logits: torch.Tensor) -> tuple[t
     return torch.gather(scores, 1, candidate_ids), candidate_ids
 
 
-#: LayerPlan.gate (softmax models resolve "renormalized" to a softmax over the kept logits, as
-#: Megatron's post-softmax does, so κ = 1 gives weight exactly 1) -> gates.weigh_candidates rule
+#: (score-function family, LayerPlan.gate) -> gates.weigh_candidates rule. Softmax models resolve
+#: "renormalized" to a softmax over the kept logits, as Megatron's post-softmax does, so κ = 1
+#: gives weight exactly 1; "sigmoid_auto" is the sigmoid / sqrtsoftplus rule only.
 _WEIGHING_RULE = {
     ("softmax", "full_softmax"): "full_softmax",
     ("softmax", "renormalized"): "selected_softmax",
@@ -128,10 +129,31 @@ _WEIGHING_RULE = {
 }
 
 
-def _prefix_weights(router, plan: LayerPlan, candidate_values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """Gate weights [T, b] of the kept prefix (0 beyond κ), by :func:`gates.weigh_candidates`."""
+def _weighing_rule(router, plan: LayerPlan) -> str:
+    """The :func:`gates.weigh_candidates` rule of ``plan.gate`` for the router's score function now.
+
+    Raises:
+        UnsupportedMegatronError: ``plan.gate`` belongs to another score function, i.e. the plan
+            was resolved for a router whose ``score_function`` has changed since. The patch
+            re-resolves its plans when that happens (``patch.training_plan``), so only a plan built
+            by hand reaches this.
+    """
     family = "softmax" if router.score_function == "softmax" else "sigmoid"
-    rule = _WEIGHING_RULE[family, plan.gate]
+    rule = _WEIGHING_RULE.get((family, plan.gate))
+    if rule is None:
+        accepted = sorted(gate for (gate_family, gate) in _WEIGHING_RULE if gate_family == family)
+        raise UnsupportedMegatronError(
+            f"LayerPlan.gate={plan.gate!r} cannot weigh a router whose score_function is "
+            f"{router.score_function!r} (the plan was resolved for another score function, or "
+            f"router.score_function changed after it was). Accepted gates for {router.score_function!r}: "
+            f"{', '.join(accepted)}. Resolve the plan for the router as it is now: under mcore.apply plans "
+            f"re-resolve by themselves; a LayerPlan built by hand needs one of those gates."
+        )
+    return rule
+
+
+def _prefix_weights(rule: str, candidate_values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Gate weights [T, b] of the kept prefix (0 beyond κ), by :func:`gates.weigh_candidates`."""
     # Megatron's precision policy: scores and weights in fp32 whatever the router dtype. Autograd's
     # own backward, so that a point-mass plan reproduces stock gradients bit for bit.
     return weigh_candidates(rule, candidate_values.float(), kept, exact_backward=False)
@@ -150,6 +172,9 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
         zero-weight padding entries). With a capacity factor cf, column e has at most
         ``get_capacity(T·k, E, cf)`` True entries, as stock (drop-and-pad: exactly that many when
         it is at most T).
+
+    Raises:
+        UnsupportedMegatronError: ``plan.gate`` does not fit ``router.score_function``.
     """
     from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
 
@@ -161,6 +186,7 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
     logits = router.apply_z_loss(logits, padding_mask=padding_mask)
 
     num_tokens = logits.shape[0]
+    rule = _weighing_rule(router, plan)  # first: a stale plan fails here, clearly, not mid-selection
     candidate_values, candidate_ids = _select_candidates(router, plan, logits)
     if plan.top_p is None:
         budgets = draw_budgets(router, plan, num_tokens, logits.device)
@@ -169,7 +195,7 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
             sorted_probs = torch.softmax(logits.float(), dim=-1).gather(1, candidate_ids)
         budgets = top_p_budgets(sorted_probs, plan.top_p)
     kept = budget_mask(budgets, plan.width)  # [T, b]
-    weights = _prefix_weights(router, plan, candidate_values, kept)
+    weights = _prefix_weights(rule, candidate_values, kept)
     retained_weight_sums = weights.detach().sum(dim=-1)
     if model.moe_router_topk_scaling_factor:
         weights = weights * model.moe_router_topk_scaling_factor

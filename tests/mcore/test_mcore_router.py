@@ -224,6 +224,70 @@ def test_eval_is_bitwise_stock_for_any_schedule(case, schedule, make_config, mak
     assert mcore.routing_records(patched_router).keys() == ({0} if schedule != "static" else set())
 
 
+# ======================================================================== the plan follows the router
+ROUTER_CHANGES = {
+    # what Megatron's own router tests change on a built router (stock honours the first and the
+    # pre-softmax flag at forward time, and reads moe_router_score_function only at construction)
+    "router.score_function": lambda router: setattr(router, "score_function", "sigmoid"),
+    "config.moe_router_score_function": lambda router: setattr(router.config, "moe_router_score_function", "sigmoid"),
+    "both_score_functions": lambda router: (setattr(router, "score_function", "sigmoid"),
+                                            setattr(router.config, "moe_router_score_function", "sigmoid")),
+    "config.moe_router_pre_softmax": lambda router: setattr(router.config, "moe_router_pre_softmax", True),
+}
+
+
+@pytest.mark.parametrize("when", ["after_construction", "between_forwards"])
+@pytest.mark.parametrize("change", list(ROUTER_CHANGES))
+def test_the_plan_follows_a_router_changed_after_construction(change, when, make_config, make_router, moe_tracker):
+    """A point mass drawn by the elastic path stays bitwise stock when the router's score function
+    or pre-softmax flag changes on a built router: the plan is resolved from the router as it is
+    at each forward, not from the config at construction (a plan resolved from the changed config
+    while the router still scored with softmax raised KeyError ('softmax', 'sigmoid_auto'))."""
+    torch.manual_seed(123)
+    x = torch.randn(S, B, H)
+    grad_probs = torch.randn(S * B, 8)
+    change_before_step = 0 if when == "after_construction" else 1
+
+    def run(router):
+        results = []
+        for step in range(2):
+            if step == change_before_step:
+                ROUTER_CHANGES[change](router)
+            results.append(_run(router, x, None, grad_probs, moe_tracker))
+        return results
+
+    stock = run(make_router(make_config(moe_aux_loss_coeff=0.01), weight_std=1.0))
+    moe_tracker.reset()
+    with mcore.patched(point_mass_config(2)):
+        router = make_router(make_config(moe_aux_loss_coeff=0.01), weight_std=1.0)
+        elastic = run(router)
+        assert mcore.routing_records(router)[0].expert_ids.shape[1] == 3  # the elastic path ran
+    for a, b in zip(stock, elastic):
+        _assert_all_equal(a, b)
+    if when == "between_forwards":  # the change mattered to stock, except the one stock ignores
+        changed = not torch.equal(stock[0]["probs"], stock[1]["probs"])
+        assert changed == (change != "config.moe_router_score_function")
+
+
+def test_a_plan_for_another_score_function_is_refused_with_the_fix(make_config, make_router):
+    router = make_router(make_config())
+    plan = LayerPlan(schedule=BudgetSchedule.static(2), gate="sigmoid_auto", sampling="iid", layer_index=0)
+    with pytest.raises(UnsupportedMegatronError,
+                       match=r"LayerPlan.gate='sigmoid_auto' cannot weigh a router whose score_function is 'softmax'"
+                             r".*Accepted gates for 'softmax': full_softmax, renormalized"):
+        elastic_routing(router, plan, torch.randn(S * B, 8))
+
+
+def test_an_option_enabled_on_a_built_router_is_refused_at_its_next_forward(make_config, make_router):
+    """Options refused at construction are refused when switched on later, not silently ignored."""
+    mcore.apply(ElasticConfig(schedule="1-3"))
+    router = make_router(make_config())
+    router(torch.randn(S, B, H))
+    router.config.moe_router_fusion = True
+    with pytest.raises(UnsupportedMegatronError, match="moe_router_fusion=True"):
+        router(torch.randn(S, B, H))
+
+
 # ======================================================================== apply / remove / patched
 def test_remove_restores_identity_and_stock_behaviour(make_config, make_router):
     cls = _topk_router_class()
