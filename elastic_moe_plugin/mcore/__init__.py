@@ -22,7 +22,8 @@ Elastic routing, one MoE layer in training (paper §3.2, Eq. 4-5)::
     (1) logits [T, E] = gating(x)                    (stock; z-loss applied as stock)
     (2) κ [T] ~ q on {a..b}                         (BudgetSchedule, torch's default generator)
     (3) top-b candidates by the stock selection rule (softmax / sigmoid / sqrtsoftplus score,
-        expert bias for selection only, group-limited routing with b), sorted by rank
+        expert bias for selection only; group-limited routing keeps the groups stock top-k
+        keeps, then takes the top-b inside them), sorted by rank
     (4) keep the first κ_t candidates of token t; weights by the gate convention (docs/gates.md):
         full_softmax  w = p_e                       (Switch/OLMoE; Megatron pre-softmax)
         renormalized  w = p_e / Σ_kept p            (Qwen3; Megatron post-softmax), computed as a

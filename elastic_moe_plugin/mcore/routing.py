@@ -73,10 +73,7 @@ def _select_candidates(router, plan: LayerPlan, logits: torch.Tensor) -> tuple[t
             sigmoid/sqrtsoftplus).
         candidate_ids [T, b]: expert indices.
     """
-    from megatron.core.transformer.moe.moe_utils import group_limited_topk
-
     model = router.config
-    num_tokens, num_experts = logits.shape
     width = plan.width
     score_function = router.score_function
     if score_function == "softmax":
@@ -100,9 +97,9 @@ def _select_candidates(router, plan: LayerPlan, logits: torch.Tensor) -> tuple[t
         raise UnsupportedMegatronError(f"moe_router_score_function={score_function!r} is not supported.")
 
     if model.moe_router_group_topk:
-        selected, candidate_ids = group_limited_topk(
-            scores=selection, topk=width, num_tokens=num_tokens, num_experts=num_experts,
-            num_groups=model.moe_router_num_groups, group_topk=model.moe_router_group_topk,
+        selected, candidate_ids = _group_limited_candidates(
+            selection, topk=plan.schedule.center, width=width, num_groups=model.moe_router_num_groups,
+            group_topk=model.moe_router_group_topk,
         )
     else:
         selected, candidate_ids = torch.topk(selection, k=width, dim=1, sorted=True)
@@ -115,6 +112,31 @@ def _select_candidates(router, plan: LayerPlan, logits: torch.Tensor) -> tuple[t
     if selection is scores:
         return selected, candidate_ids
     return torch.gather(scores, 1, candidate_ids), candidate_ids
+
+
+def _group_limited_candidates(selection: torch.Tensor, topk: int, width: int, num_groups: int,
+                              group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``width`` (b) candidates inside the expert groups that stock top-k keeps.
+
+    Megatron's ``group_limited_topk`` scores each of the G groups by the sum of its top
+    ``topk // group_topk`` scores, keeps the ``group_topk`` best groups and takes the top-k inside
+    them. The groups are chosen here by that same rule with the model's k, and only the final
+    selection widens to b, so a token with κ = k routes exactly as stock top-k. Scoring groups
+    with b // group_topk instead changes the groups of every token whenever that differs from
+    k // group_topk (6-10 around 8 with group_topk = 3: 3 against 2).
+
+    Args:
+        selection: [T, E] the scores experts are ranked by.
+    Returns:
+        (values [T, b], expert ids [T, b]), sorted by rank.
+    """
+    num_tokens, num_experts = selection.shape
+    # The same ops as megatron.core.transformer.moe.moe_utils.group_limited_topk, with k for the groups.
+    group_scores = selection.view(num_tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(num_tokens, num_groups, num_experts // num_groups).reshape(num_tokens, -1)
+    return torch.topk(selection.masked_fill(~score_mask.bool(), float("-inf")), k=width, dim=-1)
 
 
 #: (score-function family, LayerPlan.gate) -> gates.weigh_candidates rule. Softmax models resolve

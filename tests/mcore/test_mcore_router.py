@@ -97,8 +97,10 @@ STOCK_CASES = {
     "softmax_post": {},
     "softmax_pre": dict(moe_router_pre_softmax=True),
     "sigmoid_expert_bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
-    # b // group_topk = 3 // 2 = k // group_topk: the elastic group scores are stock's
     "group_limited": dict(num_moe_experts=8, moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk=2),
+    # b // group_topk = 4 // 2 differs from k // group_topk = 3 // 2: groups must be scored with k
+    "group_limited_top3": dict(num_moe_experts=16, moe_router_num_groups=4, moe_router_group_topk=2,
+                               moe_router_topk=3, moe_router_score_function="sigmoid"),
     "capacity_drop": dict(moe_expert_capacity_factor=1.0),
     "capacity_drop_position": dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position"),
     "drop_and_pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
@@ -368,8 +370,9 @@ def test_a_second_copy_of_the_patch_module_does_not_wrap_the_first(monkeypatch):
 
 
 # ======================================================================== budgets and selection
-def _rank_scores(config, router, logits, width):
-    """The score stock Megatron ranks experts by (selection only), −inf outside the kept groups."""
+def _rank_scores(config, router, logits):
+    """The score stock Megatron ranks experts by (selection only), −inf outside the groups stock
+    top-k keeps."""
     if config.moe_router_score_function == "sigmoid":
         scores = torch.sigmoid(logits.double())
         if router.expert_bias is not None:
@@ -377,9 +380,10 @@ def _rank_scores(config, router, logits, width):
     else:
         scores = torch.softmax(logits.double(), dim=-1)  # same order as the logits
     if config.moe_router_group_topk:
-        # group score = sum of its top (b // group_topk) scores; keep the best group_topk groups
+        # group score = sum of its top (k // group_topk) scores; keep the best group_topk groups
         groups = scores.view(scores.shape[0], config.moe_router_num_groups, -1)
-        group_scores = groups.sort(dim=-1, descending=True).values[..., : width // config.moe_router_group_topk].sum(-1)
+        per_group = config.moe_router_topk // config.moe_router_group_topk
+        group_scores = groups.sort(dim=-1, descending=True).values[..., :per_group].sum(-1)
         best = group_scores.sort(dim=-1, descending=True).indices[:, : config.moe_router_group_topk]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
         scores = torch.where(keep.unsqueeze(-1).expand_as(groups), groups, float("-inf")).view_as(scores)
@@ -492,7 +496,7 @@ def test_selection_and_weights_match_the_hand_reference(case, make_config, make_
     probs, routing_map = router.routing(logits)
     record = mcore.routing_records(router)[0]
     z = logits.detach().view(-1, 8)
-    ref_map, ref_ids = _hand_top_kappa(_rank_scores(config, router, z, 3), record.budgets, 3)
+    ref_map, ref_ids = _hand_top_kappa(_rank_scores(config, router, z), record.budgets, 3)
     assert set(record.budgets.tolist()) == {1, 2, 3}
     assert torch.equal(routing_map, ref_map)
     assert torch.equal(record.expert_ids, ref_ids)
@@ -504,6 +508,29 @@ def test_selection_and_weights_match_the_hand_reference(case, make_config, make_
     if router.expert_bias is not None:  # the bias really changed the choice somewhere
         unbiased_map, _ = _hand_top_kappa(torch.sigmoid(z.double()), record.budgets, 3)
         assert not torch.equal(unbiased_map, routing_map)
+
+
+def test_group_limited_routing_keeps_the_groups_of_stock_top_k(make_config, make_router):
+    """6-10 around top-8 with group_topk = 3: groups are scored by their top 8 // 3 = 2 experts, as
+    stock top-8 scores them (not by 10 // 3 = 3), then every token takes its top-κ inside them.
+    Tokens with κ = 8 therefore route exactly as stock top-8."""
+    config = make_config(num_moe_experts=32, moe_router_topk=8, moe_router_num_groups=8, moe_router_group_topk=3,
+                         moe_router_score_function="sigmoid")
+    x = torch.randn(64, 4, H, generator=torch.Generator().manual_seed(8))
+    _, stock_map = make_router(config, weight_std=0.3)(x)  # sigmoid scores well clear of fp32 ties at 1
+    mcore.apply(ElasticConfig(schedule="6-10"))
+    router = make_router(config, weight_std=0.3)
+    _, routing_map = router(x)
+    record = mcore.routing_records(router)[0]
+    z = (x.view(-1, H) @ router.weight.detach().t()).float()
+    ref_map, ref_ids = _hand_top_kappa(_rank_scores(config, router, z), record.budgets, 10)
+    assert torch.equal(routing_map, ref_map) and torch.equal(record.expert_ids, ref_ids)
+    at_k = record.budgets == 8
+    assert at_k.any() and torch.equal(routing_map[at_k], stock_map[at_k])
+    # not vacuous: scoring the groups by their top 3 would pick other groups for some tokens
+    groups = torch.sigmoid(z.double()).view(-1, 8, 4).sort(dim=-1, descending=True).values
+    assert not torch.equal(groups[..., :2].sum(-1).topk(3).indices.sort().values,
+                           groups[..., :3].sum(-1).topk(3).indices.sort().values)
 
 
 # ======================================================================== realised aux losses
