@@ -126,7 +126,10 @@ def _group_limited_candidates(selection: torch.Tensor, topk: int, width: int, nu
     k // group_topk (6-10 around 8 with group_topk = 3: 3 against 2).
 
     Args:
-        selection: [T, E] the scores experts are ranked by.
+        selection: [T, E], the scores experts are ranked by.
+        topk: k, which scores the groups; width: b, the candidates returned.
+        num_groups, group_topk: Megatron's ``moe_router_num_groups`` / ``moe_router_group_topk``.
+
     Returns:
         (values [T, b], expert ids [T, b]), sorted by rank.
     """
@@ -135,7 +138,8 @@ def _group_limited_candidates(selection: torch.Tensor, topk: int, width: int, nu
     group_scores = selection.view(num_tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(num_tokens, num_groups, num_experts // num_groups).reshape(num_tokens, -1)
+    experts_per_group = num_experts // num_groups
+    score_mask = group_mask.unsqueeze(-1).expand(num_tokens, num_groups, experts_per_group).reshape(num_tokens, -1)
     return torch.topk(selection.masked_fill(~score_mask.bool(), float("-inf")), k=width, dim=-1)
 
 

@@ -140,14 +140,14 @@ def test_static_schedule_is_bitwise_stock(case, masked, route, make_config, make
 
     stock = [_run(stock_router, x, mask, grad_probs, moe_tracker, seed=s) for s in (7, 8)]
     moe_tracker.reset()
-    elastic = point_mass_config(config.moe_router_topk) if route == "point_mass_elastic" else ElasticConfig(schedule="static")
-    with mcore.patched(elastic):
+    point_mass = route == "point_mass_elastic"
+    with mcore.patched(point_mass_config(config.moe_router_topk) if point_mass else ElasticConfig(schedule="static")):
         assert mcore.is_applied()
         patched = [_run(patched_router, x, mask, grad_probs, moe_tracker, seed=s) for s in (7, 8)]
         records = mcore.routing_records(patched_router)
     for a, b in zip(stock, patched):
         _assert_all_equal(a, b)
-    if route == "point_mass_elastic":  # it really took the elastic path, with b = k + 1
+    if point_mass:  # it really took the elastic path, with b = k + 1
         assert records[0].expert_ids.shape[1] == config.moe_router_topk + 1
         assert torch.equal(records[0].budgets, torch.full((S * B,), config.moe_router_topk))
     else:
