@@ -16,6 +16,12 @@ Per layer:
     topk_set_changed_frac               share of tokens whose top-κ set differs from their static
                                         top-k set; top-κ is a prefix of the router ranking, so this
                                         is exactly the share with κ ≠ k
+    capacity_dropped_frac               with a capacity factor: the share of selected (token,
+                                        expert) assignments that capacity dropped
+    capacity_dropped_frac_top_k         the same share among router ranks 1..k (what static top-k
+                                        also selects)
+    capacity_dropped_frac_beyond_k      the same share among ranks k+1..κ, the extra experts of
+                                        tokens with κ > k (0 when no token has κ > k)
 
 Static layers (outside ``ElasticConfig.layers``, or every layer of a ``static`` schedule) route
 stock top-k and keep no record; they are reported at their fixed κ = k (``mean_kappa = k``,
@@ -45,11 +51,15 @@ class RoutingRecord:
         expert_ids: LongTensor [T, b], selected experts sorted by router rank, −1 beyond κ_t.
         retained_weight_sums: Tensor [T], Σ of the kept gate weights before any scaling factor
             (1 for ``renormalized``; < 1 for ``full_softmax``).
+        capacity_dropped: BoolTensor [T, b], True where a selected slot of ``expert_ids`` was
+            dropped by the capacity factor (Megatron's ``moe_expert_capacity_factor``); None when
+            no capacity factor is set. ``expert_ids`` keep the selection before drops.
     """
 
     budgets: torch.Tensor
     expert_ids: torch.Tensor
     retained_weight_sums: torch.Tensor
+    capacity_dropped: torch.Tensor | None = None
 
 
 def expert_counts(record: RoutingRecord, num_experts: int) -> torch.Tensor:
@@ -108,6 +118,8 @@ def layer_metrics(
         metrics["topk_set_changed_frac"] = float((record.budgets != schedule.center).double().mean())
         if "mean_kappa" not in metrics:
             metrics["mean_kappa"] = float(record.budgets.double().mean())
+        if record.capacity_dropped is not None:
+            metrics.update(capacity_drop_shares(record, schedule.center))
     return metrics
 
 
@@ -120,6 +132,21 @@ def static_layer_metrics(topk: int, schedule: BudgetSchedule) -> dict[str, float
     for rank in range(1, max(schedule.high, topk) + 1):
         metrics[f"exposure_rank_{rank}"] = metrics[f"survival_rank_{rank}"] = 1.0 if rank <= topk else 0.0
     return metrics
+
+
+def capacity_drop_shares(record: RoutingRecord, topk: int) -> dict[str, float]:
+    """Dropped / selected assignments of ``record``: overall, at router ranks 1..k, at ranks > k.
+
+    Slot j of ``expert_ids`` holds router rank j + 1. A share with nothing selected (no token with
+    κ > k, say) is 0. Synchronises once.
+    """
+    selected = record.expert_ids >= 0
+    dropped = record.capacity_dropped & selected
+    parts = {"": slice(None), "_top_k": slice(None, topk), "_beyond_k": slice(topk, None)}
+    counts = torch.stack([count for columns in parts.values()
+                          for count in (dropped[:, columns].sum(), selected[:, columns].sum())]).tolist()
+    return {"capacity_dropped_frac" + name: (counts[2 * i] / counts[2 * i + 1] if counts[2 * i + 1] else 0.0)
+            for i, name in enumerate(parts)}
 
 
 def routing_metrics(
@@ -144,7 +171,8 @@ def routing_metrics(
         for name, value in values.items():
             flat[f"{PREFIX}/layer_{layer}/{name}"] = value
             per_name.setdefault(name, []).append(value)
-    for name in ("mean_kappa", "retained_weight_sum_mean", "tokens_per_expert_max_over_mean", "topk_set_changed_frac"):
+    for name in ("mean_kappa", "retained_weight_sum_mean", "tokens_per_expert_max_over_mean", "topk_set_changed_frac",
+                 "capacity_dropped_frac"):
         if per_name.get(name):
             flat[f"{PREFIX}/{name}"] = sum(per_name[name]) / len(per_name[name])
     if per_name.get("retained_weight_sum_min"):

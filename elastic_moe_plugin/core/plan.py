@@ -54,6 +54,15 @@ class LayerPlan:
         """b: candidate slots per token, the schedule's high budget (or the top-p width)."""
         return self.top_p_width if self.top_p is not None else self.schedule.high
 
+    @property
+    def fixed_budget(self) -> int | None:
+        """k when every token's κ is k whatever is drawn, so known on the host: a schedule whose
+        whole mass is on its center (``"static"``, or {k−1..k+1} with a vanishing σ). None when κ
+        varies, and always in ``mode="top_p"``, where κ comes from the probabilities."""
+        if self.top_p is not None or self.schedule.probability(self.schedule.center) != 1.0:
+            return None
+        return self.schedule.center
+
 
 def cached_plan(router, key: Hashable, resolve: Callable[[], "LayerPlan | None"]) -> "LayerPlan | None":
     """The plan cached on ``router`` for ``key``, else ``resolve()`` (cached; None is cached too).

@@ -34,6 +34,7 @@ def remember(
     retained_weight_sums: torch.Tensor,
     *,
     count: bool,
+    capacity_dropped: torch.Tensor | None = None,
 ) -> None:
     """Store this forward's record on ``router``; with ``count``, add κ [T] to its histogram [b+1].
 
@@ -43,11 +44,13 @@ def remember(
         candidate_ids: [T, b] expert ids by router rank; kept: [T, b] bool, slot j kept iff j < κ_t.
         retained_weight_sums: [T], Σ of the kept gate weights.
         count: False for a forward that replays a step already counted (activation recompute).
+        capacity_dropped: [T, b] bool, kept slots that a capacity factor dropped; None without one.
     """
     router.__dict__[RECORD_ATTR] = RoutingRecord(
         budgets=budgets.detach(),
         expert_ids=torch.where(kept, candidate_ids, -1).detach(),
         retained_weight_sums=retained_weight_sums.detach(),
+        capacity_dropped=None if capacity_dropped is None else capacity_dropped.detach(),
     )
     if not count:
         return

@@ -24,14 +24,15 @@ Elastic routing, one MoE layer in training (paper §3.2, Eq. 4-5)::
     (1) logits [T, E] = gating(x)                    (stock; z-loss applied as stock)
     (2) κ [T] ~ q on {a..b}                         (BudgetSchedule, on κ's own stream: budget_rng)
     (3) top-b candidates by the stock selection rule (softmax / sigmoid / sqrtsoftplus score,
-        expert bias for selection only, group-limited routing with b), sorted by rank
+        expert bias for selection only; group-limited routing keeps the groups stock top-k
+        keeps, then takes the top-b inside them), sorted by rank
     (4) keep the first κ_t candidates of token t; weights by the gate convention (docs/gates.md):
         full_softmax  w = p_e                       (Switch/OLMoE; Megatron pre-softmax)
         renormalized  w = p_e / Σ_kept p            (Qwen3; Megatron post-softmax), computed as a
                                                      softmax over the kept logits like Megatron
         sigmoid       w = s_e / Σ_kept s if κ_t > 1 else s_e   (Megatron's rule with κ for k)
         then × moe_router_topk_scaling_factor
-    (5) capacity dropping as stock, sized with b
+    (5) capacity dropping as stock, capacity ceil(T·k/E · cf) from k (E[κ] = k), not from b
     (6) load balancing on the realised assignments: f_i = c_i / Σ_j c_j = c_i / Σκ with c the
         realised per-expert counts before capacity drops (paper: "load-balancing statistics are
         computed over the realized dispatched assignments")

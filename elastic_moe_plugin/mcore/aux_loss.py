@@ -63,7 +63,7 @@ def realised_assignments(router, plan: LayerPlan, logits: torch.Tensor, realised
         _, scores = compute_routing_scores_for_aux_loss(logits, 1, router.score_function, fused=False,
                                                         padding_mask=padding_mask)
     valid_map = realised_map if padding_mask is None else realised_map & (~padding_mask).unsqueeze(-1)
-    host_topk = plan.schedule.center if plan.schedule.is_static else None
+    host_topk = plan.fixed_budget
     return RealisedAssignments(scores, valid_map, padding_mask, host_topk, seq_length, bsz)
 
 

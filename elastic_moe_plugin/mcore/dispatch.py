@@ -15,12 +15,15 @@ alltoall ``preprocess``, dropless           stock sizes the permuted output as T
                                             the same one stock pays with a capacity factor).
                                             ``balanced``: Σκ = T·k by construction; keep the static
                                             size, no sync. ``ELASTIC_MOE_DEBUG=1`` asserts it.
-alltoall / HybridEP drop-and-pad            capacity is sized from T·b (the schedule's upper bound)
-                                            instead of T·k, matching the router's capacity mask.
+alltoall / HybridEP drop-and-pad, HybridEP  no fix: stock sizes the expert capacity (and HybridEP's
+rank budget                                 rank budget) from T·k, and the elastic router masks to
+                                            that same capacity (E[κ] = k; ``docs/parallelism.md``).
 flex DeepEP / NCCL-EP ``setup_metadata``    stock rebuilds indices with ``topk(probs, k)``: tokens
                                             with κ < k get phantom zero-weight experts and κ > k is
                                             truncated. Indices are rebuilt from the routing map with
-                                            width b; unrouted slots are −1.
+                                            width b, the worst case; unrouted slots are −1. NCCL-EP
+                                            sizes its receive buffer from that width (an overflow
+                                            traps, so it must hold the worst case).
 flex ``dispatch_preprocess``                ``_initialize_metadata`` expands the map over TP×EP into a
                                             new tensor, which drops the tag before ``setup_metadata``
                                             runs; the tag is handed to the manager instead (outside
@@ -30,10 +33,9 @@ flex ``dispatch_preprocess``                ``_initialize_metadata`` expands the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -71,21 +73,6 @@ def _map_tag(manager: Any, routing_map: torch.Tensor) -> tuple[int, bool] | None
     return tag or None
 
 
-@contextlib.contextmanager
-def _router_topk_as(config, topk: int) -> Iterator[None]:
-    """Present ``config.moe_router_topk = topk`` for the duration of one stock sizing call.
-
-    Stock capacity code reads ``moe_router_topk`` as the per-token upper bound; b is that bound
-    for an elastic layer. The config object is restored before any other module reads it.
-    """
-    original = config.moe_router_topk
-    config.moe_router_topk = topk
-    try:
-        yield
-    finally:
-        config.moe_router_topk = original
-
-
 def indices_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Convert a multi-hot map [T, E] into (probs [T, width], indices [T, width]) with −1 slots.
 
@@ -103,11 +90,9 @@ def _alltoall_preprocess(original: Callable) -> Callable:
     @functools.wraps(original)
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
         width = elastic_width(routing_map)
-        if width is None:
+        if width is None or self.drop_and_pad:
+            # Drop-and-pad: stock's capacity from T·k is the router's (routing.elastic_routing).
             return original(self, routing_map)
-        if self.drop_and_pad:
-            with _router_topk_as(self.config, width):
-                return original(self, routing_map)
         tokens_per_expert = original(self, routing_map)
         if self.config.moe_expert_capacity_factor is None and not getattr(
             self.config, "moe_router_padding_for_quantization", False
@@ -144,18 +129,6 @@ def _flex_dispatch_preprocess(original: Callable) -> Callable:
             manager.__dict__.pop(MANAGER_TAG_ATTR, None)
 
     return dispatch_preprocess
-
-
-def _hybridep_setup_metadata(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor):
-        tag = _map_tag(self, routing_map)
-        if tag is None:
-            return original(self, routing_map, probs)
-        with _router_topk_as(self.config, tag[0]):
-            return original(self, routing_map, probs)
-
-    return setup_metadata
 
 
 def _indexed_setup_metadata(original: Callable) -> Callable:
@@ -201,11 +174,11 @@ def _targets() -> list[tuple[Any, str, Callable]]:
     from megatron.core.transformer.moe import token_dispatcher
 
     targets = [(token_dispatcher.MoEAlltoAllTokenDispatcher, "preprocess", _alltoall_preprocess)]
-    for name, factory in (("_HybridEPManager", _hybridep_setup_metadata), ("_DeepepManager", _indexed_setup_metadata),
-                          ("_NCCLEPManager", _indexed_setup_metadata)):
+    # HybridEP consumes the map itself and sizes from k like the router: it needs no fix.
+    for name in ("_DeepepManager", "_NCCLEPManager"):
         cls = getattr(token_dispatcher, name, None)
         if cls is not None and "setup_metadata" in cls.__dict__:
-            targets.append((cls, "setup_metadata", factory))
+            targets.append((cls, "setup_metadata", _indexed_setup_metadata))
     flex = getattr(token_dispatcher, "MoEFlexTokenDispatcher", None)
     if flex is not None and "dispatch_preprocess" in flex.__dict__:
         targets.append((flex, "dispatch_preprocess", _flex_dispatch_preprocess))

@@ -175,9 +175,9 @@ def validate_router(router, config: ElasticConfig) -> None:
         return
     width = _top_p_width(model, config) if top_p else schedule.high
     problems = []
-    if top_p and model.moe_router_score_function != "softmax":
-        problems.append(f"mode='top_p' reads the budget off full-softmax probabilities, but "
-                        f"moe_router_score_function={model.moe_router_score_function!r}; use mode='elastic'")
+    if top_p and router.score_function != "softmax":
+        problems.append(f"mode='top_p' reads the budget off full-softmax probabilities, but the router's "
+                        f"score_function is {router.score_function!r}; use mode='elastic'")
     if router.routing_type in ("sinkhorn", "quantile_balancing"):
         problems.append(f"moe_router_load_balancing_type={router.routing_type!r} picks experts by its own "
                         f"balancing algorithm with a fixed k; use 'aux_loss', 'seq_aux_loss', "
@@ -220,7 +220,7 @@ def validate_router(router, config: ElasticConfig) -> None:
         raise UnsupportedMegatronError(
             f"elastic-moe cannot route {what} with this Megatron config: " + "; ".join(problems) + "."
         )
-    warn_if_top1_gate_is_constant(schedule, _gate_for(model, config), f"layers {config.layers or 'all MoE layers'}")
+    warn_if_top1_gate_is_constant(schedule, _gate_for(router, config), f"layers {config.layers or 'all MoE layers'}")
 
 
 def _top_p_width(model_config, config: ElasticConfig) -> int:
@@ -252,19 +252,40 @@ def _captures_moe_preprocess(model_config) -> bool:
     return "moe_preprocess" in names
 
 
-def _gate_for(model_config, config: ElasticConfig) -> str:
-    if model_config.moe_router_score_function in ("sigmoid", "sqrtsoftplus"):
+def _gate_for(router, config: ElasticConfig) -> str:
+    """The plan's gate for the router's score function now (``router.score_function``: what stock
+    routes with; the config's ``moe_router_score_function`` is only read at construction)."""
+    if router.score_function in ("sigmoid", "sqrtsoftplus"):
         return {"auto": "sigmoid_auto", "renormalized": "renormalized", "full_softmax": "full_softmax"}[config.gate]
     if config.gate != "auto":
         return config.gate
-    return "full_softmax" if model_config.moe_router_pre_softmax else "renormalized"
+    return "full_softmax" if router.config.moe_router_pre_softmax else "renormalized"
+
+
+def _plan_inputs(router) -> tuple:
+    """What a plan is resolved from that a caller can change on a built router.
+
+    Stock routing reads these at every forward (``router.score_function``; the config's top-k,
+    pre-softmax, group-limit and fusion flags), and Megatron's own unit tests change some of them
+    on a built router. Keying the cached plan on them makes the plan follow: a change re-resolves
+    the plan, and re-runs the start-up checks, at the next forward, so the gate rule always fits
+    the score function stock would use. Nine attribute reads per forward, no tensor work.
+    """
+    model = router.config
+    return (router.layer_number, router.score_function, model.moe_router_topk, model.num_moe_experts,
+            model.moe_router_pre_softmax, model.moe_router_num_groups, model.moe_router_group_topk,
+            getattr(model, "moe_router_fusion", False), getattr(model, "moe_enable_routing_replay", False))
 
 
 def training_plan(router, config: ElasticConfig, generation: int) -> LayerPlan | None:
-    """The plan for this forward, or None when the stock path must run (cached per router)."""
+    """The plan for this forward, or None when the stock path must run.
+
+    Cached per router, keyed on the patch generation and :func:`_plan_inputs`: a new config, layer
+    number or routing option re-resolves it.
+    """
     if not router.training or not config.enabled:
         return None
-    return cached_plan(router, (generation, router.layer_number), lambda: _resolve_plan(router, config))
+    return cached_plan(router, (generation, _plan_inputs(router)), lambda: _resolve_plan(router, config))
 
 
 def _resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:
@@ -293,6 +314,6 @@ def _resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:
             return None
     validate_router(router, config)
     if config.mode == "top_p":
-        return LayerPlan(schedule=schedule, gate=_gate_for(model, config), sampling="iid", layer_index=layer_index,
+        return LayerPlan(schedule=schedule, gate=_gate_for(router, config), sampling="iid", layer_index=layer_index,
                          top_p=config.top_p, top_p_width=_top_p_width(model, config))
-    return LayerPlan(schedule=schedule, gate=_gate_for(model, config), sampling=config.sampling, layer_index=layer_index)
+    return LayerPlan(schedule=schedule, gate=_gate_for(router, config), sampling=config.sampling, layer_index=layer_index)

@@ -76,10 +76,7 @@ def _select_candidates(router, plan: LayerPlan, logits: torch.Tensor) -> tuple[t
             sigmoid/sqrtsoftplus).
         candidate_ids [T, b]: expert indices.
     """
-    from megatron.core.transformer.moe.moe_utils import group_limited_topk
-
     model = router.config
-    num_tokens, num_experts = logits.shape
     width = plan.width
     score_function = router.score_function
     if score_function == "softmax":
@@ -103,9 +100,9 @@ def _select_candidates(router, plan: LayerPlan, logits: torch.Tensor) -> tuple[t
         raise UnsupportedMegatronError(f"moe_router_score_function={score_function!r} is not supported.")
 
     if model.moe_router_group_topk:
-        selected, candidate_ids = group_limited_topk(
-            scores=selection, topk=width, num_tokens=num_tokens, num_experts=num_experts,
-            num_groups=model.moe_router_num_groups, group_topk=model.moe_router_group_topk,
+        selected, candidate_ids = _group_limited_candidates(
+            selection, topk=plan.schedule.center, width=width, num_groups=model.moe_router_num_groups,
+            group_topk=model.moe_router_group_topk,
         )
     else:
         selected, candidate_ids = torch.topk(selection, k=width, dim=1, sorted=True)
@@ -120,8 +117,38 @@ def _select_candidates(router, plan: LayerPlan, logits: torch.Tensor) -> tuple[t
     return torch.gather(scores, 1, candidate_ids), candidate_ids
 
 
-#: LayerPlan.gate (softmax models resolve "renormalized" to a softmax over the kept logits, as
-#: Megatron's post-softmax does, so κ = 1 gives weight exactly 1) -> gates.weigh_candidates rule
+def _group_limited_candidates(selection: torch.Tensor, topk: int, width: int, num_groups: int,
+                              group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``width`` (b) candidates inside the expert groups that stock top-k keeps.
+
+    Megatron's ``group_limited_topk`` scores each of the G groups by the sum of its top
+    ``topk // group_topk`` scores, keeps the ``group_topk`` best groups and takes the top-k inside
+    them. The groups are chosen here by that same rule with the model's k, and only the final
+    selection widens to b, so a token with κ = k routes exactly as stock top-k. Scoring groups
+    with b // group_topk instead changes the groups of every token whenever that differs from
+    k // group_topk (6-10 around 8 with group_topk = 3: 3 against 2).
+
+    Args:
+        selection: [T, E], the scores experts are ranked by.
+        topk: k, which scores the groups; width: b, the candidates returned.
+        num_groups, group_topk: Megatron's ``moe_router_num_groups`` / ``moe_router_group_topk``.
+
+    Returns:
+        (values [T, b], expert ids [T, b]), sorted by rank.
+    """
+    num_tokens, num_experts = selection.shape
+    # The same ops as megatron.core.transformer.moe.moe_utils.group_limited_topk, with k for the groups.
+    group_scores = selection.view(num_tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    experts_per_group = num_experts // num_groups
+    score_mask = group_mask.unsqueeze(-1).expand(num_tokens, num_groups, experts_per_group).reshape(num_tokens, -1)
+    return torch.topk(selection.masked_fill(~score_mask.bool(), float("-inf")), k=width, dim=-1)
+
+
+#: (score-function family, LayerPlan.gate) -> gates.weigh_candidates rule. Softmax models resolve
+#: "renormalized" to a softmax over the kept logits, as Megatron's post-softmax does, so κ = 1
+#: gives weight exactly 1; "sigmoid_auto" is the sigmoid / sqrtsoftplus rule only.
 _WEIGHING_RULE = {
     ("softmax", "full_softmax"): "full_softmax",
     ("softmax", "renormalized"): "selected_softmax",
@@ -131,10 +158,31 @@ _WEIGHING_RULE = {
 }
 
 
-def _prefix_weights(router, plan: LayerPlan, candidate_values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """Gate weights [T, b] of the kept prefix (0 beyond κ), by :func:`gates.weigh_candidates`."""
+def _weighing_rule(router, plan: LayerPlan) -> str:
+    """The :func:`gates.weigh_candidates` rule of ``plan.gate`` for the router's score function now.
+
+    Raises:
+        UnsupportedMegatronError: ``plan.gate`` belongs to another score function, i.e. the plan
+            was resolved for a router whose ``score_function`` has changed since. The patch
+            re-resolves its plans when that happens (``patch.training_plan``), so only a plan built
+            by hand reaches this.
+    """
     family = "softmax" if router.score_function == "softmax" else "sigmoid"
-    rule = _WEIGHING_RULE[family, plan.gate]
+    rule = _WEIGHING_RULE.get((family, plan.gate))
+    if rule is None:
+        accepted = sorted(gate for (gate_family, gate) in _WEIGHING_RULE if gate_family == family)
+        raise UnsupportedMegatronError(
+            f"LayerPlan.gate={plan.gate!r} cannot weigh a router whose score_function is "
+            f"{router.score_function!r} (the plan was resolved for another score function, or "
+            f"router.score_function changed after it was). Accepted gates for {router.score_function!r}: "
+            f"{', '.join(accepted)}. Resolve the plan for the router as it is now: under mcore.apply plans "
+            f"re-resolve by themselves; a LayerPlan built by hand needs one of those gates."
+        )
+    return rule
+
+
+def _prefix_weights(rule: str, candidate_values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Gate weights [T, b] of the kept prefix (0 beyond κ), by :func:`gates.weigh_candidates`."""
     # Megatron's precision policy: scores and weights in fp32 whatever the router dtype. Autograd's
     # own backward, so that a point-mass plan reproduces stock gradients bit for bit.
     return weigh_candidates(rule, candidate_values.float(), kept, exact_backward=False)
@@ -150,7 +198,12 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
     Returns:
         probs [T, E] (sparse, dtype of logits) and routing_map [T, E] (bool), the stock contract;
         row t of routing_map has κ_t True entries (fewer after capacity drops; drop-and-pad adds
-        zero-weight padding entries).
+        zero-weight padding entries). With a capacity factor cf, column e has at most
+        ``get_capacity(T·k, E, cf)`` True entries, as stock (drop-and-pad: exactly that many when
+        it is at most T).
+
+    Raises:
+        UnsupportedMegatronError: ``plan.gate`` does not fit ``router.score_function``.
     """
     from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
 
@@ -162,6 +215,7 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
     logits = router.apply_z_loss(logits, padding_mask=padding_mask)
 
     num_tokens = logits.shape[0]
+    rule = _weighing_rule(router, plan)  # first: a stale plan fails here, clearly, not mid-selection
     candidate_values, candidate_ids = _select_candidates(router, plan, logits)
     if plan.top_p is None:
         budgets = draw_budgets(router, plan, num_tokens, logits.device)
@@ -170,7 +224,7 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
             sorted_probs = torch.softmax(logits.float(), dim=-1).gather(1, candidate_ids)
         budgets = top_p_budgets(sorted_probs, plan.top_p)
     kept = budget_mask(budgets, plan.width)  # [T, b]
-    weights = _prefix_weights(router, plan, candidate_values, kept)
+    weights = _prefix_weights(rule, candidate_values, kept)
     retained_weight_sums = weights.detach().sum(dim=-1)
     if model.moe_router_topk_scaling_factor:
         weights = weights * model.moe_router_topk_scaling_factor
@@ -184,11 +238,17 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
     routing_map = routing_map.scatter(1, candidate_ids, kept)
     realised_map = routing_map
 
+    capacity_dropped = None
     if model.moe_expert_capacity_factor is not None:
+        # Capacity from k, not b: ceil(T·k/E · cf) per expert, stock's number for the same cf, since
+        # the expected load per expert is T·E[κ]/E = T·k/E. The drop-and-pad dispatchers size their
+        # buffers from the same T·k, so the padded map and the buffers agree (docs/parallelism.md).
         probs, routing_map = apply_router_token_dropping(
-            probs, routing_map, router_topk=plan.width, capacity_factor=model.moe_expert_capacity_factor,
+            probs, routing_map, router_topk=plan.schedule.center, capacity_factor=model.moe_expert_capacity_factor,
             drop_policy=model.moe_token_drop_policy, pad_to_capacity=model.moe_pad_expert_input_to_capacity,
         )
+        # [T, b]: selected slots the capacity mask removed (for the drop metrics; no host sync)
+        capacity_dropped = kept & ~routing_map.gather(1, candidate_ids)
 
     if router.training and torch.is_grad_enabled() and router.is_aux_loss_enabled():
         assignments = realised_assignments(router, plan, logits, realised_map, padding_mask, seq_length, bsz)
@@ -197,6 +257,6 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
     router._apply_expert_bias(routing_map, padding_mask=padding_mask)
     # Counted once per real step: recompute's first pass runs without grad (as stock expert-bias counting).
     records.remember(router, plan.width, budgets, candidate_ids, kept, retained_weight_sums,
-                     count=torch.is_grad_enabled())
+                     count=torch.is_grad_enabled(), capacity_dropped=capacity_dropped)
     # Dispatchers size buffers from k unless told otherwise (see mcore.dispatch).
     return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced")

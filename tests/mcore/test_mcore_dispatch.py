@@ -152,8 +152,119 @@ def test_debug_mode_asserts_the_balanced_invariant(make_config, make_moe_layer, 
     assert debug.explicit == plain.explicit + 1
 
 
-def test_drop_and_pad_capacity_is_sized_from_the_upper_bound(make_config, make_moe_layer):
-    """What a user gets with drop-and-pad: every expert buffer holds ceil(T·b/E·cf) rows, whatever κ."""
+# ================================================================================ capacity
+class _Dispatched:
+    """What one MoE layer forward routed and dispatched: the router's (probs, map) by a forward
+    hook, and the experts' input rows and ``tokens_per_expert`` by a forward pre-hook."""
+
+    def __init__(self, layer):
+        layer.router.register_forward_hook(self._router)
+        layer.experts.register_forward_pre_hook(self._experts)
+
+    def _router(self, module, inputs, outputs):
+        self.probs, self.routing_map = outputs[0].detach(), outputs[1].detach()
+
+    def _experts(self, module, args):
+        self.rows = args[0].shape[0]
+        self.tokens_per_expert = torch.as_tensor(args[1]).tolist()
+
+
+def _capacity_layer_run(make_config, make_moe_layer, elastic: ElasticConfig | None, **overrides):
+    """One training forward+backward of an alltoall MoE layer (seeded weights, input and κ draw)."""
+    config = make_config(hidden_size=H, moe_token_dispatcher_type="alltoall", **overrides)
+    if elastic is None:
+        mcore.remove()
+    else:
+        mcore.apply(elastic)
+    layer = make_moe_layer(config, seed=3)
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 0.5)  # clear winners, so capacity binds on some experts
+    dispatched = _Dispatched(layer)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    torch.manual_seed(5)
+    out, _ = layer(x)
+    (out * torch.randn(S, B, H, generator=torch.Generator().manual_seed(6))).sum().backward()
+    dispatched.out, dispatched.input_grad, dispatched.layer = out.detach(), x.grad, layer
+    dispatched.capacity = layer.token_dispatcher.capacity
+    return config, dispatched
+
+
+CAPACITY_MATRIX = [
+    (capacity_factor, pad, policy, topk)
+    for capacity_factor in (1.0, 1.5) for pad in (False, True) for policy in ("probs", "position") for topk in (2, 8)
+]
+
+
+@pytest.mark.parametrize(("capacity_factor", "pad", "policy", "topk"), CAPACITY_MATRIX,
+                         ids=[f"cf{c}-{'pad' if p else 'drop'}-{d}-top{k}" for c, p, d, k in CAPACITY_MATRIX])
+def test_point_mass_capacity_is_bitwise_stock(capacity_factor, pad, policy, topk, make_config, make_moe_layer):
+    """κ ≡ k drawn by the elastic path with b = k + 1 (vanishing σ on {k−1..k+1}) routes, drops,
+    pads and dispatches exactly what stock top-k does: the capacity is get_capacity(T·k, E, cf),
+    not from b, in the router and in the alltoall drop-and-pad buffers alike."""
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    num_experts = 16 if topk == 8 else E
+    overrides = dict(num_moe_experts=num_experts, moe_router_topk=topk, moe_expert_capacity_factor=capacity_factor,
+                     moe_pad_expert_input_to_capacity=pad, moe_token_drop_policy=policy)
+    _, stock = _capacity_layer_run(make_config, make_moe_layer, None, **overrides)
+    _, elastic = _capacity_layer_run(make_config, make_moe_layer,
+                                     ElasticConfig(schedule=f"{topk - 1}-{topk + 1}", sigma=1e-3), **overrides)
+    record = mcore.routing_records(elastic.layer)[0]
+    assert record.expert_ids.shape[1] == topk + 1 and (record.budgets == topk).all()  # the elastic path ran
+
+    capacity = get_capacity(num_tokens=S * B * topk, num_experts=num_experts, capacity_factor=capacity_factor)
+    assert capacity < S * B  # capacity binds: Megatron skips dropping when it exceeds T
+    per_expert = stock.routing_map.sum(dim=0)
+    assert (per_expert == capacity).all() if pad else (per_expert <= capacity).all()
+    if capacity_factor == 1.0:  # not vacuous: stock really drops something
+        assert int((stock.probs != 0).sum()) < S * B * topk
+    for name in ("probs", "routing_map", "out", "input_grad"):
+        assert torch.equal(getattr(stock, name), getattr(elastic, name)), name
+    assert (elastic.rows, elastic.tokens_per_expert) == (stock.rows, stock.tokens_per_expert)
+    assert elastic.capacity == stock.capacity == (capacity if pad else None)
+    for stock_param, elastic_param in zip(stock.layer.parameters(), elastic.layer.parameters()):
+        assert torch.equal(stock_param.grad, elastic_param.grad)
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["drop", "pad"])
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_elastic_6_10_never_exceeds_the_capacity_computed_from_k(pad, policy, make_config, make_moe_layer):
+    """6–10 around top-8, cf = 1: no expert gets more than get_capacity(T·k, E, cf) entries (with
+    drop-and-pad exactly that many), although Σκ differs from T·k; the drop metrics count what
+    capacity removed, the extra experts of tokens with κ > k included."""
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    num_experts, topk = 16, 8
+    config, dispatched = _capacity_layer_run(
+        make_config, make_moe_layer, ElasticConfig(schedule="6-10"), num_moe_experts=num_experts, moe_router_topk=topk,
+        moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=pad, moe_token_drop_policy=policy)
+    record = mcore.routing_records(dispatched.layer)[0]
+    assert record.expert_ids.shape[1] == 10 and int(record.budgets.sum()) != S * B * topk  # iid: Σκ ≠ T·k
+
+    capacity = get_capacity(num_tokens=S * B * topk, num_experts=num_experts, capacity_factor=1.0)
+    per_expert = dispatched.routing_map.sum(dim=0)
+    assert (per_expert == capacity).all() if pad else (per_expert <= capacity).all() and per_expert.max() == capacity
+    assert max(dispatched.tokens_per_expert) <= capacity
+    assert sum(dispatched.tokens_per_expert) == dispatched.rows == int(per_expert.sum())
+    if pad:  # the buffers stock allocates at the same cf
+        assert dispatched.capacity == capacity and dispatched.rows == capacity * num_experts
+
+    # drop record: a selected slot is dropped iff its (token, expert) left the map; κ > k tokens lose some
+    selected = record.expert_ids >= 0
+    routed_after = dispatched.routing_map.gather(1, record.expert_ids.clamp(min=0)) & selected
+    assert torch.equal(record.capacity_dropped, selected & ~routed_after)
+    beyond = record.capacity_dropped[:, topk:]
+    assert beyond.any() and record.capacity_dropped[:, :topk].any()
+    metrics = mcore.routing_metrics(dispatched.layer)
+    layer_metric = "elastic_moe/layer_0/capacity_dropped_frac"
+    assert metrics[layer_metric] == pytest.approx(int(record.capacity_dropped.sum()) / int(selected.sum()))
+    assert metrics[layer_metric + "_beyond_k"] == pytest.approx(int(beyond.sum()) / int(selected[:, topk:].sum()))
+    assert metrics["elastic_moe/capacity_dropped_frac"] == metrics[layer_metric]
+
+
+def test_drop_and_pad_buffers_match_the_router_capacity(make_config, make_moe_layer):
+    """With drop-and-pad every expert buffer holds ceil(T·k/E·cf) rows, stock's, whatever κ, and the
+    router pads its map to exactly that (permute/unpermute shapes depend on it)."""
     from megatron.core.transformer.moe.moe_utils import get_capacity
 
     mcore.apply(ElasticConfig(schedule=SCHEDULE))
@@ -163,10 +274,10 @@ def test_drop_and_pad_capacity_is_sized_from_the_upper_bound(make_config, make_m
     captured = {}
     layer.router.register_forward_hook(lambda module, inputs, outputs: captured.update(map=outputs[1]))
     layer(torch.randn(S, B, H))
-    capacity = get_capacity(num_tokens=S * B * WIDTH, num_experts=E, capacity_factor=1.0)
+    capacity = get_capacity(num_tokens=S * B * K, num_experts=E, capacity_factor=1.0)
     assert layer.token_dispatcher.capacity == capacity
     assert (captured["map"].sum(dim=0) == capacity).all()  # the router pads to the same capacity
-    assert config.moe_router_topk == K  # restored after the sizing call
+    assert config.moe_router_topk == K
 
 
 # ================================================================================ flex dispatchers
@@ -302,7 +413,9 @@ def test_ncclep_refuses_to_widen_after_its_buffers_were_sized(make_config):
         manager.setup_metadata(routing_map, probs)
 
 
-def test_hybridep_drop_and_pad_capacity_uses_the_upper_bound(make_config):
+def test_hybridep_drop_and_pad_capacity_is_the_router_capacity(make_config, make_router):
+    """HybridEP runs stock (not patched): its drop-and-pad capacity, from T·k, is the capacity the
+    elastic router padded every expert to."""
     from megatron.core.transformer.moe.moe_utils import get_capacity
 
     class _Group:
@@ -310,13 +423,17 @@ def test_hybridep_drop_and_pad_capacity_uses_the_upper_bound(make_config):
             return 1
 
     mcore.apply(ElasticConfig(schedule=SCHEDULE))
+    assert not any("_HybridEPManager" in target for target in dispatch.installed_targets())
+    overrides = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    router = make_router(make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H, **overrides), weight_std=1.0)
+    probs, routing_map = router(torch.randn(S, B, H, generator=torch.Generator().manual_seed(2)))
+    assert mcore.routing_records(router)[0].expert_ids.shape[1] == WIDTH  # elastic, b = 3
+    capacity = get_capacity(num_tokens=S * B * K, num_experts=E, capacity_factor=1.0)
+    assert (routing_map.sum(dim=0) == capacity).all()
+
     attributes = dict(drop_and_pad=True, group=_Group(), moe_expert_rank_capacity_factor=None, num_permuted_tokens=None)
     manager = _manager("_HybridEPManager", make_config, capacity_factor=1.0, **attributes)
-    probs, routing_map = _elastic_map(BUDGETS)
     manager.setup_metadata(routing_map, probs)
-    assert manager.capacity == get_capacity(num_tokens=len(BUDGETS) * WIDTH, num_experts=E, capacity_factor=1.0)
+    assert manager.capacity == capacity
+    assert manager.num_permuted_tokens == capacity * E == int(routing_map.sum())
     assert torch.equal(manager.routing_map, routing_map)  # HybridEP consumes the map itself
-    assert manager.config.moe_router_topk == K
-    stock = _manager("_HybridEPManager", make_config, capacity_factor=1.0, **attributes)
-    stock.setup_metadata(routing_map.clone(), probs)  # untagged: stock sizing from k
-    assert stock.capacity == get_capacity(num_tokens=len(BUDGETS) * K, num_experts=E, capacity_factor=1.0)

@@ -137,10 +137,10 @@ def test_dispatchers_combine_exactly_what_the_router_routed(case, make_config, m
     """Output and gradients equal Σ_e probs_te · expert_e(x_t) over the router's own (probs, map),
     capacity drops and drop-and-pad included; the kept rows are the hand gate on the kept set.
 
-    The elastic router sizes expert capacity from T·b (the schedule's upper budget; mcore step 5).
-    Stock alltoall sizes dropless buffers as T·k (0.19's permute keeps argsort[:T·k] rows) and
-    drop-and-pad buffers as capacity(T·k)·E; ``mcore.apply`` installs the token-dispatcher fixes
-    (``elastic_moe_plugin.mcore.dispatch``) that size them from the realised Σκ and from b.
+    The elastic router sizes expert capacity from T·k, as stock (E[κ] = k; mcore step 5), so
+    stock's drop-and-pad buffers of capacity(T·k)·E rows fit its padded map. Stock alltoall sizes
+    dropless buffers as T·k (0.19's permute keeps argsort[:T·k] rows); ``mcore.apply`` installs the
+    token-dispatcher fix (``elastic_moe_plugin.mcore.dispatch``) that sizes them from the realised Σκ.
     """
     mcore.apply(ElasticConfig(schedule="1-3"))
     assert _alltoall_dispatcher_patched()
@@ -162,7 +162,7 @@ def test_dispatchers_combine_exactly_what_the_router_routed(case, make_config, m
     if config.moe_expert_capacity_factor is None:
         assert torch.equal(routing_map.sum(dim=1), record.budgets)
     else:
-        capacity = -(-S * B * 3 // E)  # ceil(T·b/E·cf) with b = 3, cf = 1
+        capacity = -(-S * B * 2 // E)  # ceil(T·k/E·cf) with k = 2, cf = 1
         per_expert = routing_map.sum(dim=0)
         if config.moe_pad_expert_input_to_capacity:
             assert (per_expert == capacity).all()

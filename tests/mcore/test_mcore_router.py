@@ -84,13 +84,31 @@ def _assert_all_equal(stock, other):
 
 
 # ======================================================================== point mass == stock
+#: σ of a schedule {k−1..k+1} whose outer budgets have probability exactly 0 (exp(−1/(2σ²))
+#: underflows), so κ ≡ k is drawn through the elastic code path with candidate width b = k + 1
+POINT_MASS_SIGMA = 1e-3
+
+
+def point_mass_config(topk: int) -> ElasticConfig:
+    """κ ≡ k through ``elastic_routing`` (not the static short-cut), with b = k + 1 ≠ k, so that
+    anything sized from b instead of k shows."""
+    return ElasticConfig(schedule=f"{topk - 1}-{topk + 1}", sigma=POINT_MASS_SIGMA)
+
+
 STOCK_CASES = {
     "softmax_post": {},
     "softmax_pre": dict(moe_router_pre_softmax=True),
     "sigmoid_expert_bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
     "group_limited": dict(num_moe_experts=8, moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk=2),
+    # b // group_topk = 4 // 2 differs from k // group_topk = 3 // 2: groups must be scored with k
+    "group_limited_top3": dict(num_moe_experts=16, moe_router_num_groups=4, moe_router_group_topk=2,
+                               moe_router_topk=3, moe_router_score_function="sigmoid"),
     "capacity_drop": dict(moe_expert_capacity_factor=1.0),
+    "capacity_drop_position": dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position"),
     "drop_and_pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+    "drop_and_pad_position": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True,
+                                  moe_token_drop_policy="position"),
+    "top8_capacity_drop": dict(num_moe_experts=16, moe_router_topk=8, moe_expert_capacity_factor=1.0),
     "aux_loss": dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01),
     "seq_aux_loss": dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01),
     "global_aux_loss": dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.01),
@@ -100,9 +118,13 @@ STOCK_CASES = {
 }
 
 
+@pytest.mark.parametrize("route", ["static_shortcut", "point_mass_elastic"])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
 @pytest.mark.parametrize("case", list(STOCK_CASES))
-def test_static_schedule_is_bitwise_stock(case, masked, make_config, make_router, moe_tracker):
+def test_static_schedule_is_bitwise_stock(case, masked, route, make_config, make_router, moe_tracker):
+    """Through the patched ``router.forward``: ``schedule="static"`` (which runs stock code) and a
+    point mass drawn by the elastic code path both reproduce stock bit for bit: probs, map,
+    gradients, aux/z-loss logs and the expert-bias and aux-loss buffers."""
     if masked and case == "sigmoid_expert_bias":
         pytest.skip("stock Megatron's _apply_expert_bias cannot take a padding mask ([T,E] & [T] broadcast)")
     config = make_config(**STOCK_CASES[case])
@@ -120,11 +142,18 @@ def test_static_schedule_is_bitwise_stock(case, masked, make_config, make_router
 
     stock = [_run(stock_router, x, mask, grad_probs, moe_tracker, seed=s) for s in (7, 8)]
     moe_tracker.reset()
-    with mcore.patched(ElasticConfig(schedule="static")):
+    point_mass = route == "point_mass_elastic"
+    with mcore.patched(point_mass_config(config.moe_router_topk) if point_mass else ElasticConfig(schedule="static")):
         assert mcore.is_applied()
         patched = [_run(patched_router, x, mask, grad_probs, moe_tracker, seed=s) for s in (7, 8)]
+        records = mcore.routing_records(patched_router)
     for a, b in zip(stock, patched):
         _assert_all_equal(a, b)
+    if point_mass:  # it really took the elastic path, with b = k + 1
+        assert records[0].expert_ids.shape[1] == config.moe_router_topk + 1
+        assert torch.equal(records[0].budgets, torch.full((S * B,), config.moe_router_topk))
+    else:
+        assert records == {}
     # The comparison is not vacuous: the aux losses and z-loss cases really logged something.
     if config.moe_aux_loss_coeff or config.moe_z_loss_coeff:
         assert any(stock[-1]["tracker:" + n] is not None and stock[-1]["tracker:" + n].abs().sum() > 0 for n in TRACKED)
@@ -197,6 +226,70 @@ def test_eval_is_bitwise_stock_for_any_schedule(case, schedule, make_config, mak
     if schedule != "static":
         assert set(train_map.sum(dim=1).tolist()) == {1, 2, 3}
     assert mcore.routing_records(patched_router).keys() == ({0} if schedule != "static" else set())
+
+
+# ======================================================================== the plan follows the router
+ROUTER_CHANGES = {
+    # what Megatron's own router tests change on a built router (stock honours the first and the
+    # pre-softmax flag at forward time, and reads moe_router_score_function only at construction)
+    "router.score_function": lambda router: setattr(router, "score_function", "sigmoid"),
+    "config.moe_router_score_function": lambda router: setattr(router.config, "moe_router_score_function", "sigmoid"),
+    "both_score_functions": lambda router: (setattr(router, "score_function", "sigmoid"),
+                                            setattr(router.config, "moe_router_score_function", "sigmoid")),
+    "config.moe_router_pre_softmax": lambda router: setattr(router.config, "moe_router_pre_softmax", True),
+}
+
+
+@pytest.mark.parametrize("when", ["after_construction", "between_forwards"])
+@pytest.mark.parametrize("change", list(ROUTER_CHANGES))
+def test_the_plan_follows_a_router_changed_after_construction(change, when, make_config, make_router, moe_tracker):
+    """A point mass drawn by the elastic path stays bitwise stock when the router's score function
+    or pre-softmax flag changes on a built router: the plan is resolved from the router as it is
+    at each forward, not from the config at construction (a plan resolved from the changed config
+    while the router still scored with softmax raised KeyError ('softmax', 'sigmoid_auto'))."""
+    torch.manual_seed(123)
+    x = torch.randn(S, B, H)
+    grad_probs = torch.randn(S * B, 8)
+    change_before_step = 0 if when == "after_construction" else 1
+
+    def run(router):
+        results = []
+        for step in range(2):
+            if step == change_before_step:
+                ROUTER_CHANGES[change](router)
+            results.append(_run(router, x, None, grad_probs, moe_tracker))
+        return results
+
+    stock = run(make_router(make_config(moe_aux_loss_coeff=0.01), weight_std=1.0))
+    moe_tracker.reset()
+    with mcore.patched(point_mass_config(2)):
+        router = make_router(make_config(moe_aux_loss_coeff=0.01), weight_std=1.0)
+        elastic = run(router)
+        assert mcore.routing_records(router)[0].expert_ids.shape[1] == 3  # the elastic path ran
+    for a, b in zip(stock, elastic):
+        _assert_all_equal(a, b)
+    if when == "between_forwards":  # the change mattered to stock, except the one stock ignores
+        changed = not torch.equal(stock[0]["probs"], stock[1]["probs"])
+        assert changed == (change != "config.moe_router_score_function")
+
+
+def test_a_plan_for_another_score_function_is_refused_with_the_fix(make_config, make_router):
+    router = make_router(make_config())
+    plan = LayerPlan(schedule=BudgetSchedule.static(2), gate="sigmoid_auto", sampling="iid", layer_index=0)
+    with pytest.raises(UnsupportedMegatronError,
+                       match=r"LayerPlan.gate='sigmoid_auto' cannot weigh a router whose score_function is 'softmax'"
+                             r".*Accepted gates for 'softmax': full_softmax, renormalized"):
+        elastic_routing(router, plan, torch.randn(S * B, 8))
+
+
+def test_an_option_enabled_on_a_built_router_is_refused_at_its_next_forward(make_config, make_router):
+    """Options refused at construction are refused when switched on later, not silently ignored."""
+    mcore.apply(ElasticConfig(schedule="1-3"))
+    router = make_router(make_config())
+    router(torch.randn(S, B, H))
+    router.config.moe_router_fusion = True
+    with pytest.raises(UnsupportedMegatronError, match="moe_router_fusion=True"):
+        router(torch.randn(S, B, H))
 
 
 # ======================================================================== apply / remove / patched
@@ -279,8 +372,9 @@ def test_a_second_copy_of_the_patch_module_does_not_wrap_the_first(monkeypatch):
 
 
 # ======================================================================== budgets and selection
-def _rank_scores(config, router, logits, width):
-    """The score stock Megatron ranks experts by (selection only), −inf outside the kept groups."""
+def _rank_scores(config, router, logits):
+    """The score stock Megatron ranks experts by (selection only), −inf outside the groups stock
+    top-k keeps."""
     if config.moe_router_score_function == "sigmoid":
         scores = torch.sigmoid(logits.double())
         if router.expert_bias is not None:
@@ -288,9 +382,10 @@ def _rank_scores(config, router, logits, width):
     else:
         scores = torch.softmax(logits.double(), dim=-1)  # same order as the logits
     if config.moe_router_group_topk:
-        # group score = sum of its top (b // group_topk) scores; keep the best group_topk groups
+        # group score = sum of its top (k // group_topk) scores; keep the best group_topk groups
         groups = scores.view(scores.shape[0], config.moe_router_num_groups, -1)
-        group_scores = groups.sort(dim=-1, descending=True).values[..., : width // config.moe_router_group_topk].sum(-1)
+        per_group = config.moe_router_topk // config.moe_router_group_topk
+        group_scores = groups.sort(dim=-1, descending=True).values[..., :per_group].sum(-1)
         best = group_scores.sort(dim=-1, descending=True).indices[:, : config.moe_router_group_topk]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
         scores = torch.where(keep.unsqueeze(-1).expand_as(groups), groups, float("-inf")).view_as(scores)
@@ -403,7 +498,7 @@ def test_selection_and_weights_match_the_hand_reference(case, make_config, make_
     probs, routing_map = router.routing(logits)
     record = mcore.routing_records(router)[0]
     z = logits.detach().view(-1, 8)
-    ref_map, ref_ids = _hand_top_kappa(_rank_scores(config, router, z, 3), record.budgets, 3)
+    ref_map, ref_ids = _hand_top_kappa(_rank_scores(config, router, z), record.budgets, 3)
     assert set(record.budgets.tolist()) == {1, 2, 3}
     assert torch.equal(routing_map, ref_map)
     assert torch.equal(record.expert_ids, ref_ids)
@@ -415,6 +510,29 @@ def test_selection_and_weights_match_the_hand_reference(case, make_config, make_
     if router.expert_bias is not None:  # the bias really changed the choice somewhere
         unbiased_map, _ = _hand_top_kappa(torch.sigmoid(z.double()), record.budgets, 3)
         assert not torch.equal(unbiased_map, routing_map)
+
+
+def test_group_limited_routing_keeps_the_groups_of_stock_top_k(make_config, make_router):
+    """6-10 around top-8 with group_topk = 3: groups are scored by their top 8 // 3 = 2 experts, as
+    stock top-8 scores them (not by 10 // 3 = 3), then every token takes its top-κ inside them.
+    Tokens with κ = 8 therefore route exactly as stock top-8."""
+    config = make_config(num_moe_experts=32, moe_router_topk=8, moe_router_num_groups=8, moe_router_group_topk=3,
+                         moe_router_score_function="sigmoid")
+    x = torch.randn(64, 4, H, generator=torch.Generator().manual_seed(8))
+    _, stock_map = make_router(config, weight_std=0.3)(x)  # sigmoid scores well clear of fp32 ties at 1
+    mcore.apply(ElasticConfig(schedule="6-10"))
+    router = make_router(config, weight_std=0.3)
+    _, routing_map = router(x)
+    record = mcore.routing_records(router)[0]
+    z = (x.view(-1, H) @ router.weight.detach().t()).float()
+    ref_map, ref_ids = _hand_top_kappa(_rank_scores(config, router, z), record.budgets, 10)
+    assert torch.equal(routing_map, ref_map) and torch.equal(record.expert_ids, ref_ids)
+    at_k = record.budgets == 8
+    assert at_k.any() and torch.equal(routing_map[at_k], stock_map[at_k])
+    # not vacuous: scoring the groups by their top 3 would pick other groups for some tokens
+    groups = torch.sigmoid(z.double()).view(-1, 8, 4).sort(dim=-1, descending=True).values
+    assert not torch.equal(groups[..., :2].sum(-1).topk(3).indices.sort().values,
+                           groups[..., :3].sum(-1).topk(3).indices.sort().values)
 
 
 # ======================================================================== realised aux losses
@@ -476,6 +594,25 @@ def test_aux_losses_use_the_realised_assignments(kind, masked, make_config, make
         assert logits.grad.abs().sum() > 0
         if mask is not None:  # padding tokens get no aux gradient at all
             assert torch.count_nonzero(logits.grad[mask]) == 0
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
+@pytest.mark.parametrize("kind", AUX_TYPES)
+def test_top_p_mode_aux_losses_use_the_realised_assignments(kind, masked, make_config, make_router, moe_tracker):
+    """mode='top_p' has no fixed budget (κ comes from the probabilities): its aux losses normalise
+    by the realised Σκ, not by T·k, although its plan's schedule is the point mass at k."""
+    coeff = 0.01
+    config = make_config(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=coeff)
+    mcore.apply(ElasticConfig(mode="top_p", top_p=0.4))
+    router = make_router(config)
+    mask = _padding_mask() if masked else None
+    name = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+            "global_aux_loss": "global_load_balancing_loss"}[kind]
+    logits = (torch.randn(S, B, 8, generator=torch.Generator().manual_seed(3)) * 2).requires_grad_()
+    _, routing_map = router.routing(logits, padding_mask=mask)
+    assert int(routing_map.sum()) != S * B * config.moe_router_topk
+    hand = _hand_aux(kind, logits.detach(), routing_map, mask, coeff, S, B)
+    torch.testing.assert_close(moe_tracker.values(name)[0].double(), hand / coeff, rtol=1e-5, atol=1e-9)
 
 
 def test_seq_aux_loss_with_a_fully_padded_sequence_is_finite(make_config, make_router, moe_tracker):
