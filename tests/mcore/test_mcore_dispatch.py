@@ -254,7 +254,9 @@ def test_elastic_6_10_never_exceeds_the_capacity_computed_from_k(pad, policy, ma
     routed_after = dispatched.routing_map.gather(1, record.expert_ids.clamp(min=0)) & selected
     assert torch.equal(record.capacity_dropped, selected & ~routed_after)
     beyond = record.capacity_dropped[:, topk:]
-    assert beyond.any() and record.capacity_dropped[:, :topk].any()
+    assert record.capacity_dropped[:, :topk].any()
+    if policy == "probs":  # lowest probabilities go first, so the κ > k tokens' extra experts are among them
+        assert beyond.any()  # (by position, whether any is dropped depends on the κ drawn)
     metrics = mcore.routing_metrics(dispatched.layer)
     layer_metric = "elastic_moe/layer_0/capacity_dropped_frac"
     assert metrics[layer_metric] == pytest.approx(int(record.capacity_dropped.sum()) / int(selected.sum()))
