@@ -32,6 +32,7 @@ average over all of them; the weight and load averages over the layers that have
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -121,6 +122,25 @@ def layer_metrics(
         if record.capacity_dropped is not None:
             metrics.update(capacity_drop_shares(record, schedule.center))
     return metrics
+
+
+@functools.lru_cache(maxsize=16)
+def metric_names(schedule: BudgetSchedule, num_experts: int, with_capacity: bool = False) -> tuple[str, ...]:
+    """Every per-layer name :func:`layer_metrics` gives an elastic layer of ``schedule``, sorted,
+    with the ``capacity_dropped_frac*`` shares when ``with_capacity`` (a capacity factor is set).
+
+    The names depend on the schedule only, never on the data, so every rank can list them, a
+    pipeline stage without elastic layers included: a report that all-reduces each name over the
+    pipeline group needs the same names on every stage. Read off one synthetic token.
+    """
+    width = schedule.high
+    histogram = torch.zeros(width + 1, dtype=torch.long)
+    histogram[list(schedule.budgets)] = 1
+    ids = torch.full((1, width), -1, dtype=torch.long)
+    ids[0, : min(schedule.center, num_experts)] = torch.arange(min(schedule.center, num_experts))
+    record = RoutingRecord(budgets=torch.tensor([schedule.center]), expert_ids=ids, retained_weight_sums=torch.ones(1),
+                           capacity_dropped=torch.zeros((1, width), dtype=torch.bool) if with_capacity else None)
+    return tuple(sorted(layer_metrics(record, histogram, schedule, num_experts)))
 
 
 def static_layer_metrics(topk: int, schedule: BudgetSchedule) -> dict[str, float]:

@@ -104,6 +104,14 @@ def resolve_schedule(model) -> tuple[BudgetSchedule, int, Any] | None:
         model_config = router.config
         schedule = config.resolve(num_experts=model_config.num_moe_experts, topk=model_config.moe_router_topk)
         return schedule, int(model_config.num_moe_experts), model_config
+    if active is not None and active.enabled:
+        # a pipeline stage whose layers are all dense has no router; the model's config has the rest
+        for chunk in _chunks(model):
+            for module in chunk.modules():
+                model_config = getattr(module, "config", None)
+                if getattr(model_config, "num_moe_experts", None):
+                    schedule = active.resolve(num_experts=model_config.num_moe_experts, topk=model_config.moe_router_topk)
+                    return schedule, int(model_config.num_moe_experts), model_config
     return None
 
 
@@ -208,6 +216,22 @@ def _data_parallel_group():
     return parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
 
 
+def _pipeline_world_size() -> int:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def _device(records, histograms) -> torch.device:
+    """Where the tracker entries live: the routers' device, else (a stage without elastic layers)
+    the current CUDA device, as Megatron's own entries."""
+    for tensor in list(histograms.values()) + [record.budgets for record in records.values()]:
+        return tensor.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _num_elastic_moe_layers(model_config, elastic: ElasticConfig | None, local_layers: Iterable[int]) -> int:
     """Divisor of Megatron's layer mean: elastic MoE layers of the whole model (all pipeline stages)."""
     num_layers = int(model_config.num_layers)
@@ -254,7 +278,7 @@ def _record(chunks: Sequence[torch.nn.Module], flat: dict[str, float], loss_scal
         return []
     _, _, model_config = resolve_schedule(chunks)
     records, histograms = _records_and_histograms(chunks)
-    device = next(iter(list(histograms.values()) or [r.budgets for r in records.values()])).device
+    device = _device(records, histograms)
     names = sorted({name for values in layers.values() for name in values})
     # One host->device copy of the whole table; the tracker then indexes per layer.
     table = torch.full((len(names), len(layers)), float("nan"), dtype=torch.float64)
@@ -315,20 +339,30 @@ def log_routing_metrics(
         :func:`routing_metrics` of this rank (before the cross-rank average), for console logs.
     """
     chunks = _chunks(model)
-    values = routing_metrics(chunks, include_static=False)
-    if not values:
-        return {}
-    if writer is None and wandb_writer is None:
-        writer, wandb_writer = _megatron_lm_writers()
-    _, _, model_config = resolve_schedule(chunks)
-    records, histograms = _records_and_histograms(chunks)
+    resolved = resolve_schedule(chunks)
     elastic = patch.active_config()
     if elastic is None:
         elastic = next((getattr(r, "elastic_config", None) for r in _routers(chunks)
                         if getattr(r, "elastic_config", None) is not None), None)
+    if resolved is None or (resolved[0].is_static and elastic.mode != "top_p"):
+        return {}  # the same answer on every rank: the config is global
+    schedule, num_experts, model_config = resolved
+    values = routing_metrics(chunks, include_static=False)
+    if not values and _pipeline_world_size() == 1:
+        return {}  # nothing recorded yet, and no other stage waits for this one
+    if writer is None and wandb_writer is None:
+        writer, wandb_writer = _megatron_lm_writers()
+    records, histograms = _records_and_histograms(chunks)
     divisor = _num_elastic_moe_layers(model_config, elastic, set(records) | set(histograms))
+    with_capacity = getattr(model_config, "moe_expert_capacity_factor", None) is not None
+    names = [TRACKER_PREFIX + name for name in metrics.metric_names(schedule, num_experts, with_capacity)]
+    device = _device(records, histograms)
     with megatron_tracker.isolated():
-        names = _record(chunks, values, 1.0)
+        _record(chunks, values, 1.0)
+        # A stage without elastic layers reports every name too (zeros, which the pipeline sum
+        # leaves unchanged): the report all-reduces each name, and the other stages would wait.
+        for name in names:
+            megatron_tracker.ensure(name, int(model_config.num_layers), device)
         megatron_tracker.report(names, iteration, writer=writer, wandb_writer=wandb_writer,
                                 per_layer_logging=per_layer_logging, num_layers=divisor, pg_collection=pg_collection)
     if reset_histograms:

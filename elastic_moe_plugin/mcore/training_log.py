@@ -162,20 +162,6 @@ def _megatron_args():
 
 
 # ---------------------------------------------------------------------------------- one logging step
-@functools.lru_cache(maxsize=16)
-def metric_names(schedule: BudgetSchedule, num_experts: int) -> tuple[str, ...]:
-    """Every per-layer metric name :func:`metrics.layer_metrics` gives for ``schedule``, sorted:
-    read off one synthetic token (the names depend on the schedule only, never on the data)."""
-    width = schedule.high
-    histogram = torch.zeros(width + 1, dtype=torch.long)
-    histogram[list(schedule.budgets)] = 1
-    ids = torch.full((1, width), -1, dtype=torch.long)
-    ids[0, : min(schedule.center, num_experts)] = torch.arange(min(schedule.center, num_experts))
-    record = metrics.RoutingRecord(budgets=torch.tensor([schedule.center]), expert_ids=ids,
-                                   retained_weight_sums=torch.ones(1))
-    return tuple(sorted(metrics.layer_metrics(record, histogram, schedule, num_experts)))
-
-
 class _Capture:
     """A TensorBoard-like writer that remembers every scalar and forwards it to ``writer``."""
 
@@ -211,7 +197,9 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
 
     routers = [router for router in patch.built_routers() if router.training]
     per_layer = tracking.per_layer_metrics(routers) if routers else {}
-    names = [tracking.TRACKER_PREFIX + name for name in metric_names(schedule, int(megatron_args.num_experts))]
+    with_capacity = getattr(megatron_args, "moe_expert_capacity_factor", None) is not None
+    names = [tracking.TRACKER_PREFIX + name
+             for name in metrics.metric_names(schedule, int(megatron_args.num_experts), with_capacity)]
     num_layers = int(megatron_args.num_layers)
     divisor = tracking._num_elastic_moe_layers(megatron_args, config, per_layer)  # noqa: SLF001 - one rule for both hooks
     writer = _Capture(get_tensorboard_writer())
@@ -248,4 +236,4 @@ def _data_parallel_group():
     return parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
 
 
-__all__ = ["CONSOLE_METRICS", "TRAINING_MODULE", "install", "is_installed", "log_step", "metric_names", "remove"]
+__all__ = ["CONSOLE_METRICS", "TRAINING_MODULE", "install", "is_installed", "log_step", "remove"]

@@ -257,14 +257,20 @@ PP_LAYERS, PP_ELASTIC = 4, "1-2"
 
 
 def _pp_scenario(rank, world, init_method):
-    """PP=2, 4 layers, layers='1-2' (0-based): each stage builds its 2 layers and runs a forward on
-    its own hidden states (random ones on the second stage, as if received)."""
+    """PP=2, 4 layers, layers='1-2' (0-based): layer 1 on stage 0, layer 2 on stage 1."""
+    return _pp_forward(rank, world, init_method, PP_ELASTIC)[0]
+
+
+def _pp_forward(rank, world, init_method, layers):
+    """PP=2, 4 layers, ``layers`` elastic (0-based): each stage builds its 2 layers and runs a
+    forward on its own hidden states (random ones on the second stage, as if received); returns
+    (what the stage saw, its block)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     _init(rank, world, init_method, pp=2)
-    mcore.apply(ElasticConfig(schedule=SCHEDULE, layers=PP_ELASTIC))
+    mcore.apply(ElasticConfig(schedule=SCHEDULE, layers=layers))
     config = _config("alltoall", pp=2, num_layers=PP_LAYERS)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
@@ -282,7 +288,23 @@ def _pp_scenario(rank, world, init_method):
     records = mcore.routing_records(block)
     return {"stage": stage, "layer_numbers": [r.layer_number for r in routers],
             "records": {index: record.budgets for index, record in records.items()},
-            "per_token": per_token}
+            "per_token": per_token}, block
+
+
+def _pp_logging_scenario(rank, world, init_method):
+    """PP=2, 4 layers, layers='0-1': both elastic layers on stage 0, none on stage 1; then every
+    stage logs, as a training loop does."""
+    from elastic_moe_plugin.mcore import tracking
+
+    result, block = _pp_forward(rank, world, init_method, "0-1")
+    written = {}
+
+    class Writer:
+        def add_scalar(self, tag, value, step):
+            written[tag] = float(value)
+
+    returned = tracking.log_routing_metrics(block, iteration=1, writer=Writer())
+    return {"stage": result["stage"], "returned": returned, "written": written}
 
 
 def _ep2_alltoall(rank, world, init_method):
@@ -324,6 +346,7 @@ SCENARIOS = {
         "dp2": _dp2,
         "dp2_randomness": _dp_randomness_scenario,
         "pp2": _pp_scenario,
+        "pp2_logging": _pp_logging_scenario,
     },
     4: {
         "tp2_ep2_sp": _tp2_ep2_sp,
@@ -529,6 +552,24 @@ def test_pipeline_stages_route_exactly_their_elastic_layers(world2):
                 assert torch.equal(per_token, budgets) and len(set(budgets.tolist())) > 1
             else:
                 assert torch.equal(per_token, torch.full((S * B,), K)), f"layer {index} must stay static"
+
+
+@pytest.mark.slow
+def test_a_pipeline_stage_without_elastic_layers_joins_the_metrics_report(world2):
+    """Megatron's report all-reduces every name over the pipeline group: the stage without elastic
+    layers must report them too (zeros), or the other waits until TIMEOUT. Both then write the
+    pipeline-summed values: stage 0's own layers, averaged over the 2 elastic layers."""
+    by_stage = {r["stage"]: r for r in _scenario(world2, "pp2_logging")}
+    assert by_stage[1]["returned"] == {}  # nothing of its own to compute
+    local = by_stage[0]["returned"]
+    assert {"elastic_moe/layer_0/mean_kappa", "elastic_moe/layer_1/mean_kappa"} <= set(local)
+    for stage, result in by_stage.items():
+        written = result["written"]
+        for layer in (0, 1):
+            tag = f"moe/elastic_moe/mean_kappa_layer_{layer}"
+            assert written[tag] == pytest.approx(local[f"elastic_moe/layer_{layer}/mean_kappa"], rel=1e-6), (stage, tag)
+        assert written["moe/elastic_moe/mean_kappa_layer_2"] == 0.0  # a static layer: no elastic record
+        assert written["elastic_moe/mean_kappa"] == pytest.approx(local["elastic_moe/mean_kappa"], rel=1e-6), stage
 
 
 # ================================================================================ world size 4

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from elastic_moe_plugin import ElasticConfig, mcore
+from elastic_moe_plugin.core import metrics
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches
 from elastic_moe_plugin.mcore import tracking, training_log
@@ -20,17 +21,22 @@ from elastic_moe_plugin.mcore import tracking, training_log
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
 
 
-@pytest.mark.parametrize("schedule, topk, experts", [("1-3", 2, 8), ("6-10", 8, 16)])
-def test_every_rank_reports_the_names_a_routed_layer_produces(schedule, topk, experts, make_config, make_router):
-    """The names come from the schedule alone, so a pipeline stage without elastic layers reports
-    the same list as one with them (else Megatron's report would wait forever in its all-reduce)."""
+@pytest.mark.parametrize("schedule, topk, experts, capacity_factor",
+                         [("1-3", 2, 8, None), ("6-10", 8, 16, None), ("6-10", 8, 16, 1.0)])
+def test_every_rank_reports_the_names_a_routed_layer_produces(schedule, topk, experts, capacity_factor, make_config,
+                                                              make_router):
+    """The names come from the schedule (and whether a capacity factor is set) alone, so a pipeline
+    stage without elastic layers reports the same list as one with them (else Megatron's report
+    would wait forever in its all-reduce)."""
     mcore.apply(ElasticConfig(schedule=schedule))
-    router = make_router(make_config(num_moe_experts=experts, moe_router_topk=topk), weight_std=0.5)
+    config = make_config(num_moe_experts=experts, moe_router_topk=topk, moe_expert_capacity_factor=capacity_factor)
+    router = make_router(config, weight_std=0.5)
     router(torch.randn(64, 1, 16))
     routed = set(tracking.per_layer_metrics(router)[0])
     elastic_schedule = ElasticConfig(schedule=schedule).budget_schedule(topk)
-    assert set(training_log.metric_names(elastic_schedule, experts)) == routed
+    assert set(metrics.metric_names(elastic_schedule, experts, capacity_factor is not None)) == routed
     assert {"mean_kappa", f"kappa_frac_{elastic_schedule.high}", f"exposure_rank_{elastic_schedule.high}"} <= routed
+    assert ("capacity_dropped_frac_beyond_k" in routed) == (capacity_factor is not None)
 
 
 def test_a_training_log_without_an_iteration_argument_is_refused_with_the_way_out():

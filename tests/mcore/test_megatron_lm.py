@@ -329,7 +329,7 @@ def _scalars(directory: Path) -> dict[str, dict[int, float]]:
 
 
 def test_routing_metrics_reach_the_tensorboard_event_files(runs):
-    from elastic_moe_plugin.mcore.training_log import metric_names
+    from elastic_moe_plugin.core.metrics import metric_names
 
     elastic, _ = _ok(runs, "elastic"), _ok(runs, "stock")
     ours, stock = _scalars(runs["tmp"] / "tb_elastic"), _scalars(runs["tmp"] / "tb_stock")

@@ -28,7 +28,7 @@ def report(mp_world):
 
 def test_every_scenario_and_figure_is_reported(report):
     scenarios = {entry["scenario"]: entry for entry in report["scenarios"]}
-    assert set(scenarios) == {"router", "layer-allgather", "layer-alltoall", "gpt-step"}
+    assert set(scenarios) == {"router", "layer-allgather", "layer-alltoall", "layer-droppad", "gpt-step"}
     for entry in scenarios.values():
         assert set(entry["variants"]) == {"stock", "iid", "balanced"}
         for variant in entry["variants"].values():
@@ -50,7 +50,8 @@ def test_pairs_are_compute_matched(report):
 
 def test_sync_budget(report):
     scenarios = {entry["scenario"]: entry for entry in report["scenarios"]}
-    moe_layers = {"router": 1, "layer-allgather": 1, "layer-alltoall": 1, "gpt-step": 2}  # --quick shapes
+    moe_layers = {"router": 1, "layer-allgather": 1, "layer-alltoall": 1, "layer-droppad": 1,
+                  "gpt-step": 2}  # --quick shapes
     for name, entry in scenarios.items():
         assert entry["ratios"]["balanced"]["syncs_added"] == 0
         assert entry["ratios"]["iid"]["syncs_added"] <= moe_layers[name]  # at most one per MoE layer
@@ -58,6 +59,19 @@ def test_sync_budget(report):
     # sizes its output from num_out_tokens (0.19); 0.16's permute masks instead and reads nothing
     assert scenarios["router"]["variants"]["iid"]["syncs_per_forward"] == 0
     assert scenarios["layer-alltoall"]["ratios"]["iid"]["syncs_added"] == (1 if _permute_reads_row_count() else 0)
+
+
+def test_drop_and_pad_experts_multiply_stocks_rows_whatever_kappa(report):
+    """cf = 1 with padding: every expert buffer holds get_capacity(T·k, E, 1) rows in all three
+    variants (capacity from k, as stock; sizing from b = 6 would give 1.5x the rows at the --quick
+    shape E=16, k=4, 2-6, T=512)."""
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    entry = {e["scenario"]: e for e in report["scenarios"]}["layer-droppad"]
+    rows = 16 * get_capacity(num_tokens=512 * 4, num_experts=16, capacity_factor=1.0)
+    assert rows == 2048
+    for name, variant in entry["variants"].items():
+        assert variant["expected_pairs"] == variant["realised_pairs"] == rows, name
 
 
 def _permute_reads_row_count() -> bool:

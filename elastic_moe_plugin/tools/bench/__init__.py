@@ -2,7 +2,7 @@
 
 - :mod:`.measure`: the measuring core (interleaved median-of-rounds timing, peak live bytes,
   host syncs, pairs) that every scenario goes through;
-- :mod:`.megatron`: Megatron-core scenarios (``router``, ``layer``, ``gpt``);
+- :mod:`.megatron`: Megatron-core scenarios (``router``, ``layer`` with its drop-and-pad case, ``gpt``);
 - :mod:`.hf`: transformers scenarios (``hf``): an OLMoE- and a Qwen3-MoE-shaped sparse MoE block
   per experts implementation, with the rows the expert GEMMs multiply.
 

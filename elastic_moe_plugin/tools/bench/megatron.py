@@ -14,10 +14,15 @@ Scenarios (forward + backward):
 - ``router``: the router alone (gating GEMM, selection, weights, aux loss);
 - ``layer-allgather`` / ``layer-alltoall``: a MoE layer with SequentialMLP experts (single
   process, so the all-to-all is local; what it measures is the permute/unpermute bookkeeping);
+- ``layer-droppad``: the same layer with drop-and-pad (``moe_expert_capacity_factor=1``,
+  ``moe_pad_expert_input_to_capacity``): every expert buffer holds get_capacity(T·k, E, 1) rows,
+  stock's, whatever κ;
 - ``gpt-step``: a training step (forward, backward) of a tiny GPTModel with MoE in every layer.
 
-Timing, memory and sync counting are :mod:`.measure`'s. Pairs: (token, expert) pairs dispatched
-per forward, expected T·k against realised Σκ (the routing records).
+Timing, memory and sync counting are :mod:`.measure`'s. Pairs: (token, expert) rows per forward,
+expected against realised. Router and GPT step: T·k against Σκ (the routing records); the MoE
+layers: the rows the experts multiply, read at the experts' input (Σκ dropless; E·capacity with
+drop-and-pad, where stock's own figure is the expected one).
 """
 
 from __future__ import annotations
@@ -135,15 +140,17 @@ def _moe_submodules():
 
 
 def layer_scenario(dispatcher: str, num_experts: int, topk: int, schedule: str, tokens: int, hidden: int,
-                   ffn: int) -> dict[str, Step]:
+                   ffn: int, drop_and_pad: bool = False) -> dict[str, Step]:
     import dataclasses
 
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_utils import get_capacity
 
     from elastic_moe_plugin import mcore
 
+    capacity = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True) if drop_and_pad else {}
     config = _config(hidden_size=hidden, ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, num_moe_experts=num_experts,
-                     moe_router_topk=topk, moe_token_dispatcher_type=dispatcher)
+                     moe_router_topk=topk, moe_token_dispatcher_type=dispatcher, **capacity)
     device = _device()
     torch.manual_seed(0)
     layers = {"stock": MoELayer(config=config, submodules=_moe_submodules())}
@@ -156,24 +163,30 @@ def layer_scenario(dispatcher: str, num_experts: int, topk: int, schedule: str, 
     sequence = max(1, tokens // 4)
     x = torch.randn(sequence, 4, hidden, device=device)
     grad_out = torch.randn(sequence, 4, hidden, device=device)
+    expected_rows = sequence * 4 * topk
+    if drop_and_pad:  # stock's buffers: every expert padded to the capacity of T·k assignments
+        expected_rows = num_experts * get_capacity(num_tokens=expected_rows, num_experts=num_experts, capacity_factor=1.0)
     steps = {}
     for name, layer in layers.items():
         layer.to(device).set_layer_number(1)
         layer.train()
-        steps[name] = _module_step(layer, lambda module: module(x.detach().requires_grad_())[0], grad_out,
-                                   sequence * 4 * topk)
+        steps[name] = _layer_step(layer, x, grad_out, expected_rows)
     return steps
 
 
-def _module_step(module, call, grad_out, expected_pairs) -> Step:
+def _layer_step(layer, x, grad_out, expected_rows) -> Step:
+    rows = {}
+    # the experts' input [rows, H]: what they multiply, padding included
+    layer.experts.register_forward_pre_hook(lambda module, args: rows.__setitem__("rows", int(args[0].shape[0])))
+
     def forward():
-        return call(module)
+        return layer(x.detach().requires_grad_())[0]
 
     def run():
-        module.zero_grad(set_to_none=True)
+        layer.zero_grad(set_to_none=True)
         (forward() * grad_out).sum().backward()
 
-    return Step(run=run, forward=lambda: forward(), pairs=lambda: _records_pairs(module, expected_pairs))
+    return Step(run=run, forward=forward, pairs=lambda: rows.get("rows", expected_rows))
 
 
 def gpt_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hidden: int, layers: int) -> dict[str, Step]:
@@ -244,9 +257,11 @@ def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list[
             shape = f"E={experts} k={topk} {schedule} T={tokens} H={hidden}"
             results.append(_measure("router", shape, router_scenario(experts, topk, schedule, tokens, hidden), warmup, repeats))
     if "layer" in wanted:
+        shape = "E={num_experts} k={topk} {schedule} T={tokens} H={hidden} F={ffn}".format(**layer_shape)
         for dispatcher in ("allgather", "alltoall"):
-            shape = "E={num_experts} k={topk} {schedule} T={tokens} H={hidden} F={ffn}".format(**layer_shape)
             results.append(_measure(f"layer-{dispatcher}", shape, layer_scenario(dispatcher, **layer_shape), warmup, repeats))
+        results.append(_measure("layer-droppad", "alltoall " + shape + " cf=1 pad",
+                                layer_scenario("alltoall", **layer_shape, drop_and_pad=True), warmup, repeats))
     if "gpt" in wanted:
         shape = "L={layers} E={num_experts} k={topk} {schedule} T={tokens} H={hidden}".format(**gpt_shape)
         results.append(_measure("gpt-step", shape, gpt_scenario(**gpt_shape), warmup, repeats))
