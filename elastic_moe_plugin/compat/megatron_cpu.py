@@ -61,8 +61,9 @@ Redirected while enabled (verified against megatron-core 0.16.1 and 0.19.2):
   ``megatron.core.tensor_parallel.random`` is filtered: with the emulation the "GPU" generator
   *is* the CPU generator, so that check fires on every fork that draws random numbers.
 
-Megatron modules imported *after* enable() get their attributes fixed by an import hook that
-runs right after the module executes, so the import order does not matter.
+Megatron modules imported *after* enable() get their attributes fixed by the post-import hook of
+:class:`~elastic_moe_plugin.core.patching.AttributePatches` (``when_imported``), right after the
+module executes, so the import order does not matter.
 
 Redirected as well with ``enable(training=True)``, for Megatron-LM's own training loop
 (``megatron.training``: ``pretrain``, ``train_step``, ``training_log``, checkpointing; verified
@@ -108,8 +109,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -530,53 +529,6 @@ _MEGATRON_FIXUPS = {
 }
 
 
-class _FixupLoader(importlib.abc.Loader):
-    """Runs the real loader, then the module's fixup; leaves the real loader on the module."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        with _STATE.lock:
-            if _STATE.active:
-                _MEGATRON_FIXUPS[module.__name__](module)
-
-
-class _FixupFinder(importlib.abc.MetaPathFinder):
-    """Meta-path finder that wraps the loader of the modules in _MEGATRON_FIXUPS."""
-
-    def find_spec(
-        self, fullname: str, path: Any = None, target: Any = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        searching = _SEARCHING.__dict__.setdefault("names", set())
-        if fullname not in _MEGATRON_FIXUPS or fullname in searching:
-            return None  # not ours, or another delegating finder (core.patching's) asking back
-        searching.add(fullname)
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                        spec.loader = _FixupLoader(spec.loader)
-                    return spec
-            return None
-        finally:
-            searching.discard(fullname)
-
-
-_FINDER = _FixupFinder()
-_SEARCHING = threading.local()  # module names _FINDER is resolving through the other finders
-
-
 # --------------------------------------------------------------------------------------------
 # enable / disable
 # --------------------------------------------------------------------------------------------
@@ -600,8 +552,6 @@ def _undo() -> None:
     _STATE.training = False
     _STATE.patches.restore()
     _STATE.originals.clear()
-    while _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)
     _remove_paged_stash_stand_in()
     if _STATE.log_filter is not None:
         logging.getLogger(_RNG_LOGGER_NAME).removeFilter(_STATE.log_filter)
@@ -652,10 +602,8 @@ def _enable_runtime(force: bool) -> None:
                 _STATE.originals[name] = getattr(torch.distributed, name)
                 _patch(torch.distributed, name, replacement)
         for module_name, fixup in _MEGATRON_FIXUPS.items():
-            module = sys.modules.get(module_name)
-            if module is not None:
-                fixup(module)
-        sys.meta_path.insert(0, _FINDER)
+            # now if imported, else right after its import (core.patching's one post-import hook)
+            _STATE.patches.when_imported(module_name, fixup)
         _STATE.log_filter = _DropEmulatedRngWarning()
         logging.getLogger(_RNG_LOGGER_NAME).addFilter(_STATE.log_filter)
     except BaseException:

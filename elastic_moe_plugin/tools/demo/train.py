@@ -228,7 +228,10 @@ def train_runs(runs: Mapping[str, ElasticConfig], settings: DemoSettings, corpus
         if parallel_state.model_parallel_is_initialized():
             raise ConfigError("Megatron's model-parallel state is already initialised in this process; "
                               "run the demo in a fresh process.")
-        mcore_version = str(megatron_core_version())
+        # the release only: megatron/core/package_info.py appends "+<short hash>" of whatever git
+        # work tree holds it, so a venv inside a project checkout would show that project's commit
+        version = megatron_core_version()
+        mcore_version = version.public if version is not None else "unknown"
         results, states = {}, {}
         for name, elastic_config in runs.items():
             results[name], states[name] = train_run(name, elastic_config, settings, corpus, config)
