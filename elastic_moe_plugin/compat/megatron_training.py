@@ -30,21 +30,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import threading
 import types
 import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from elastic_moe_plugin.core.patching import AttributePatches
+from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch
 
 __all__ = ["DATASET_UTILS_MODULE", "disable", "enable", "enabled", "is_enabled"]
 
 DATASET_UTILS_MODULE = "megatron.core.datasets.utils"
 _HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
-
-_LOCK = threading.RLock()
-_PATCHES: AttributePatches | None = None
 
 
 def _compiled_helpers_import() -> bool:
@@ -69,37 +65,30 @@ def _fix_dataset_utils(patches: AttributePatches, module: types.ModuleType) -> N
     patches.wrap(module, "compile_helpers", _skip_build_when_compiled)
 
 
+def _install(patches: AttributePatches) -> None:
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        patches.set(typing, "override", typing_extensions.override)
+    patches.when_imported(DATASET_UTILS_MODULE, functools.partial(_fix_dataset_utils, patches))
+
+
+_SWITCH = PatchSwitch(_install)
+
+
 def enable() -> None:
     """Install the shims (idempotent). Call before ``megatron.training`` is imported."""
-    global _PATCHES
-    with _LOCK:
-        if _PATCHES is not None:
-            return
-        patches = AttributePatches()
-        try:
-            if not hasattr(typing, "override"):
-                import typing_extensions
-
-                patches.set(typing, "override", typing_extensions.override)
-            patches.when_imported(DATASET_UTILS_MODULE, functools.partial(_fix_dataset_utils, patches))
-        except BaseException:
-            patches.restore()
-            raise
-        _PATCHES = patches
+    _SWITCH.on()
 
 
 def disable() -> None:
     """Remove the shims (idempotent), restoring every attribute by identity."""
-    global _PATCHES
-    with _LOCK:
-        if _PATCHES is not None:
-            _PATCHES.restore()
-            _PATCHES = None
+    _SWITCH.off()
 
 
 def is_enabled() -> bool:
     """Whether the shims are installed."""
-    return _PATCHES is not None
+    return _SWITCH.is_on
 
 
 @contextlib.contextmanager

@@ -10,6 +10,8 @@ Two pieces, used by every adapter (``mcore``, ``hf``), the dispatcher fixes and 
   :meth:`restore` puts the originals back by identity, in reverse order, and deletes attributes
   that did not exist before. :meth:`when_imported` defers an install to the import of the module
   that holds the target (a module the training script imports later).
+- :class:`PatchSwitch`: on / off for a patch without a config (the Megatron-LM shims and the
+  ``training_log`` hook): idempotent, a failed install rolls back, off restores by identity.
 - :class:`PatchLifecycle`: ``apply(config)`` / ``remove()`` / ``patched(config)`` for one
   framework. One re-entrant lock (a failed ``apply(config, model=...)`` re-applies the previous
   config while holding it), the framework's version guard on every apply, idempotence (the same
@@ -216,6 +218,47 @@ class _RunHooksAfterExec(importlib.abc.Loader):
 _POST_IMPORT = _PostImportHooks()
 
 
+class PatchSwitch:
+    """A patch without a config, on or off.
+
+    Args:
+        install: ``install(patches)`` makes every replacement through ``patches`` (``wrap``,
+            ``set``, ``when_imported``). If it raises, what it already replaced is restored.
+    """
+
+    def __init__(self, install: Callable[[AttributePatches], None]) -> None:
+        self._install = install
+        self._lock = threading.RLock()
+        self._patches: AttributePatches | None = None
+
+    def on(self) -> bool:
+        """Install (idempotent); True if this call installed it."""
+        with self._lock:
+            if self._patches is not None:
+                return False
+            patches = AttributePatches()
+            try:
+                self._install(patches)
+            except BaseException:
+                patches.restore()
+                raise
+            self._patches = patches
+            return True
+
+    def off(self) -> bool:
+        """Restore every attribute by identity and cancel pending installs (idempotent); True if it was on."""
+        with self._lock:
+            if self._patches is None:
+                return False
+            self._patches.restore()
+            self._patches = None
+            return True
+
+    @property
+    def is_on(self) -> bool:
+        return self._patches is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class VersionGuard:
     """The tested version range of a framework, and the variable that overrides it.
@@ -400,4 +443,5 @@ class PatchLifecycle:
                 self.apply(previous)
 
 
-__all__ = ["MISSING", "PATCH_MARKER", "AttributePatches", "PatchLifecycle", "VersionGuard", "is_patched", "unwrap"]
+__all__ = ["MISSING", "PATCH_MARKER", "AttributePatches", "PatchLifecycle", "PatchSwitch", "VersionGuard", "is_patched",
+           "unwrap"]

@@ -44,7 +44,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -54,7 +53,7 @@ import torch
 from elastic_moe_plugin.compat import megatron_tracker
 from elastic_moe_plugin.core import metrics
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
-from elastic_moe_plugin.core.patching import AttributePatches
+from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.mcore import patch, tracking
 
@@ -64,8 +63,6 @@ TRAINING_MODULE = "megatron.training.training"
 #: layer means shown on Megatron's console line (everything goes to TensorBoard / W&B)
 CONSOLE_METRICS = ("mean_kappa", "retained_weight_sum_mean", "tokens_per_expert_max_over_mean", "topk_set_changed_frac")
 
-_LOCK = threading.RLock()
-_PATCHES: AttributePatches | None = None
 #: the console fragment of the logging step in progress, consumed by the next MoE report
 _PENDING_CONSOLE: list[str] = []
 
@@ -78,32 +75,18 @@ def install() -> None:
     Raises:
         UnsupportedMegatronError: this ``training_log`` takes no ``iteration`` argument.
     """
-    global _PATCHES
-    with _LOCK:
-        if _PATCHES is not None:
-            return
-        patches = AttributePatches()
-        try:
-            patches.when_imported(TRAINING_MODULE, functools.partial(_install, patches))
-        except BaseException:
-            patches.restore()
-            raise
-        _PATCHES = patches
+    _SWITCH.on()
 
 
 def remove() -> None:
     """Restore ``training_log`` (and ``MoEMetricsTracker.report``); cancel a pending install."""
-    global _PATCHES
-    with _LOCK:
-        if _PATCHES is not None:
-            _PATCHES.restore()
-            _PATCHES = None
-        _PENDING_CONSOLE.clear()
+    _SWITCH.off()
+    _PENDING_CONSOLE.clear()
 
 
 def is_installed() -> bool:
     """Whether :func:`install` is in effect (the wrap may still wait for the module's import)."""
-    return _PATCHES is not None
+    return _SWITCH.is_on
 
 
 def _install(patches: AttributePatches, module: types.ModuleType) -> None:
@@ -120,6 +103,9 @@ def _install(patches: AttributePatches, module: types.ModuleType) -> None:
         from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
 
         patches.wrap(MoEMetricsTracker, "report", _with_console_fragment)
+
+
+_SWITCH = PatchSwitch(lambda patches: patches.when_imported(TRAINING_MODULE, functools.partial(_install, patches)))
 
 
 # ---------------------------------------------------------------------------------- the wraps

@@ -1,4 +1,4 @@
-"""``core.patching``: deferred installs (``AttributePatches.when_imported``), on real modules.
+"""``core.patching``: deferred installs (``AttributePatches.when_imported``) and ``PatchSwitch``, on real modules.
 
 The modules are written to a temporary folder and imported for real; nothing is faked.
 """
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from elastic_moe_plugin.core.patching import PATCH_MARKER, AttributePatches
+from elastic_moe_plugin.core.patching import PATCH_MARKER, AttributePatches, PatchSwitch
 
 
 @pytest.fixture
@@ -74,3 +74,29 @@ def test_two_deferred_installs_on_one_module_both_run(module_dir):
     importlib.import_module("elastic_moe_probe_twice")
     assert seen == ["first", "second"]
     first.restore(), second.restore()
+
+
+def test_a_switch_installs_once_restores_by_identity_and_rolls_back_a_failed_install(module_dir):
+    _write(module_dir, "elastic_moe_probe_switch")
+    module = importlib.import_module("elastic_moe_probe_switch")
+    stock = module.greet
+    calls = []
+
+    def install(patches):
+        calls.append(1)
+        patches.wrap(module, "greet", _shout)
+
+    switch = PatchSwitch(install)
+    assert switch.on() and not switch.on() and len(calls) == 1  # idempotent
+    assert switch.is_on and module.greet() == "STOCK"
+    assert switch.off() and not switch.off()
+    assert module.greet is stock and not switch.is_on
+
+    def half_install(patches):
+        patches.wrap(module, "greet", _shout)
+        raise RuntimeError("second target missing")
+
+    failing = PatchSwitch(half_install)
+    with pytest.raises(RuntimeError, match="second target missing"):
+        failing.on()
+    assert module.greet is stock and not failing.is_on  # what it had replaced is back
