@@ -27,6 +27,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)  # figures stay registered with pyplot (and in memory) until closed
+    return path
+
+
 def plot_divergence_by_layer(pairs: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
@@ -47,10 +54,7 @@ def plot_divergence_by_layer(pairs: dict[str, Any], path: Path) -> Path:
     ax.set_title("Router divergence by layer")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_disagreement(pairs: dict[str, Any], path: Path) -> Path:
@@ -83,10 +87,7 @@ def plot_disagreement(pairs: dict[str, Any], path: Path) -> Path:
     right.set_title("per layer")
     right.grid(alpha=0.3)
     right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_topk_sweep(sweep: dict[str, Any], path: Path) -> Path:
@@ -104,10 +105,7 @@ def plot_topk_sweep(sweep: dict[str, Any], path: Path) -> Path:
     ax.set_title("Inference top-k sweep")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_kappa(kappa: dict[str, dict[str, Any]], path: Path) -> Path:
@@ -131,10 +129,7 @@ def plot_kappa(kappa: dict[str, dict[str, Any]], path: Path) -> Path:
         ax.set_title(f"κ histogram: {label}")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_all(results: dict[str, Any], kappa: dict[str, dict[str, Any]], out: Path) -> list[str]:
