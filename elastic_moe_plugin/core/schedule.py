@@ -330,9 +330,9 @@ def _balanced_multiset(schedule: BudgetSchedule, num_tokens: int, device: torch.
 
 @functools.lru_cache(maxsize=64)
 def _multiset_tensor(counts: tuple[tuple[int, int], ...], device: str) -> torch.Tensor:
-    values = torch.tensor([budget for budget, _ in counts], dtype=torch.long)
-    repeats = torch.tensor([count for _, count in counts], dtype=torch.long)
-    return torch.repeat_interleave(values, repeats).to(device)
+    # Filled on the device: a host->device copy of pageable memory would wait for the stream, once
+    # per new token count (variable-length micro-batches miss this cache).
+    return torch.cat([torch.full((count,), budget, dtype=torch.long, device=device) for budget, count in counts])
 
 
 @functools.lru_cache(maxsize=64)

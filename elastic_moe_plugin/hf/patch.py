@@ -55,6 +55,7 @@ from elastic_moe_plugin.hf.families import (
     covered_routers,
     layer_index_from_name,
     load_family,
+    router_layer_index,
 )
 from elastic_moe_plugin.hf.routing import elastic_routing, realised_assignments, realised_load_balancing_loss
 
@@ -273,9 +274,8 @@ def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], di
     if config is None or not config.enabled:
         return plans, topk
     for position, (name, router, family) in enumerate(covered_routers(model)):
-        index = router.__dict__.get(LAYER_ATTR)
-        index = layer_index_from_name(name) if index is None else index
-        index = position if index is None else index
+        index = router_layer_index(name, router)
+        index = position if index is None else index  # core.records.collect's fallback
         plans[index] = _resolve_plan(router, family, config)
         topk[index] = int(router.top_k)
     return plans, topk

@@ -66,8 +66,9 @@ def elastic_routing(
     # can size their work from this host int instead of reading Σκ back from the device.
     balanced = budgets is None and plan.top_p is None and plan.sampling == "balanced"
     pair_count = num_tokens * plan.schedule.center if balanced else None
+    recompute = _in_backward()
     if budgets is None and plan.top_p is None:  # (2) κ's own stream; a checkpoint's recompute replays
-        budgets = budget_rng.draw(router, plan, num_tokens, router_logits.device, replay=_in_backward())
+        budgets = budget_rng.draw(router, plan, num_tokens, router_logits.device, replay=recompute)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (3) as stock: fp32 softmax
     candidates, candidate_ids = torch.topk(probs, width, dim=-1)  # sorted by rank, like stock top-k
     if budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass
@@ -76,7 +77,7 @@ def elastic_routing(
     if plan.gate == "renormalized":
         # The gradient reaches the kept logits only (w_i = softmax over the kept z), so a κ = 1 token
         # has weight exactly 1 and gate gradient exactly 0 (docs/gates.md), not fp32 rounding residue.
-        selected_logits = torch.gather(router_logits.float(), 1, candidate_ids)
+        selected_logits = torch.gather(router_logits, 1, candidate_ids).float()  # [T, b], no fp32 [T, E] copy
         weights = weigh_candidates("renormalized", candidates, kept, selected_logits=selected_logits)
     else:
         weights = weigh_candidates(plan.gate, candidates, kept)
@@ -85,7 +86,7 @@ def elastic_routing(
         weights = weights.to(router_logits.dtype)
     _REALISED[router_logits] = (candidate_ids.detach(), kept)  # (6)
     # A checkpoint's recompute replays the same κ; the step was counted in its first forward.
-    records.remember(router, width, budgets, candidate_ids, kept, retained_weight_sums, count=not _in_backward())
+    records.remember(router, width, budgets, candidate_ids, kept, retained_weight_sums, count=not recompute)
     mark_kept_slots(candidate_ids, kept, pair_count)  # (5)
     return router_logits, weights, candidate_ids  # (5)
 

@@ -6,7 +6,8 @@ every rank by ``BaseArguments.__post_init__``), and the routing metrics need ``-
 elastic_moe`` as well. The wheel installs one ``.pth`` file (``elastic-moe-swift.pth``) at the
 root of site-packages, which Python's ``site`` module executes at every interpreter start. Its
 single line compares strings of ``sys.argv[0]`` / ``sys.orig_argv`` (no import) and imports this
-module only in a process whose command line mentions ``swift``; :func:`activate` then acts only in
+module only in a process that runs a script under ``swift/cli/`` or ``-m swift.cli.*`` (any other
+script whose path merely contains "swift" pays nothing); :func:`activate` then acts only in
 the processes that ms-swift's launchers start to do the work, i.e. the ms-swift entry scripts::
 
     python <site-packages>/swift/cli/sft.py ARGS...            # `swift sft`'s child

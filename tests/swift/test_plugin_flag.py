@@ -199,6 +199,13 @@ def test_the_pth_line_imports_nothing_outside_swift(tmp_path):
     result = subprocess.run([sys.executable, "-c", probe, str(site_dir)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+    # a user's script whose path mentions swift, outside ms-swift's swift/cli/: nothing either
+    script = tmp_path / "swift_jobs" / "swift_eval.py"
+    script.parent.mkdir()
+    script.write_text(probe.replace("sys.argv[1]", repr(str(site_dir))))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_the_hook_imports_no_torch_in_an_entry_process():
