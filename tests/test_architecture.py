@@ -6,11 +6,13 @@ Layers, each importing only those below it (and itself)::
     tools                                    demo, bench, eval, diagnose, gate lab, recipes
     swift                                    the ms-swift integration
     mcore | hf                               one adapter per framework, never each other
-    compat                                   framework compatibility shims
+    compat                                   version and framework shims on the training path
+    cpu_runtime                              the opt-in CPU runtime: tools, tests and entry points
+                                             may switch it on, no adapter and no shim imports it
     core                                     framework-free: nothing else of the package
 
-The package ``__init__`` re-exports core names lazily; the top-level shims (``megatron_lm``,
-``testing``) may import anything but the CLI. Every import
+The package ``__init__`` re-exports core names lazily; the top-level entry point (``megatron_lm``)
+may import anything but the CLI. Every import
 counts, at module level or inside a function, and the graph between modules has no cycle.
 """
 
@@ -34,12 +36,13 @@ ALLOWED: dict[str, set[str]] = {
     "root": {"core"},
     "core": set(),
     "compat": {"core", "root"},
+    "cpu_runtime": {"core", "root"},
     "mcore": {"core", "compat", "root"},
     "hf": {"core", "compat", "root"},
     "swift": {"core", "compat", "mcore", "hf", "root"},
-    "tools": {"core", "compat", "mcore", "hf", "swift", "root"},
-    "cli": {"core", "compat", "mcore", "hf", "swift", "tools", "root"},
-    "shims": {"core", "compat", "mcore", "hf", "swift", "tools", "root"},
+    "tools": {"core", "compat", "cpu_runtime", "mcore", "hf", "swift", "root"},
+    "cli": {"core", "compat", "cpu_runtime", "mcore", "hf", "swift", "tools", "root"},
+    "entry": {"core", "compat", "cpu_runtime", "mcore", "hf", "swift", "tools", "root"},
 }
 
 
@@ -93,8 +96,8 @@ def _layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "root"
-    if parts[1] in ("megatron_lm", "testing"):
-        return "shims"
+    if parts[1] == "megatron_lm":
+        return "entry"
     return parts[1]
 
 
@@ -136,7 +139,15 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 # ---------------------------------------------------------------------------------- static checks
 def test_every_layer_is_known():
     assert {_layer(module) for module in MODULES} <= set(ALLOWED)
-    assert {"core", "compat", "mcore", "hf", "swift", "tools", "cli"} <= {_layer(module) for module in MODULES}
+    assert {"core", "compat", "cpu_runtime", "mcore", "hf", "swift", "tools", "cli"} <= {_layer(module) for module in MODULES}
+
+
+def test_no_shim_and_no_adapter_imports_the_cpu_runtime():
+    """The CPU runtime is opt-in: nothing on a training path (compat, the adapters) may load it."""
+    importers = sorted(f"{module} imports {target}" for module, targets in GRAPH.items() for target in targets
+                       if _layer(target) == "cpu_runtime" and _layer(module) in ("compat", "mcore", "hf", "swift"))
+    assert importers == []
+    assert any(_layer(module) == "compat" for module in MODULES)
 
 
 def test_the_import_graph_has_no_cycle():
@@ -171,13 +182,53 @@ def test_the_import_reader_sees_function_level_imports():
     assert "elastic_moe_plugin.mcore.aux_loss" in GRAPH["elastic_moe_plugin.mcore.routing"]
 
 
+def _top_level_definitions(path: Path) -> dict[str, set[str]]:
+    """{name defined at the top of the file: the names its body refers to}."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            targets = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = [t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                       if isinstance(t, ast.Name)]
+        else:
+            continue
+        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        used |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+        for target in targets:
+            found[target] = used - {target}
+    return found
+
+
+def test_core_gates_holds_only_what_routing_runs():
+    """Every definition in ``core/gates.py`` is reachable from what the adapters' routing imports
+    from it; the lab's reference conventions live in ``tools/gates_lab``."""
+    definitions = _top_level_definitions(ROOT / "core" / "gates.py")
+    definitions.pop("__all__", None)
+    roots: set[str] = set()
+    for module in ("elastic_moe_plugin.mcore.routing", "elastic_moe_plugin.hf.routing"):
+        tree = ast.parse(MODULES[module].read_text())
+        roots |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                  and node.module == "elastic_moe_plugin.core.gates" for alias in node.names}
+    assert roots, "routing imports nothing from core.gates"
+    reached, frontier = set(), list(roots)
+    while frontier:
+        name = frontier.pop()
+        if name in reached or name not in definitions:
+            continue
+        reached.add(name)
+        frontier += sorted(definitions[name])
+    assert sorted(set(definitions) - reached) == []
+
+
 # ---------------------------------------------------------------------------------- what a training process loads
 _PROBE = r"""
 import json, sys
 which = sys.argv[1]
 if which == "mcore":
-    from elastic_moe_plugin.compat import megatron_cpu
-    megatron_cpu.enable(force=True)  # only to import megatron.core 0.19 without triton
+    from elastic_moe_plugin import cpu_runtime
+    cpu_runtime.enable(force=True)  # only to import megatron.core 0.19 without triton
     from elastic_moe_plugin import ElasticConfig, mcore
     mcore.apply(ElasticConfig(schedule="6-10"))
 else:

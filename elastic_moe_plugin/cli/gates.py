@@ -9,7 +9,7 @@ import sys
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``elastic-moe gates`` to ``parser``."""
-    from elastic_moe_plugin.core.gates import CONVENTION_NAMES
+    from elastic_moe_plugin.tools.gates_lab.conventions import CONVENTION_NAMES
     from elastic_moe_plugin.core.schedule import SAMPLING_MODES
     from elastic_moe_plugin.tools.gates_lab.inputs import DTYPES
 

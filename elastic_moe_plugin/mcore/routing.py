@@ -110,7 +110,7 @@ def _select_candidates(router, plan: LayerPlan, logits: torch.Tensor) -> tuple[t
     if score_function == "softmax" and plan.gate == "renormalized":
         # Renormalized softmax gates weigh the kept logits (softmax over them = p_e / Σ_kept p), on
         # pre- and post-softmax models alike: κ_t = 1 then gives weight exactly 1 and a gate
-        # gradient exactly 0 (seed 000), where p / Σp would leave fp32 rounding noise.
+        # gradient exactly 0 (docs/gates.md#gate-conventions), where p / Σp would leave fp32 rounding noise.
         return (selected if selection is logits else torch.gather(logits, 1, candidate_ids)), candidate_ids
     if selection is scores:
         return selected, candidate_ids
@@ -185,7 +185,7 @@ def _prefix_weights(rule: str, candidate_values: torch.Tensor, kept: torch.Tenso
     """Gate weights [T, b] of the kept prefix (0 beyond κ), by :func:`gates.weigh_candidates`."""
     # Megatron's precision policy: scores and weights in fp32 whatever the router dtype. Autograd's
     # own backward, so that a point-mass plan reproduces stock gradients bit for bit.
-    return weigh_candidates(rule, candidate_values.float(), kept, exact_backward=False)
+    return weigh_candidates(rule, candidate_values.float(), kept)
 
 
 def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elastic_moe_plugin.cli import gates as gates_cli
-from elastic_moe_plugin.core.gates import get_convention
+from elastic_moe_plugin.tools.gates_lab.conventions import get_convention
 from elastic_moe_plugin.tools.gates_lab import (
     compare,
     gradcheck_router,

@@ -1,13 +1,13 @@
 """Boundary-aware gradient check of the router logits: central differences only where a step
 cannot change which experts are kept, and the selection change reported where it would.
 
-The checked function is seed 000's scalar illustration, per token t with the expert outputs F
-held fixed (``F [T, E]``; in the toy MoE F_te = ⟨∂L/∂y_t, F_e(x_t)⟩):
+The checked function is the scalar illustration of docs/gates.md#gate-conventions, per token t
+with the expert outputs F held fixed (``F [T, E]``; in the toy MoE F_te = ⟨∂L/∂y_t, F_e(x_t)⟩):
 
     y_t(z) = Σ_{i∈S_t} w_ti(z) F_ti,    S_t = the κ_t top-ranked experts of z_t.
 
 Inside a fixed selection region the router-logit gradients have closed forms (derived in
-:mod:`elastic_moe_plugin.core.gates` and docs/gates.md): ``full_softmax`` ∂y/∂z_j =
+:mod:`.conventions` and docs/gates.md): ``full_softmax`` ∂y/∂z_j =
 p_j (F_j·[j∈S] − y); ``renormalized`` / ``selected_softmax`` ∂y/∂z_j = w_j (F_j − y) on S and 0
 off it; ``sigmoid`` s_j(1 − s_j)(F_j − y) / Σ_S s for κ > 1, s_a(1 − s_a)F_a for κ = 1. Across
 the boundary between ranks κ_t and κ_t + 1 y_t jumps, so a difference quotient there is no
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from elastic_moe_plugin.core.gates import CONVENTION_NAMES, get_convention
+from elastic_moe_plugin.tools.gates_lab.conventions import CONVENTION_NAMES, get_convention
 from elastic_moe_plugin.tools.gates_lab.inputs import check_int
 
 #: Default central-difference step (fp64), its ceiling as a share of the smallest membership
@@ -164,7 +164,7 @@ def gradcheck_router(
     """Check router-logit gradients by central differences, never across a membership change.
 
     The checked function is y_t(z) = Σ_{i∈S_t} w_ti(z) F_ti with the expert outputs F held fixed
-    (seed 000's scalar illustration). Steps, in float64:
+    (the scalar illustration of docs/gates.md#gate-conventions). Steps, in float64:
 
     1. Rank each token's logits and measure the margin m_t = z_(κ_t) − z_(κ_t+1) between ranks
        κ_t and κ_t+1: the only adjacent pair whose order changes the kept set (ties *inside* the

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from elastic_moe_plugin.core.gates import CONVENTION_NAMES, get_convention
+from elastic_moe_plugin.tools.gates_lab.conventions import CONVENTION_NAMES, get_convention
 
 #: ``--dtype`` name -> the lab's compute dtype.
 DTYPES = {"float64": torch.float64, "float32": torch.float32}

@@ -4,7 +4,7 @@ cause of every exactly-zero router-gate gradient it shows.
 x ``[T, D]`` tokens; router logits z = scale · x W_rᵀ with W_r ``[E, D]`` (or user-supplied z
 ``[T, E]``); expert e is linear, F_e(x) = x W_eᵀ with W_e ``[D, D]``; the layer output is
 y_t = Σ_{i∈S_t} w_ti F_i(x_t) and the loss L = ½ · mean_t ‖y_t − target_t‖². There is no
-auxiliary loss, so the router learns only through the gate weights: exactly the path seed 000
+auxiliary loss, so the router learns only through the gate weights: exactly the path docs/gates.md#gate-conventions
 asks about. Every expert runs on every token (dropless, no capacity limit); unselected experts
 get weight 0 and therefore no gradient.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from elastic_moe_plugin.core.gates import get_convention, to_dense
+from elastic_moe_plugin.tools.gates_lab.conventions import get_convention, to_dense
 
 #: Why a token's router-gate gradient can be exactly zero, in the order the lab tests them.
 ZERO_CAUSES: dict[str, str] = {
@@ -33,7 +33,7 @@ ZERO_CAUSES: dict[str, str] = {
     ),
     "renormalized_top1": (
         "renormalised top-1: the single kept weight is p_a / p_a = 1 for any logits, so the gate "
-        "carries no task gradient to the router (seed 000; Megatron rejects post-softmax top-1 for this)"
+        "carries no task gradient to the router (docs/gates.md#gate-conventions; Megatron rejects post-softmax top-1 for this)"
     ),
     "saturated": (
         "saturated probability: the gate probability is exactly 0 or 1 in this dtype, so its "

@@ -1,4 +1,4 @@
-"""Seed 000's worked example: the two-expert gate with logits [0, w·x − 0.5].
+"""The worked example of docs/gates.md#the-two-logit-worked-example: the two-expert gate with logits [0, w·x − 0.5].
 
 Softmax over the two logits gives the second probability p2 = σ(w·x − 0.5), and by the chain rule
 
@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from elastic_moe_plugin.core.gates import CONVENTION_NAMES, get_convention
+from elastic_moe_plugin.tools.gates_lab.conventions import CONVENTION_NAMES, get_convention
 
 
 def two_logit_example(x: float = 1.0, w: float = 1.0) -> dict[str, Any]:
-    """Seed 000's binary gate: logits [0, w·x − 0.5], p2 = σ(w·x − 0.5), dp2/dz2 = p2(1 − p2).
+    """The binary gate of docs/gates.md#the-two-logit-worked-example: logits [0, w·x − 0.5], p2 = σ(w·x − 0.5), dp2/dz2 = p2(1 − p2).
 
     x = 0.5, w = 1 gives p2 = 0.5 and 0.25 (and a tie: top-1 is ambiguous there); x = 1, w = 1
     gives p2 ≈ 0.6225 and ≈ 0.2350. Also reported: the chain-rule factors dp2/dw = x·p2(1 − p2)
@@ -80,7 +80,7 @@ def format_two_logit(example: dict[str, Any]) -> str:
     e = example
     z2 = e["logits"][1]
     lines = [
-        f"two-logit gate (seed 000): logits [0, w*x - 0.5] with x={e['x']:g}, w={e['w']:g} -> [0, {z2:g}]",
+        f"two-logit gate (docs/gates.md#the-two-logit-worked-example): logits [0, w*x - 0.5] with x={e['x']:g}, w={e['w']:g} -> [0, {z2:g}]",
         f"  p2 = sigmoid(w*x - 0.5)          = {e['p2_closed']:.6f}   (softmax over both logits: {e['p2']:.6f})",
         f"  dp2/dz2 = p2 * (1 - p2)          = {e['dp2_dz2_closed']:.6f}   (autograd: {e['dp2_dz2']:.6f})",
         f"  dp2/dw  = x * p2 * (1 - p2)      = {e['dp2_dw_closed']:.6f}   (autograd: {e['dp2_dw']:.6f})",
@@ -99,6 +99,6 @@ def format_two_logit(example: dict[str, Any]) -> str:
         lines.append(f"  {name:<18}{r['weight']:>10.6f}{r['dweight_dz1']:>11.6f}{r['dweight_dz2']:>11.6f}")
     lines += [
         "  full softmax passes p(1 - p) to the selected logit and -p1*p2 to the other; a renormalised",
-        "  top-1 weight is the constant 1 and passes exactly 0 (seed 000).",
+        "  top-1 weight is the constant 1 and passes exactly 0 (docs/gates.md#gate-conventions).",
     ]
     return "\n".join(lines)
