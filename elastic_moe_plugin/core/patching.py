@@ -1,6 +1,7 @@
 """The one patch lifecycle of the plugin: class-level replacements, restored by identity.
 
-Two pieces, used by every adapter (``mcore``, ``hf``), the dispatcher fixes and the CPU layer:
+Four pieces, used by every adapter (``mcore``, ``hf``), the dispatcher fixes, the inference top-k
+override and the CPU runtime:
 
 - :class:`AttributePatches`: an ordered record of ``(owner, name, original)``. :meth:`wrap`
   builds the replacement from the *stock* object (any earlier elastic wrapper is unwrapped first,
@@ -10,8 +11,10 @@ Two pieces, used by every adapter (``mcore``, ``hf``), the dispatcher fixes and 
   :meth:`restore` puts the originals back by identity, in reverse order, and deletes attributes
   that did not exist before. :meth:`when_imported` defers an install to the import of the module
   that holds the target (a module the training script imports later).
-- :class:`PatchSwitch`: on / off for a patch without a config (the Megatron-LM shims and the
-  ``training_log`` hook): idempotent, a failed install rolls back, off restores by identity.
+- :class:`PatchSwitch`: on / off for a patch without a config (the CPU runtime, the explicit-spec
+  routers' dispatcher fixes, the ``training_log`` hook): idempotent, a failed install rolls back,
+  off restores by identity.
+- :class:`VersionGuard`: a framework's tested version range and the variable that overrides it.
 - :class:`PatchLifecycle`: ``apply(config)`` / ``remove()`` / ``patched(config)`` for one
   framework. One re-entrant lock (a failed ``apply(config, model=...)`` re-applies the previous
   config while holding it), the framework's version guard on every apply, idempotence (the same
@@ -95,8 +98,17 @@ class AttributePatches:
         return replacement
 
     def set(self, owner: Any, name: str, value: Any) -> None:
-        """Set ``owner.<name> = value`` (unmarked: a redirect, not a wrapper), remembering what was there."""
-        self._record(owner, name, vars(owner).get(name, MISSING))
+        """Set ``owner.<name> = value`` (unmarked: a redirect, not a wrapper), remembering what was there.
+
+        On a class or module the original is the attribute defined on ``owner`` itself (an
+        inherited one is re-exposed by deleting the override). On an instance (a router's
+        ``top_k``, a model config's ``num_experts_per_tok``) it is the value ``owner`` answers,
+        which may come from its class or a property: :meth:`restore` sets that value back.
+        """
+        original = getattr(owner, "__dict__", {}).get(name, MISSING)
+        if original is MISSING and not isinstance(owner, (type, types.ModuleType)) and hasattr(owner, name):
+            original = getattr(owner, name)
+        self._record(owner, name, original)
         setattr(owner, name, value)
 
     def when_imported(self, module_name: str, install: Callable[[types.ModuleType], None]) -> None:
@@ -348,17 +360,12 @@ class PatchLifecycle:
 
     # ------------------------------------------------------------------ state
     @property
-    def config(self) -> ElasticConfig | None:
-        """The active config, or None when not applied."""
-        return self._config
-
-    @property
     def generation(self) -> int:
         """Incremented by every apply that changes the config: routers key cached plans on it."""
         return self._generation
 
     def active_config(self) -> ElasticConfig | None:
-        """The config of the current apply, or None."""
+        """The config of the current apply, or None when not applied."""
         return self._config
 
     def is_applied(self) -> bool:

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
-from elastic_moe_plugin.core.patching import AttributePatches
+from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch, is_patched
 
 #: tensor attributes set on an elastic routing map
 WIDTH_ATTR = "_elastic_moe_width"
@@ -185,38 +185,34 @@ def _targets() -> list[tuple[Any, str, Callable]]:
     return targets
 
 
-#: the dispatcher replacements while installed, else None
-_installed: AttributePatches | None = None
-#: holders that need the fixes: "patch" (mcore.apply) and "spec" (ElasticTopKRouter instances)
-_holders: set[str] = set()
+def install(patches: AttributePatches) -> None:
+    """Wrap, through ``patches``, every dispatcher method above that no elastic patch holds yet.
 
-
-def install(holder: str = "patch") -> None:
-    """Patch the dispatcher methods (idempotent). Maps without the elastic tag take the stock path,
-    so the fixes are harmless to static layers and stay until every holder has released them."""
-    global _installed
-    _holders.add(holder)
-    if _installed is not None:
-        return
-    patches = AttributePatches()
-    try:
-        for owner, name, factory in _targets():
+    Maps without the elastic tag take the stock path, so the fixes are harmless to static layers.
+    A method another holder already wrapped (the explicit-spec routers' :data:`SPEC_FIXES`, or a
+    second copy of this package) is left to it, so ``patches`` lists, and restores, exactly what
+    it replaced.
+    """
+    for owner, name, factory in _targets():
+        if not is_patched(owner.__dict__.get(name)):
             patches.wrap(owner, name, factory)
-    except BaseException:
-        patches.restore()
-        raise
-    _installed = patches
 
 
-def uninstall(holder: str = "patch") -> None:
-    """Release ``holder``'s need for the fixes; restore the stock methods once nobody needs them."""
-    global _installed
-    _holders.discard(holder)
-    if _holders or _installed is None:
-        return
-    _installed.restore()
-    _installed = None
+#: The fixes ``ElasticTopKRouter`` (the explicit-spec route) needs: on at its first construction,
+#: for the life of the process, since its maps reach the stock dispatchers of every layer built
+#: from its spec. The monkey-patch reinstalls them after restoring what it wrapped
+#: (:func:`reinstall_spec_fixes`), so removing the patch never strips a spec router's dispatcher.
+SPEC_FIXES = PatchSwitch(install)
+
+
+def reinstall_spec_fixes() -> None:
+    """Re-wrap what :data:`SPEC_FIXES` needs after another holder restored the stock methods."""
+    if SPEC_FIXES.is_on:
+        SPEC_FIXES.off()
+        SPEC_FIXES.on()
 
 
 def installed_targets() -> list[str]:
-    return _installed.symbols() if _installed is not None else []
+    """Dotted names of the dispatcher methods an elastic patch (any holder) wraps now."""
+    return [f"{owner.__module__}.{owner.__qualname__}.{name}" for owner, name, _ in _targets()
+            if is_patched(owner.__dict__.get(name))]

@@ -83,8 +83,8 @@ def _install(config: ElasticConfig, patches: AttributePatches) -> None:
     router_class = router_module().TopKRouter
     patches.wrap(router_class, "routing", _patched_routing)
     patches.wrap(router_class, "__init__", _patched_init)
-    dispatch.install("patch")
-    patches.on_restore(lambda: dispatch.uninstall("patch"))
+    dispatch.install(patches)
+    patches.on_restore(dispatch.reinstall_spec_fixes)
 
 
 # The lambda reads megatron_core_version at call time (tests substitute it).
@@ -96,7 +96,7 @@ check_megatron_version = _PATCH.check_version
 def _patched_routing(original: Callable) -> Callable:
     @functools.wraps(original)
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
-        config = _PATCH.config
+        config = _PATCH.active_config()
         plan = training_plan(self, config, _PATCH.generation) if config is not None else None
         if plan is None:
             return original(self, logits, padding_mask=padding_mask)
@@ -109,7 +109,7 @@ def _patched_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        config = _PATCH.config
+        config = _PATCH.active_config()
         if config is not None:
             validate_router(self, config)
             _ROUTERS.add(self)

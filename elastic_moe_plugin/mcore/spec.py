@@ -39,7 +39,7 @@ def _elastic_router_class():
             super().__init__(*args, **kwargs)
             validate_router(self, self.elastic_config)
             # Its maps reach stock dispatchers too; the fixes stay for the life of the process.
-            dispatch.install("spec")
+            dispatch.SPEC_FIXES.on()
 
         @classmethod
         def with_config(cls, config: ElasticConfig) -> type:

@@ -81,7 +81,7 @@ def _mcore_targets():
     from elastic_moe_plugin.mcore import dispatch
 
     targets = [(TopKRouter, "routing"), (TopKRouter, "__init__")]
-    if "spec" in dispatch._holders:
+    if dispatch.SPEC_FIXES.is_on:
         # An ElasticTopKRouter built earlier in this process holds the dispatcher fixes for the life
         # of the process (the explicit-spec route): they are not the patch's to restore.
         return targets

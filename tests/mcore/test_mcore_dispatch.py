@@ -439,3 +439,61 @@ def test_hybridep_drop_and_pad_capacity_is_the_router_capacity(make_config, make
     assert manager.capacity == capacity
     assert manager.num_permuted_tokens == capacity * E == int(routing_map.sum())
     assert torch.equal(manager.routing_map, routing_map)  # HybridEP consumes the map itself
+
+
+# ================================================================================ one lifecycle
+def test_the_info_count_lists_the_dispatcher_fixes_and_equals_what_remove_restores(caplog):
+    """The dispatcher replacements belong to the router patch's own ``AttributePatches``: the INFO
+    line counts them, ``patched_symbols`` names them, and ``remove`` restores exactly that many."""
+    import logging
+    import re
+
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if dispatch.SPEC_FIXES.is_on:
+        pytest.skip("an ElasticTopKRouter built earlier in this process holds the dispatcher fixes for life")
+    owners = [TopKRouter] + [value for value in vars(token_dispatcher).values() if isinstance(value, type)]
+    before = {(id(owner), name): value for owner in owners for name, value in vars(owner).items()}
+    with caplog.at_level(logging.INFO, logger="elastic_moe_plugin.mcore"):
+        mcore.apply(ElasticConfig(schedule=SCHEDULE))
+    counted = [int(m.group(1)) for m in (re.search(r"mcore patched \((\d+) attributes", r.getMessage())
+                                         for r in caplog.records) if m]
+    symbols = mcore.patched_symbols()
+    assert counted == [len(symbols)]
+    assert "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess" in symbols
+    assert set(dispatch.installed_targets()) <= set(symbols)
+    patched = {(id(owner), name) for owner in owners for name, value in vars(owner).items()
+               if before.get((id(owner), name)) is not value}
+    mcore.remove()
+    restored = [key for key in patched if vars(next(o for o in owners if id(o) == key[0])).get(key[1]) is before[key]]
+    assert len(restored) == len(patched) == counted[0]
+    assert dispatch.installed_targets() == []
+
+
+def test_removing_the_patch_keeps_the_fixes_an_explicit_spec_router_holds():
+    """Spec routers hold the fixes for life (``dispatch.SPEC_FIXES``): whichever came first, the
+    monkey-patch's ``remove`` leaves the alltoall fix installed while the switch is on."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from elastic_moe_plugin.core.patching import is_patched
+
+    held_before = dispatch.SPEC_FIXES.is_on
+
+    def alltoall_fixed() -> bool:
+        return is_patched(MoEAlltoAllTokenDispatcher.__dict__["preprocess"])
+
+    try:
+        mcore.apply(ElasticConfig(schedule=SCHEDULE))   # the patch first ...
+        dispatch.SPEC_FIXES.on()                         # ... then a spec router is built
+        mcore.remove()
+        assert alltoall_fixed()
+        mcore.apply(ElasticConfig(schedule=SCHEDULE))   # the spec router's fixes first: the patch skips them
+        assert not any("MoEAlltoAllTokenDispatcher" in symbol for symbol in mcore.patched_symbols())
+        mcore.remove()
+        assert alltoall_fixed()
+    finally:
+        mcore.remove()
+        if not held_before:
+            dispatch.SPEC_FIXES.off()
+    assert alltoall_fixed() == held_before
