@@ -88,13 +88,13 @@ def measure_memory(step) -> tuple[int, int | None]:
 
 # ------------------------------------------------------------------------------------ set-up
 def build(num_experts: int, topk: int, hidden: int, schedule: str, aux_coeff: float):
-    from elastic_moe_plugin.compat import megatron_cpu
+    from elastic_moe_plugin import cpu_runtime
 
-    megatron_cpu.enable(force=True)
+    cpu_runtime.enable(force=True)
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        megatron_cpu.initialize_model_parallel()
+        cpu_runtime.initialize_model_parallel()
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -6,7 +6,7 @@ one process (world size 1, NCCL), finishes in well under 8 minutes, and prints O
 stdout (everything else goes to stderr)::
 
     python scripts/gpu_check_mcore.py                 # on the GPU machine
-    python scripts/gpu_check_mcore.py --smoke         # tiny shapes on CPU (megatron_cpu), no GPU needed
+    python scripts/gpu_check_mcore.py --smoke         # tiny shapes on CPU (elastic_moe_plugin.cpu_runtime), no GPU needed
 
 Sections (each guarded; a failure is reported in ``errors`` and the others still run):
 
@@ -55,11 +55,11 @@ def setup(smoke: bool) -> dict:
 
     info = {"torch": torch.__version__, "smoke": smoke}
     if smoke:
-        from elastic_moe_plugin.compat import megatron_cpu
+        from elastic_moe_plugin import cpu_runtime
 
-        megatron_cpu.disable_torch_compile()
-        megatron_cpu.enable(force=True)
-        megatron_cpu.initialize_model_parallel(seed=1234)
+        cpu_runtime.disable_torch_compile()
+        cpu_runtime.enable(force=True)
+        cpu_runtime.initialize_model_parallel(seed=1234)
         info["device"] = "cpu"
     else:
         if not torch.cuda.is_available():
@@ -275,10 +275,10 @@ def _cached_big_layer(smoke: bool, state: dict):
 
 
 def _host_only_read(tensor) -> bool:
-    from elastic_moe_plugin.compat import megatron_cpu
+    from elastic_moe_plugin import cpu_runtime
 
-    if megatron_cpu.is_enabled():
-        return megatron_cpu.in_rng_tracker_fork()
+    if cpu_runtime.is_enabled():
+        return cpu_runtime.in_rng_tracker_fork()
     return tensor.device.type == "cpu"
 
 
@@ -395,7 +395,7 @@ _SMOKE = False
 def main(argv=None) -> int:
     global _SMOKE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through megatron_cpu (no GPU)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through elastic_moe_plugin.cpu_runtime (no GPU)")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds (default 10)")
     parser.add_argument("--skip-pytest", action="store_true", help="skip the CPU pytest sanity check")
     parser.add_argument("--compile", action="store_true",

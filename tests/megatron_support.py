@@ -3,7 +3,7 @@
 The conftest of every test folder that runs Megatron (``mcore/``, ``compat/``, ``tools/``)
 star-imports this module, which is how pytest sees its fixtures.
 
-- The CPU compatibility layer (``elastic_moe_plugin.compat.megatron_cpu``) is enabled when this
+- The CPU compatibility layer (``elastic_moe_plugin.cpu_runtime``) is enabled when this
   file is imported, so test modules may import ``megatron.core`` at their top level. It stays
   enabled for the session (``force=True``: on a GPU machine the tests still run on the CPU).
 - ``mp_world`` (module scope) creates a single-process gloo group and Megatron's model-parallel
@@ -34,11 +34,11 @@ os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 if HAVE_MEGATRON:
-    from elastic_moe_plugin.compat import megatron_cpu
+    from elastic_moe_plugin import cpu_runtime
 
-    megatron_cpu.disable_torch_compile()
+    cpu_runtime.disable_torch_compile()
     # force=True: a test session on a GPU machine exercises the same CPU code path as CI.
-    megatron_cpu.enable(force=True)
+    cpu_runtime.enable(force=True)
 
 
 # -------------------------------------------------------------------------------- tracker
@@ -74,10 +74,10 @@ def moe_tracker() -> MoETracker:
 # -------------------------------------------------------------------------------- host syncs
 def in_megatron_rng_fork() -> bool:
     """The sync counters skip the host-only read of Megatron's RNG-tracker fork
-    (``megatron_cpu.in_rng_tracker_fork``, which says why)."""
-    from elastic_moe_plugin.compat import megatron_cpu
+    (``cpu_runtime.in_rng_tracker_fork``, which says why)."""
+    from elastic_moe_plugin import cpu_runtime
 
-    return megatron_cpu.in_rng_tracker_fork()
+    return cpu_runtime.in_rng_tracker_fork()
 
 
 # -------------------------------------------------------------------------------- environment
@@ -91,16 +91,16 @@ def mp_world():
     """
     from megatron.core import parallel_state
 
-    megatron_cpu.enable(force=True)
+    cpu_runtime.enable(force=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     created = False
     if not parallel_state.model_parallel_is_initialized():
-        megatron_cpu.initialize_model_parallel()
+        cpu_runtime.initialize_model_parallel()
         created = True
     yield
     if created:
-        megatron_cpu.destroy()
+        cpu_runtime.destroy()
     torch.set_num_threads(threads)
 
 
@@ -111,9 +111,9 @@ def mcore_env(mp_world):
 
     from elastic_moe_plugin import mcore
 
-    megatron_cpu.enable(force=True)  # idempotent; a test elsewhere may have disabled it
+    cpu_runtime.enable(force=True)  # idempotent; a test elsewhere may have disabled it
     if not parallel_state.model_parallel_is_initialized():
-        megatron_cpu.initialize_model_parallel()
+        cpu_runtime.initialize_model_parallel()
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from elastic_moe_plugin.mcore import budget_rng

@@ -106,7 +106,7 @@ def default_out_dir(checkpoint: str, suite: str, topk: int | None) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elastic_moe_plugin.compat.inference_topk import NotAMoEError
+    from elastic_moe_plugin.tools.inference_topk import NotAMoEError
     from elastic_moe_plugin.tools.eval.checkpoint import CODE_EXECUTION_WARNING, evaluate_checkpoint
     from elastic_moe_plugin.tools.eval.errors import EvaluationError
     from elastic_moe_plugin.tools.eval.summary import format_summary

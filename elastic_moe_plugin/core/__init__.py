@@ -2,7 +2,7 @@
 
 - :mod:`~elastic_moe_plugin.core.schedule`: ``BudgetSchedule``, the distribution of κ (paper §3.1-3.3).
 - :mod:`~elastic_moe_plugin.core.config`: ``ElasticConfig``, the one validated source of settings.
-- :mod:`~elastic_moe_plugin.core.gates`: the gate-weighing rules (seed 000; ``docs/gates.md``).
+- :mod:`~elastic_moe_plugin.core.gates`: the gate-weighing rules routing runs (``docs/gates.md#gate-conventions``).
 - :mod:`~elastic_moe_plugin.core.plan`: ``LayerPlan``, how one router routes in training.
 - :mod:`~elastic_moe_plugin.core.records`: routing records and κ histograms kept on routers.
 - :mod:`~elastic_moe_plugin.core.metrics`: logged scalars computed from those records.

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from elastic_moe_plugin.core.errors import ConfigError
-from elastic_moe_plugin.core.schedule import SAMPLING_MODES, BudgetSchedule, symmetric_range
+from elastic_moe_plugin.core.schedule import SAMPLING_MODES, BudgetSchedule, parse_range, symmetric_range
 
 GateConvention = Literal["auto", "full_softmax", "renormalized"]
 GATE_CHOICES: tuple[str, ...] = ("auto", "full_softmax", "renormalized")
@@ -45,7 +45,6 @@ OPERATIONAL_ENV_VARS: frozenset[str] = frozenset({
 })
 
 _LAYER_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
-_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 #: fields whose ``None`` is written as a word in the environment and on the command line
@@ -255,8 +254,7 @@ class ElasticConfig:
 
     def _schedule_range(self) -> tuple[int, int] | None:
         """(low, high) of a range spec; None for ``static`` or a point mass."""
-        match = _RANGE.match(self.schedule)
-        return (int(match.group(1)), int(match.group(2))) if match else None
+        return parse_range(self.schedule)
 
     def _check_schedule_shape(self) -> None:
         """Refuse a schedule no model accepts: unparsable, reversed, or with budgets below 1."""
@@ -310,15 +308,16 @@ class ElasticConfig:
             raise self._error(
                 "schedule", f"{self._schedule_label()} reaches budget {high}, but the model has only {num_experts} "
                 f"experts: expected high <= {num_experts}. Use {self._spell_fix(same_width)}.", same_width)
-        if low + high != 2 * topk and not self.allow_off_center:
-            mean = BudgetSchedule(low, high, topk, self.sigma, allow_off_center=True).mean
+        around_topk = BudgetSchedule(low, high, topk, self.sigma, allow_off_center=True)
+        if not around_topk.is_symmetric and not self.allow_off_center:
+            mean = around_topk.mean
             accept = {"allow_off_center": True}
             raise self._error(
                 "schedule", f"{self._schedule_label()} around the model's top-{topk} has mean {mean:.4f}, not {topk}: "
                 f"training would no longer be compute-matched with static top-{topk}. Use a range symmetric around "
                 f"{topk} (low + high == {2 * topk}), e.g. {self._spell_fix(same_width)}, or set "
                 f"{self._spell_fix(accept)} to accept it.", same_width, accept)
-        if low + high != 2 * topk and self.sampling == "balanced":
+        if not around_topk.is_symmetric and self.sampling == "balanced":
             iid = {"sampling": "iid"}
             raise self._error(
                 "sampling", f"{self._spell('sampling')} needs a schedule symmetric around the model's top-{topk}, got "

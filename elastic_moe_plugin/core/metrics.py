@@ -45,7 +45,7 @@ PREFIX = "elastic_moe"
 
 @dataclass(frozen=True)
 class RoutingRecord:
-    """What one elastic router did in its latest training forward (detached; seed 000's record).
+    """What one elastic router did in its latest training forward (detached; the record docs/gates.md#gate-conventions asks for).
 
     Attributes:
         budgets: LongTensor [T], the realised κ per token.

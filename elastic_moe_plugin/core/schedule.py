@@ -45,6 +45,12 @@ _RANGE_SPEC = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 _INT_SPEC = re.compile(r"^\s*(\d+)\s*$")
 
 
+def parse_range(spec: str) -> tuple[int, int] | None:
+    """``(low, high)`` of a ``"LOW-HIGH"`` schedule spec (either order, unchecked), else None."""
+    match = _RANGE_SPEC.match(spec)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
 def symmetric_range(center: int, half_width: int, num_experts: int | None = None) -> str:
     """The schedule spec ``"{center-d}-{center+d}"`` with ``d = half_width`` narrowed until the range
     holds at least one expert per token and at most ``num_experts``; ``"static"`` when ``d`` reaches 0."""
@@ -105,7 +111,7 @@ class BudgetSchedule:
         total = math.fsum(weights)
         object.__setattr__(self, "budgets", budgets)
         object.__setattr__(self, "pmf", tuple(w / total for w in weights))
-        if self.low + self.high != 2 * self.center and not self.allow_off_center:
+        if not self.is_symmetric and not self.allow_off_center:
             raise ValueError(
                 f"schedule '{self.low}-{self.high}' around center={self.center} has mean {self.mean:.4f}, "
                 f"not {self.center}: training would no longer be compute-matched with static top-{self.center}. "
@@ -145,13 +151,13 @@ class BudgetSchedule:
                     f"change the model's top-k instead."
                 )
             return cls.static(k)
-        match = _RANGE_SPEC.match(text)
-        if not match:
+        bounds = parse_range(text)
+        if bounds is None:
             raise ValueError(
                 f"schedule='{spec}' does not parse: expected 'LOW-HIGH' (e.g. '6-10'), 'static', "
                 f"or a single integer equal to the model's top-k."
             )
-        low, high = int(match.group(1)), int(match.group(2))
+        low, high = bounds
         if low > high:
             raise ValueError(
                 f"schedule='{spec}' has low={low} > high={high}: write the range as 'LOW-HIGH', "
@@ -160,6 +166,12 @@ class BudgetSchedule:
         return cls(low, high, center, sigma, allow_off_center=allow_off_center)
 
     # ------------------------------------------------------------------ statistics
+    @property
+    def is_symmetric(self) -> bool:
+        """low + high == 2·center: E[κ] = center, so training is compute-matched with static top-k
+        (and ``"balanced"`` sampling can hit Σκ = T·center exactly)."""
+        return self.low + self.high == 2 * self.center
+
     @property
     def is_static(self) -> bool:
         """True for the point mass (κ ≡ center)."""
@@ -295,7 +307,7 @@ class BudgetSchedule:
             ValueError: for a schedule not symmetric around its center, where no multiset can
                 match the compute of static top-k.
         """
-        if self.low + self.high != 2 * self.center:
+        if not self.is_symmetric:
             raise ValueError(
                 f"sampling='balanced' needs a schedule symmetric around its center, got {self.describe()}: "
                 f"use sampling='iid', or a range with low + high == 2 * center."

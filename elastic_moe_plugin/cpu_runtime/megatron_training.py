@@ -1,12 +1,12 @@
 """Opt-in shims that let the megatron-core *wheel*'s ``megatron.training`` run on Python 3.11.
 
-Nothing here concerns CUDA (that is :mod:`elastic_moe_plugin.compat.megatron_cpu`): these are a
+Nothing here concerns CUDA (that is :mod:`elastic_moe_plugin.cpu_runtime`): these are a
 Python-version shim and a packaging gap of the wheel, both hit on a GPU machine too. Megatron-LM
 run from its own checkout on Python >= 3.12 needs neither.
 
 Usage (before ``megatron.training`` is imported; tests and the CPU recipes only)::
 
-    from elastic_moe_plugin.compat import megatron_training
+    from elastic_moe_plugin.cpu_runtime import megatron_training
 
     megatron_training.enable()
     ...                                # import and run megatron.training

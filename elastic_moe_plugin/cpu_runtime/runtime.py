@@ -9,14 +9,14 @@ unconditionally.
 
 Usage::
 
-    from elastic_moe_plugin.compat import megatron_cpu
+    from elastic_moe_plugin import cpu_runtime
 
-    megatron_cpu.disable_torch_compile()   # optional, saves ~14 s of inductor compile
-    megatron_cpu.enable()                  # before or after ``import megatron.core``
-    megatron_cpu.initialize_model_parallel(ep=1)
+    cpu_runtime.disable_torch_compile()   # optional, saves ~14 s of inductor compile
+    cpu_runtime.enable()                  # before or after ``import megatron.core``
+    cpu_runtime.initialize_model_parallel(ep=1)
     ...                                    # build and run real Megatron modules on CPU
-    megatron_cpu.destroy()
-    megatron_cpu.disable()                 # restores every patched attribute by identity
+    cpu_runtime.destroy()
+    cpu_runtime.disable()                 # restores every patched attribute by identity
 
 ``enable()`` refuses to run when ``torch.cuda.is_available()`` is True (pass ``force=True``
 only in tests), so it cannot silently hide a real GPU in production.
@@ -68,7 +68,7 @@ module executes, so the import order does not matter.
 Redirected as well with ``enable(training=True)``, for Megatron-LM's own training loop
 (``megatron.training``: ``pretrain``, ``train_step``, ``training_log``, checkpointing; verified
 against the megatron-core 0.19.2 wheel, whose ``megatron.training`` also needs
-:mod:`elastic_moe_plugin.compat.megatron_training` on Python 3.11):
+:mod:`elastic_moe_plugin.cpu_runtime.megatron_training` on Python 3.11):
 
 * ``torch.cuda.device_count`` -> 1 and ``torch.cuda.set_device`` -> no-op. Megatron-LM's
   ``_initialize_distributed`` builds the model-parallel groups, and ``_set_random_seed`` seeds the
@@ -465,12 +465,12 @@ class _UnavailableTritonKernel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise MegatronCPUError(
             f"{PAGED_STASH_MODULE}.{self.__name__} is a CPU stand-in installed by "
-            "elastic_moe_plugin.compat.megatron_cpu; the real kernel needs triton and a GPU. "
-            "Set moe_paged_stash=False, or run on a GPU without megatron_cpu."
+            "elastic_moe_plugin.cpu_runtime; the real kernel needs triton and a GPU. "
+            "Set moe_paged_stash=False, or run on a GPU without elastic_moe_plugin.cpu_runtime."
         )
 
     def __repr__(self) -> str:
-        return f"<unavailable triton kernel {self.__name__} (megatron_cpu stand-in)>"
+        return f"<unavailable triton kernel {self.__name__} (cpu_runtime stand-in)>"
 
 
 def _make_paged_stash_stand_in() -> types.ModuleType:
@@ -483,7 +483,7 @@ def _make_paged_stash_stand_in() -> types.ModuleType:
     module.paged_stash_copy_kernel = _UnavailableTritonKernel("paged_stash_copy_kernel")
     module.paged_stash_pop_kernel = _UnavailableTritonKernel("paged_stash_pop_kernel")
     module.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
-    module.__megatron_cpu_stand_in__ = True
+    module.__cpu_runtime_stand_in__ = True
     return module
 
 
@@ -587,10 +587,10 @@ def _enable_runtime(force: bool) -> None:
         if not force:
             raise MegatronCPUError(
                 "torch.cuda.is_available() is True: refusing to redirect the CUDA runtime to "
-                "the CPU. Run Megatron on the GPU without megatron_cpu, or pass force=True "
+                "the CPU. Run Megatron on the GPU without elastic_moe_plugin.cpu_runtime, or pass force=True "
                 "in a test that really wants the CPU path."
             )
-        logger.warning("megatron_cpu forced on although CUDA is available")
+        logger.warning("cpu_runtime forced on although CUDA is available")
     try:
         _install_paged_stash_stand_in()
         for name, replacement in _CUDA_REDIRECTS.items():
@@ -610,7 +610,7 @@ def _enable_runtime(force: bool) -> None:
         _undo()
         raise
     _STATE.active = True
-    logger.debug("megatron_cpu enabled: %d attributes redirected", len(_STATE.patches))
+    logger.debug("cpu_runtime enabled: %d attributes redirected", len(_STATE.patches))
 
 
 def _enable_training() -> None:
@@ -637,7 +637,7 @@ def disable() -> None:
             return
         _undo()
         _STATE.active = False
-        logger.debug("megatron_cpu disabled")
+        logger.debug("cpu_runtime disabled")
 
 
 def is_enabled() -> bool:
@@ -721,19 +721,19 @@ def initialize_model_parallel(
             model-parallel state is already initialised (call :func:`destroy` first).
     """
     if not is_enabled():
-        raise MegatronCPUError("call megatron_cpu.enable() before initialize_model_parallel()")
+        raise MegatronCPUError("call cpu_runtime.enable() before initialize_model_parallel()")
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
         raise MegatronCPUError(
-            "Megatron model parallel state is already initialised; call megatron_cpu.destroy() "
+            "Megatron model parallel state is already initialised; call cpu_runtime.destroy() "
             "first"
         )
     if dist.is_initialized():
         if dist.get_backend() != "gloo":
             raise MegatronCPUError(
-                f"the default process group uses {dist.get_backend()!r}; megatron_cpu needs gloo"
+                f"the default process group uses {dist.get_backend()!r}; the CPU runtime needs gloo"
             )
     else:
         if init_method is not None:
@@ -745,7 +745,7 @@ def initialize_model_parallel(
         elif "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group("gloo", init_method="env://")
         else:
-            _STATE.store_dir = tempfile.mkdtemp(prefix="megatron_cpu_")
+            _STATE.store_dir = tempfile.mkdtemp(prefix="elastic_moe_cpu_runtime_")
             store = dist.FileStore(os.path.join(_STATE.store_dir, "store"), 1)
             dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         _STATE.owned_process_group = True

@@ -118,7 +118,7 @@ check_transformers_version = _PATCH.check_version
 def _router_forward(original: Callable, family: RouterFamily) -> Callable:
     @functools.wraps(original)
     def forward(self, hidden_states: torch.Tensor):
-        plan = _training_plan(self, family, _PATCH.config, _PATCH.generation)
+        plan = _training_plan(self, family, _PATCH.active_config(), _PATCH.generation)
         if plan is None:
             return original(self, hidden_states)
         return elastic_routing(self, plan, hidden_states)
@@ -142,7 +142,7 @@ def _layer_init(original: Callable, router_cls: type) -> Callable:
         layer_idx = arguments.get("layer_idx")
         if layer_idx is not None:
             gate.__dict__[LAYER_ATTR] = int(layer_idx)
-        config = _PATCH.config
+        config = _PATCH.active_config()
         if config is not None and config.enabled:
             num_layers = getattr(arguments.get("config"), "num_hidden_layers", None)
             validate_router(gate, config, num_layers=num_layers)
@@ -224,13 +224,7 @@ def validate_router(router: torch.nn.Module, config: ElasticConfig, *, num_layer
     Raises:
         ConfigError: naming the setting, its value and the fix.
     """
-    schedule = config.resolve(num_experts=int(router.num_experts), topk=int(router.top_k), num_layers=num_layers)
-    if config.sampling == "balanced" and not schedule.is_static and schedule.low + schedule.high != 2 * schedule.center:
-        raise ConfigError(
-            f"sampling='balanced' needs a schedule symmetric around the model's top-{schedule.center}, got "
-            f"{schedule.describe()}: use sampling='iid', or a range with low + high == 2 * {schedule.center}."
-        )
-    return schedule
+    return config.resolve(num_experts=int(router.num_experts), topk=int(router.top_k), num_layers=num_layers)
 
 
 def _training_plan(router, family: RouterFamily, config: ElasticConfig | None, generation: int) -> LayerPlan | None:
@@ -268,7 +262,7 @@ def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], di
     """({layer index: training plan, None = stock top-k}, {layer index: top-k}) of every covered
     router of ``model`` under the active config, resolved as the router's first training forward
     resolves it (nothing is cached); ``({}, {})`` when no config is active or it is disabled."""
-    config = _PATCH.config
+    config = _PATCH.active_config()
     plans: dict[int, LayerPlan | None] = {}
     topk: dict[int, int] = {}
     if config is None or not config.enabled:

@@ -1,8 +1,9 @@
 """Route a trained MoE to another static top-k at inference, and restore it: one override per framework.
 
 Used by ``elastic-moe eval --topk``, the diagnostics' inference top-k sweep and the demo. Both
-context managers set the attributes the framework reads at forward time and restore every one
-of them, by identity of the objects touched, when the block exits (also on error).
+context managers set the attributes the framework reads at forward time through
+:class:`~elastic_moe_plugin.core.patching.AttributePatches` and restore every one of them, by
+identity of the objects touched, when the block exits (also on error).
 
 - :func:`megatron`: megatron-core 0.16-0.19 reads the top-k from ``TopKRouter.topk`` (routing
   and capacity dropping), from the token dispatcher's ``router_topk`` and, for the alltoall
@@ -28,6 +29,8 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from elastic_moe_plugin.core.patching import AttributePatches
+
 logger = logging.getLogger(__name__)
 
 #: Config attributes that hold a MoE's top-k, in the order they are looked for.
@@ -39,22 +42,6 @@ _ROUTER_CLASS_HINT = re.compile(r"router|gate|moe|expert", re.IGNORECASE)
 
 class NotAMoEError(ValueError):
     """The model is not a mixture-of-experts model (or its routers cannot be found)."""
-
-
-class _Saved:
-    """Attributes set inside an override, restored in reverse order."""
-
-    def __init__(self) -> None:
-        self._entries: list[tuple[Any, str, Any]] = []
-
-    def set(self, owner: Any, name: str, value: Any) -> None:
-        self._entries.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-
-    def restore(self) -> None:
-        for owner, name, value in reversed(self._entries):
-            setattr(owner, name, value)
-        self._entries.clear()
 
 
 @contextlib.contextmanager
@@ -76,7 +63,7 @@ def megatron(model: Any, k: int) -> Iterator[int]:
         experts = int(layer.config.num_moe_experts)
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
             raise ValueError(f"top-k {k!r} is invalid: the model has {experts} experts (expected 1 <= k <= {experts}).")
-    saved = _Saved()
+    saved = AttributePatches()
     try:
         configs: dict[int, Any] = {}  # by identity: the layers of a model share one TransformerConfig
         for layer in layers:
@@ -171,7 +158,7 @@ def transformers(model: Any, k: int) -> Iterator[list[str]]:
                 f"--topk {k} is invalid for router {name!r}: it has {experts} experts (expected 1 <= k <= {experts})."
             )
 
-    saved = _Saved()
+    saved = AttributePatches()
     try:
         router_ids = set()
         for _, module in routers:

@@ -16,7 +16,7 @@ With Elastic Expert Routing (every rank; the ``--elastic-moe-*`` flags never rea
 Stock Megatron-LM, for comparison: ``torchrun --nproc-per-node 8 examples/megatron_lm/pretrain_gpt_moe.py
 <megatron args>``. Written for the ``megatron.training`` of megatron-core 0.19, whose ``pretrain``
 takes a config container; that package needs Python 3.12 (on 3.11 with the wheel, enable
-``elastic_moe_plugin.compat.megatron_training`` first). ``tests/mcore/test_megatron_lm.py`` runs it
+``elastic_moe_plugin.cpu_runtime.megatron_training`` first). ``tests/mcore/test_megatron_lm.py`` runs it
 on CPU, through the opt-in CPU layer, with the flags listed there.
 
 Data layout: every rank of the first and last pipeline stage builds the dataset (the same samples

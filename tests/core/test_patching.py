@@ -55,7 +55,7 @@ def test_restore_cancels_a_pending_install_and_leaves_no_finder(module_dir):
     _write(module_dir, "elastic_moe_probe_never")
     from elastic_moe_plugin.core import patching
 
-    # (the one post-import finder may already be there, holding megatron_cpu's pending fixups)
+    # (the one post-import finder may already be there, holding cpu_runtime's pending fixups)
     finders = list(sys.meta_path)
     patches = AttributePatches()
     patches.when_imported("elastic_moe_probe_never", lambda m: patches.wrap(m, "greet", _shout))

@@ -12,7 +12,7 @@ import typing
 
 import pytest
 
-from elastic_moe_plugin.compat import megatron_training
+from elastic_moe_plugin.cpu_runtime import megatron_training
 
 
 @pytest.fixture(autouse=True)

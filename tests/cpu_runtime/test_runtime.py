@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elastic_moe_plugin.compat import megatron_cpu
+from elastic_moe_plugin import cpu_runtime
 
 pytestmark = pytest.mark.megatron
 
-megatron_cpu.disable_torch_compile()
-with megatron_cpu.enabled():
+cpu_runtime.disable_torch_compile()
+with cpu_runtime.enabled():
     pytest.importorskip("megatron.core")
 
 HIDDEN, FFN, EXPERTS, TOPK = 16, 32, 8, 2
@@ -32,18 +32,18 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32 throughout
 
 @pytest.fixture(autouse=True, scope="module")
 def _cpu_layer():
-    with megatron_cpu.enabled():
+    with cpu_runtime.enabled():
         yield
 
 
 @pytest.fixture
 def single_process():
-    megatron_cpu.initialize_model_parallel(seed=1234)
+    cpu_runtime.initialize_model_parallel(seed=1234)
     try:
         yield
     finally:
         _clear_moe_tracker()
-        megatron_cpu.destroy()
+        cpu_runtime.destroy()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -169,49 +169,49 @@ def _attribute_snapshot():
 
     owners = [torch.cuda, torch.cuda.random, torch.distributed, mrandom, moe_utils]
     snapshot = {o.__name__: {k: id(v) for k, v in vars(o).items()} for o in owners}
-    snapshot["sys.modules"] = megatron_cpu.PAGED_STASH_MODULE in sys.modules
+    snapshot["sys.modules"] = cpu_runtime.PAGED_STASH_MODULE in sys.modules
     snapshot["meta_path"] = [id(f) for f in sys.meta_path]
     snapshot["filters"] = [id(f) for f in logging.getLogger(mrandom.__name__).filters]
     return snapshot
 
 
 def test_disable_restores_every_attribute_by_identity():
-    megatron_cpu.disable()
+    cpu_runtime.disable()
     try:
         import megatron.core.tensor_parallel.random as mrandom
 
         before = _attribute_snapshot()
         originals = (torch.cuda.current_device, torch.cuda.Stream, mrandom._lazy_call)
-        megatron_cpu.enable()
-        megatron_cpu.enable()  # idempotent
-        assert megatron_cpu.is_enabled()
+        cpu_runtime.enable()
+        cpu_runtime.enable()  # idempotent
+        assert cpu_runtime.is_enabled()
         assert torch.cuda.current_device() == torch.device("cpu")
         assert torch.cuda.Stream is not originals[1]
         assert mrandom._lazy_call is not originals[2]
         assert _attribute_snapshot() != before
-        megatron_cpu.disable()
-        megatron_cpu.disable()  # idempotent
-        assert not megatron_cpu.is_enabled()
+        cpu_runtime.disable()
+        cpu_runtime.disable()  # idempotent
+        assert not cpu_runtime.is_enabled()
         assert _attribute_snapshot() == before
         restored = (torch.cuda.current_device, torch.cuda.Stream, mrandom._lazy_call)
         assert all(now is then for now, then in zip(restored, originals))
     finally:
-        megatron_cpu.enable()
+        cpu_runtime.enable()
 
 
 def test_refuses_when_cuda_is_available_unless_forced(monkeypatch):
-    megatron_cpu.disable()
+    cpu_runtime.disable()
     try:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        with pytest.raises(megatron_cpu.MegatronCPUError, match="force=True"):
-            megatron_cpu.enable()
-        assert not megatron_cpu.is_enabled()
-        with megatron_cpu.enabled(force=True):
-            assert megatron_cpu.is_enabled()
-        assert not megatron_cpu.is_enabled()
+        with pytest.raises(cpu_runtime.MegatronCPUError, match="force=True"):
+            cpu_runtime.enable()
+        assert not cpu_runtime.is_enabled()
+        with cpu_runtime.enabled(force=True):
+            assert cpu_runtime.is_enabled()
+        assert not cpu_runtime.is_enabled()
     finally:
         monkeypatch.undo()
-        megatron_cpu.enable()
+        cpu_runtime.enable()
 
 
 def test_enable_before_import_fixes_megatron_modules_as_they_load():
@@ -219,13 +219,13 @@ def test_enable_before_import_fixes_megatron_modules_as_they_load():
     code = textwrap.dedent(
         """
         import torch
-        from elastic_moe_plugin.compat import megatron_cpu
-        megatron_cpu.enable()
+        from elastic_moe_plugin import cpu_runtime
+        cpu_runtime.enable()
         import megatron.core.tensor_parallel.random as mrandom
         import megatron.core.transformer.moe.moe_utils as moe_utils
         assert mrandom._lazy_call is not torch.cuda._lazy_call
         assert moe_utils.te_general_gemm is None  # 0.16.1 without TE lacks the name
-        megatron_cpu.disable()
+        cpu_runtime.disable()
         assert mrandom._lazy_call is torch.cuda._lazy_call
         print("hook ok")
         """
@@ -246,14 +246,14 @@ def test_training_redirects_run_cuda_devices_on_the_cpu_and_disable_undoes_them(
     """enable(training=True): device count 1, set_device a no-op, CUDA device arguments on the CPU."""
     import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
 
-    megatron_cpu.disable()
+    cpu_runtime.disable()
     try:
         before = _attribute_snapshot()
         queue_name = _results_queue_function(filesystem_async)
         stock_queue = getattr(filesystem_async, queue_name)
-        megatron_cpu.enable()
+        cpu_runtime.enable()
         assert torch.cuda.device_count() == 0 or torch.cuda.is_available()  # the runtime layer alone: untouched
-        megatron_cpu.enable(training=True)  # adds to the layer that is on
+        cpu_runtime.enable(training=True)  # adds to the layer that is on
         assert torch.cuda.device_count() == 1
         torch.cuda.set_device(3)  # no-op
         assert torch.zeros(2, device="cuda").device == torch.device("cpu")
@@ -263,14 +263,14 @@ def test_training_redirects_run_cuda_devices_on_the_cpu_and_disable_undoes_them(
         assert x.cuda() is x and x.to("cuda:1").device == torch.device("cpu")
         assert x.to(torch.float64).dtype == torch.float64  # other arguments pass through
         assert getattr(filesystem_async, queue_name) is not stock_queue
-        megatron_cpu.disable()
+        cpu_runtime.disable()
         assert _attribute_snapshot() == before and getattr(filesystem_async, queue_name) is stock_queue
         if not torch.cuda.is_available():
             with pytest.raises((AssertionError, RuntimeError)):  # the mode is gone: a CPU torch has no CUDA
                 torch.zeros(2, device="cuda")
     finally:
-        megatron_cpu.disable()
-        megatron_cpu.enable()
+        cpu_runtime.disable()
+        cpu_runtime.enable()
 
 
 def _results_queue_function(module) -> str:
@@ -283,8 +283,8 @@ def test_checkpoint_writer_results_queue_is_started_by_fork():
     code = textwrap.dedent(
         """
         import multiprocessing
-        from elastic_moe_plugin.compat import megatron_cpu
-        megatron_cpu.enable(training=True)
+        from elastic_moe_plugin import cpu_runtime
+        cpu_runtime.enable(training=True)
         import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
         started = []
         original = multiprocessing.get_context
@@ -321,8 +321,9 @@ def test_megatron_training_imports_with_both_layers_and_initializes_without_cuda
     code = textwrap.dedent(
         """
         import subprocess, typing
-        from elastic_moe_plugin.compat import megatron_cpu, megatron_training
-        megatron_cpu.enable(training=True)
+        from elastic_moe_plugin import cpu_runtime
+        from elastic_moe_plugin.cpu_runtime import megatron_training
+        cpu_runtime.enable(training=True)
         megatron_training.enable()
         import megatron.training.training as training
         import megatron.core.datasets.utils as dataset_utils
@@ -332,7 +333,7 @@ def test_megatron_training_imports_with_both_layers_and_initializes_without_cuda
         subprocess.run = lambda *a, **k: calls.append(a)  # the stock helper would run `make`
         assert dataset_utils.compile_helpers() is None and calls == []
         megatron_training.disable()
-        megatron_cpu.disable()
+        cpu_runtime.disable()
         assert training.initialize_megatron is stock
         assert not getattr(dataset_utils.compile_helpers, "__elastic_moe_patched__", False)
         print("training ok", hasattr(typing, "override"))
@@ -351,19 +352,19 @@ def test_paged_stash_stand_in_raises_clearly():
 
     if importlib.util.find_spec("triton") is not None:
         pytest.skip("triton is installed, so the real module is used")
-    stand_in = sys.modules[megatron_cpu.PAGED_STASH_MODULE]
+    stand_in = sys.modules[cpu_runtime.PAGED_STASH_MODULE]
     assert stand_in.GLOBAL_BLOCK_SIZE > 0
-    with pytest.raises(megatron_cpu.MegatronCPUError, match="moe_paged_stash=False"):
+    with pytest.raises(cpu_runtime.MegatronCPUError, match="moe_paged_stash=False"):
         stand_in.paged_stash_copy_kernel[(1,)](None)
 
 
 def test_initialize_requires_the_layer():
-    megatron_cpu.disable()
+    cpu_runtime.disable()
     try:
-        with pytest.raises(megatron_cpu.MegatronCPUError, match="enable"):
-            megatron_cpu.initialize_model_parallel()
+        with pytest.raises(cpu_runtime.MegatronCPUError, match="enable"):
+            cpu_runtime.initialize_model_parallel()
     finally:
-        megatron_cpu.enable()
+        cpu_runtime.enable()
 
 
 def test_rng_tracker_forks_on_the_cpu_generator(single_process):
@@ -529,7 +530,7 @@ WORLD, BATCH = 2, 2
 _MP_SCENARIOS = {
     # name: (dispatcher, tp, ep, local sequence length per rank). The alltoall dispatcher takes
     # unequal token counts per rank; with tp=2 they make the TP all_gather/reduce_scatter
-    # unequal, which gloo's all_gather rejects (this is what megatron_cpu pads).
+    # unequal, which gloo's all_gather rejects (this is what cpu_runtime pads).
     "ep2_alltoall": ("alltoall", 1, 2, (4, 3)),
     "ep2_allgather": ("allgather", 1, 2, (4, 4)),
     "tp2_alltoall": ("alltoall", 2, 1, (4, 3)),
@@ -543,12 +544,12 @@ def _rank_inputs(rank, seq_lens):
 
 def _mp_worker(rank, tmpdir):
     torch.set_num_threads(1)
-    megatron_cpu.enable()
+    cpu_runtime.enable()
     from megatron.core import parallel_state
 
     results = {}
     for name, (dispatcher, tp, ep, seq_lens) in _MP_SCENARIOS.items():
-        megatron_cpu.initialize_model_parallel(
+        cpu_runtime.initialize_model_parallel(
             tp=tp,
             ep=ep,
             etp=tp,
@@ -598,7 +599,7 @@ def _mp_worker(rank, tmpdir):
                 )
             results[name] = out
         finally:
-            megatron_cpu.destroy()
+            cpu_runtime.destroy()
     torch.save(results, os.path.join(tmpdir, f"out_{rank}.pt"))
 
 

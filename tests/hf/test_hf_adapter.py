@@ -306,7 +306,7 @@ def test_kept_experts_are_top_kappa_and_weights_match_reference(tiny, norm):
 
 
 def test_renormalized_single_expert_tokens_get_weight_one_and_no_gate_gradient(tiny):
-    """Seed 000: κ = 1 under a renormalised gate gives w = 1 exactly and no router gradient."""
+    """docs/gates.md#gate-conventions: κ = 1 under a renormalised gate gives w = 1 exactly and no router gradient."""
     hf.apply(ElasticConfig(schedule="1-3"))
     router = _router(tiny, topk=2, norm=True)
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(9))

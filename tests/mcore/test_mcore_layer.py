@@ -198,7 +198,7 @@ def test_static_schedule_layer_is_bitwise_stock(make_config, make_moe_layer):
     assert all(torch.equal(a, b) for a, b in zip(stock, patched))
 
 
-# ======================================================================== seed 000 in a layer
+# ======================================================================== gate conventions (docs/gates.md) in a layer
 def _top1_layer(make_config, make_moe_layer):
     config = _layer_config(make_config, moe_router_topk=1, moe_router_pre_softmax=True)
     layer = make_moe_layer(config)
@@ -231,7 +231,7 @@ def test_top1_full_softmax_layer_router_and_expert_gradients(make_config, make_m
 
 def test_top1_renormalized_layer_router_gradient_is_exactly_zero(make_config, make_moe_layer):
     """Same layer, gate='renormalized' with κ ≡ 1 (Megatron refuses post-softmax top-1): weight 1,
-    so the router weight gets exactly zero task gradient while the experts still learn (seed 000)."""
+    so the router weight gets exactly zero task gradient while the experts still learn (docs/gates.md#gate-conventions)."""
     config, layer = _top1_layer(make_config, make_moe_layer)
     plan = LayerPlan(schedule=BudgetSchedule.static(1), gate="renormalized", sampling="iid", layer_index=0)
     router = layer.router

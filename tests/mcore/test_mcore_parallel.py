@@ -1,10 +1,10 @@
-"""Elastic routing across Megatron's parallelism, on CPU with gloo (``megatron_cpu``).
+"""Elastic routing across Megatron's parallelism, on CPU with gloo (``elastic_moe_plugin.cpu_runtime``).
 
 Multi-process scenarios (``slow``) run in ONE ``torch.multiprocessing.spawn`` per world size: the
 workers run every scenario in turn (a fresh process group and Megatron state each) and save what
 they saw; the test functions below then check one scenario each in the pytest process. Workers
 import this module by name (pytest's default ``prepend`` import mode), so its top level imports
-no Megatron module before ``megatron_cpu.enable``.
+no Megatron module before ``cpu_runtime.enable``.
 
 Equivalence means: outputs and gradients (input, router weight, expert weights) of the parallel run
 equal a single-process run over the concatenated tokens with the SAME κ. The workers record κ per
@@ -32,7 +32,7 @@ from elastic_moe_plugin import ElasticConfig, mcore
 from elastic_moe_plugin.mcore import budget_rng
 from elastic_moe_plugin.mcore import routing as routing_module
 from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError
-from elastic_moe_plugin.compat import megatron_cpu
+from elastic_moe_plugin import cpu_runtime
 
 pytestmark = [pytest.mark.megatron]
 
@@ -142,12 +142,12 @@ def _stream_budgets(state, num_tokens, sampling="iid"):
 def _init(rank, world, init_method, **parallel):
     torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                          timeout=TIMEOUT)
-    megatron_cpu.initialize_model_parallel(seed=SEED, **parallel)
+    cpu_runtime.initialize_model_parallel(seed=SEED, **parallel)
 
 
 def _teardown():
     mcore.remove()
-    megatron_cpu.destroy()
+    cpu_runtime.destroy()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     try:  # the MoE metrics tracker is sized at its first record
@@ -358,8 +358,8 @@ SCENARIOS = {
 
 def _worker(rank, world, tmpdir):
     torch.set_num_threads(1)
-    megatron_cpu.disable_torch_compile()
-    megatron_cpu.enable(force=True)
+    cpu_runtime.disable_torch_compile()
+    cpu_runtime.enable(force=True)
     results = {}
     for name, scenario in SCENARIOS[world].items():
         try:

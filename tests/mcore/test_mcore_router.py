@@ -2,7 +2,7 @@
 
 Every expectation is a hand-written reference: stock megatron-core itself (bitwise, where the issue
 claims bitwise equality), ``torch.sort`` for the selected set, closed forms for the gate weights,
-the realised-assignment aux losses and seed 000's top-1 derivatives, and scipy's chi-square test
+the realised-assignment aux losses and the top-1 derivatives of docs/gates.md#gate-conventions, and scipy's chi-square test
 for the budget distribution.
 """
 
@@ -669,7 +669,7 @@ def test_aux_loss_is_coeff_whatever_the_budgets_when_counts_are_uniform(make_con
         assert value.item() == pytest.approx(1.0, rel=1e-6), label  # logged as loss / coeff
 
 
-# ======================================================================== seed 000: gradients
+# ======================================================================== gate conventions (docs/gates.md): gradients
 def _separated_logits(num_tokens, num_experts, seed, dtype=torch.float64):
     """Logits whose sorted gaps are all >= 0.3 (no ties, no rank crossing within ±0.1)."""
     generator = torch.Generator().manual_seed(seed)
@@ -682,7 +682,7 @@ def _separated_logits(num_tokens, num_experts, seed, dtype=torch.float64):
 
 @pytest.mark.parametrize("route", ["static_patch", "elastic_path"])
 def test_top1_full_softmax_gate_gradient_matches_closed_form(route, make_config, make_router):
-    """y = Σ_e w_te·F_e with w the selected full-softmax probability (Switch, seed 000):
+    """y = Σ_e w_te·F_e with w the selected full-softmax probability (Switch, docs/gates.md#gate-conventions):
     dy/dz_a = p_a(1−p_a)F_a and dy/dz_j = −p_a·p_j·F_a."""
     config = make_config(moe_router_topk=1, moe_router_pre_softmax=True, moe_router_dtype="fp64")
     router = make_router(config)
@@ -727,7 +727,7 @@ def test_top1_gradient_through_the_real_router_weight(make_config, make_router):
 
 def test_renormalized_top1_has_exactly_zero_gate_gradient(make_config, make_router):
     """Megatron refuses post-softmax top-1; the elastic path with gate='renormalized' and κ ≡ 1
-    gives weight exactly 1 and a gate gradient exactly 0 (seed 000), also on a pre-softmax model."""
+    gives weight exactly 1 and a gate gradient exactly 0 (docs/gates.md#gate-conventions), also on a pre-softmax model."""
     for pre_softmax in (True, False):
         config = make_config(moe_router_topk=2, moe_router_pre_softmax=pre_softmax, moe_router_dtype="fp64")
         router = make_router(config)
@@ -754,7 +754,7 @@ def test_elastic_renormalized_tokens_with_budget_one_get_no_gate_gradient(make_c
 
 @pytest.mark.parametrize("route", ["stock", "elastic_kappa3"])
 def test_selection_changes_across_the_rank_boundary(route, make_config, make_router, monkeypatch):
-    """Boundary test (seed 000): moving one logit across the κ/κ+1 margin swaps exactly one expert
+    """Boundary test (docs/gates.md#gate-conventions): moving one logit across the κ/κ+1 margin swaps exactly one expert
     in and one out, asserted directly instead of with a finite difference across the jump."""
     config = make_config(moe_router_topk=2)
     router = make_router(config)

@@ -37,10 +37,10 @@ PACKAGE_ROOT = Path(elastic_moe_plugin.__file__).resolve().parents[1]
 
 PROBE = r"""
 import importlib.metadata, json, logging
-from elastic_moe_plugin.compat import megatron_cpu
+from elastic_moe_plugin import cpu_runtime
 
-megatron_cpu.disable_torch_compile()
-megatron_cpu.enable(force=True)  # megatron-core 0.19 imports a triton-only module
+cpu_runtime.disable_torch_compile()
+cpu_runtime.enable(force=True)  # megatron-core 0.19 imports a triton-only module
 import megatron.core
 from elastic_moe_plugin import ElasticConfig, mcore
 

@@ -52,7 +52,7 @@ MEGATRON_ARGS = [
     "--lr", "1e-3", "--seed", "1234", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
     "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
     "--hidden-dropout", "0", "--attention-dropout", "0",
-    # CPU: gloo, no fused kernels or Transformer Engine (see elastic_moe_plugin.compat.megatron_cpu)
+    # CPU: gloo, no fused kernels or Transformer Engine (see elastic_moe_plugin.cpu_runtime)
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
     "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-gelu-fusion", "--disable-bias-linear",
     "--clip-grad", "0",

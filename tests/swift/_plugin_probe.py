@@ -13,7 +13,7 @@ code runs twice in one process, and writes what it observed to RESULT.json.
 machine (``swift.megatron.utils`` imports mcore-bridge, which needs Transformer Engine), so the
 probe provides ``swift.megatron.callbacks`` from ms-swift's real ``callbacks/base.py`` plus a
 stand-in ``mapping`` module holding an empty ``megatron_callbacks_map``. It then builds a real
-2-layer Megatron MoE stack on CPU (``elastic_moe_plugin.compat.megatron_cpu``), runs one training
+2-layer Megatron MoE stack on CPU (``elastic_moe_plugin.cpu_runtime``), runs one training
 forward and calls the registered callback's ``on_log`` the way ``BaseMegatronTrainer.on_log`` does.
 """
 
@@ -185,10 +185,10 @@ def _tiny_megatron_stack():
 
 def probe_megatron(result: dict) -> None:
     os.environ["ELASTIC_MOE_SCHEDULE"] = "1-3"
-    from elastic_moe_plugin.compat import megatron_cpu
+    from elastic_moe_plugin import cpu_runtime
 
-    megatron_cpu.disable_torch_compile()
-    megatron_cpu.enable(force=True)  # megatron-core 0.19 imports a triton-only module
+    cpu_runtime.disable_torch_compile()
+    cpu_runtime.enable(force=True)  # megatron-core 0.19 imports a triton-only module
     import megatron.core  # noqa: F401  (Megatron-SWIFT's arguments import it before the plugin)
     import swift.callbacks  # noqa: F401
 
@@ -222,7 +222,7 @@ def probe_megatron(result: dict) -> None:
     # One training forward through a real Megatron MoE stack, then the trainer's on_log.
     import torch
 
-    megatron_cpu.initialize_model_parallel()
+    cpu_runtime.initialize_model_parallel()
     try:
         layers = _tiny_megatron_stack()
         tokens = 512
@@ -252,7 +252,7 @@ def probe_megatron(result: dict) -> None:
         callback.on_log(logs=eval_logs)
         result["megatron_eval_log_keys"] = sorted(eval_logs)
     finally:
-        megatron_cpu.destroy()
+        cpu_runtime.destroy()
 
 
 def main() -> int:

@@ -19,12 +19,12 @@ import torch
 
 from elastic_moe_plugin import ElasticConfig, cli
 from elastic_moe_plugin.tools import diagnose as diagnostics
-from elastic_moe_plugin.compat import megatron_cpu
+from elastic_moe_plugin import cpu_runtime
 
 pytestmark = pytest.mark.megatron
 
-megatron_cpu.disable_torch_compile()
-with megatron_cpu.enabled(force=True):
+cpu_runtime.disable_torch_compile()
+with cpu_runtime.enabled(force=True):
     pytest.importorskip("megatron.core")
 
 from elastic_moe_plugin.tools import demo

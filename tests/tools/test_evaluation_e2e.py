@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
 from elastic_moe_plugin.cli import main
-from elastic_moe_plugin.compat.inference_topk import NotAMoEError, find_routers, transformers as topk_override
+from elastic_moe_plugin.tools.inference_topk import NotAMoEError, find_routers, transformers as topk_override
 from elastic_moe_plugin.tools.eval import format_score
 
 pytestmark = pytest.mark.hf

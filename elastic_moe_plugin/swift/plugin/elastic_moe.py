@@ -2,7 +2,7 @@
 passes this file to ``--external_plugins``), by ``--external_plugins patches/elastic_moe.py`` from a
 checkout, or by ``--external_plugins "$(elastic-moe plugin-path)"``.
 
-The two copies are identical (a test keeps them equal). The installed copy sits alone in its
+``patches/elastic_moe.py`` is a symbolic link to this file. The installed file sits alone in its
 directory because ms-swift puts a plugin's directory first on ``sys.path``. All logic lives in
 :mod:`elastic_moe_plugin.swift`; configuration comes from ``ELASTIC_MOE_*``.
 """

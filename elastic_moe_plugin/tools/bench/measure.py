@@ -87,9 +87,9 @@ def _host_only_read(args) -> bool:
     Megatron's tracker fork (two CPU generator states, on a GPU too), and, where a GPU computes,
     any read of CPU tensors. On a CPU-only machine every other read stands for the device read it
     would be on a GPU, and counts."""
-    from elastic_moe_plugin.compat import megatron_cpu
+    from elastic_moe_plugin import cpu_runtime
 
-    if megatron_cpu.in_rng_tracker_fork():
+    if cpu_runtime.in_rng_tracker_fork():
         return True
     tensors = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
     return torch.cuda.is_available() and bool(tensors) and all(t.device.type == "cpu" for t in tensors)

@@ -40,9 +40,9 @@ def _megatron_setup(threads: int) -> None:
     if threads:
         torch.set_num_threads(threads)
     if not torch.cuda.is_available():
-        from elastic_moe_plugin.compat import megatron_cpu
+        from elastic_moe_plugin import cpu_runtime
 
-        megatron_cpu.enable()
+        cpu_runtime.enable()
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -54,9 +54,9 @@ def _megatron_setup(threads: int) -> None:
 
             model_parallel_cuda_manual_seed(1234)
         else:
-            from elastic_moe_plugin.compat import megatron_cpu
+            from elastic_moe_plugin import cpu_runtime
 
-            megatron_cpu.initialize_model_parallel()
+            cpu_runtime.initialize_model_parallel()
 
 
 def _device() -> torch.device:

@@ -4,8 +4,8 @@
 the layer spec: local spec, ``SequentialMLP`` experts, allgather dispatcher, an MoE in every
 layer, aux-loss load balancing, no dropout, no biases); ``model_config.json`` stores it next to the
 trained state dicts, and :func:`build_model` / :func:`load_trained` rebuild the model from it.
-Building needs Megatron's model-parallel state (on CPU: ``megatron_cpu.enable();
-megatron_cpu.initialize_model_parallel()``).
+Building needs Megatron's model-parallel state (on CPU: ``cpu_runtime.enable();
+cpu_runtime.initialize_model_parallel()``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def model_config(settings: DemoSettings, vocab_size: int) -> dict[str, Any]:
 
 def build_model(config: dict[str, Any]):
     """A fresh ``GPTModel`` from :func:`model_config`'s dict. Needs Megatron's model-parallel
-    state (on CPU: ``megatron_cpu.enable(); megatron_cpu.initialize_model_parallel()``)."""
+    state (on CPU: ``cpu_runtime.enable(); cpu_runtime.initialize_model_parallel()``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig

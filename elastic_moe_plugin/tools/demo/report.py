@@ -35,7 +35,7 @@ def model_config_file(config: dict[str, Any], settings: DemoSettings, corpus: Co
         megatron_core=mcore_version,
         runs={name: {"checkpoint": f"{name}.pt", "elastic_config": results[name]["elastic_config"]} for name in results},
         how_to_load="elastic_moe_plugin.tools.demo.load_trained(out_dir, 'static' | 'elastic') after "
-        "megatron_cpu.enable(); megatron_cpu.initialize_model_parallel()",
+        "cpu_runtime.enable(); cpu_runtime.initialize_model_parallel()",
     )
     return config_file
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from elastic_moe_plugin.compat import inference_topk, megatron_tracker
+from elastic_moe_plugin.compat import megatron_tracker
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.core.schedule import BudgetSchedule
@@ -36,6 +36,7 @@ from elastic_moe_plugin.tools.demo.model import build_model, causal_mask
 from elastic_moe_plugin.tools.demo.progress import Progress
 from elastic_moe_plugin.tools.demo.settings import DemoSettings
 from elastic_moe_plugin.tools.demo.stats import RoutingStats, realised_budgets
+from elastic_moe_plugin.tools import inference_topk
 
 
 def learning_rate(step: int, settings: DemoSettings) -> float:
@@ -193,17 +194,17 @@ def train_run(name: str, elastic: ElasticConfig, settings: DemoSettings, corpus:
     """Train one model from scratch in fresh model-parallel state under ``mcore.patched(elastic)``;
     returns (measurements, state dict). Megatron's MoE tracker is reset before and after."""
     from elastic_moe_plugin import mcore
-    from elastic_moe_plugin.compat import megatron_cpu
+    from elastic_moe_plugin import cpu_runtime
 
     run_start = time.perf_counter()
-    megatron_cpu.initialize_model_parallel(seed=settings.seed)
+    cpu_runtime.initialize_model_parallel(seed=settings.seed)
     megatron_tracker.reset()
     try:
         with mcore.patched(elastic):
             result, state = _train_and_measure(name, elastic, settings, corpus, config)
     finally:
         megatron_tracker.reset()
-        megatron_cpu.destroy()
+        cpu_runtime.destroy()
     result["wall_time_s"] = time.perf_counter() - run_start
     return result, state
 
@@ -213,13 +214,13 @@ def train_runs(runs: Mapping[str, ElasticConfig], settings: DemoSettings, corpus
     """:func:`train_run` for each named config, in order, with the CPU compatibility layer on
     (forced on a CUDA machine: the demo runs on the CPU by design). Returns (measurements per
     run, state dict per run, megatron-core version)."""
-    from elastic_moe_plugin.compat import megatron_cpu
+    from elastic_moe_plugin import cpu_runtime
 
-    megatron_cpu.disable_torch_compile()
+    cpu_runtime.disable_torch_compile()
     cuda = torch.cuda.is_available()
     if cuda:
         print("elastic-moe demo: CUDA is available, but this demo runs on the CPU by design.", file=sys.stderr)
-    with megatron_cpu.enabled(force=cuda):
+    with cpu_runtime.enabled(force=cuda):
         # megatron.core imports only with the layer on (0.19 imports a triton-only module)
         from megatron.core import parallel_state
 

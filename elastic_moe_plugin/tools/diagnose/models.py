@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from elastic_moe_plugin.compat import inference_topk
+from elastic_moe_plugin.tools import inference_topk
 from elastic_moe_plugin.tools.diagnose.checkpoints import CheckpointSpec
 from elastic_moe_plugin.tools.diagnose.errors import DiagnosticsError
 
@@ -190,22 +190,22 @@ class MegatronDemoModel(RoutedModel):
 def megatron_session() -> Iterator[None]:
     """Megatron on the CPU for demo checkpoints: the compatibility layer and model-parallel state
     (TP=PP=EP=1), reusing what the process already has and undoing only what it set up."""
-    from elastic_moe_plugin.compat import megatron_cpu
+    from elastic_moe_plugin import cpu_runtime
 
-    megatron_cpu.disable_torch_compile()
+    cpu_runtime.disable_torch_compile()
     # force: a GPU machine still runs the demo's CPU models on the CPU (as ``elastic-moe demo`` does)
-    with megatron_cpu.enabled(force=torch.cuda.is_available()):
+    with cpu_runtime.enabled(force=torch.cuda.is_available()):
         from megatron.core import parallel_state
 
         created = False
         if not parallel_state.model_parallel_is_initialized():
-            megatron_cpu.initialize_model_parallel()
+            cpu_runtime.initialize_model_parallel()
             created = True
         try:
             yield
         finally:
             if created:
-                megatron_cpu.destroy()
+                cpu_runtime.destroy()
 
 
 @contextlib.contextmanager

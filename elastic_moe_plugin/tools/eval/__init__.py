@@ -9,7 +9,7 @@ inference-time routing top-k (docs/evaluation.md).
 - :mod:`~elastic_moe_plugin.tools.eval.table`: ``eval-table``, the merge of several runs' summaries;
 - :mod:`~elastic_moe_plugin.tools.eval.errors`.
 
-The top-k override itself is :func:`elastic_moe_plugin.compat.inference_topk.transformers`. Nothing
+The top-k override itself is :func:`elastic_moe_plugin.tools.inference_topk.transformers`. Nothing
 here imports torch, transformers or lm-eval at module import: lm-eval is optional.
 """
 

@@ -16,7 +16,7 @@ weights load:
 
 Harness calls: ``simple_evaluate`` takes one ``num_fewshot`` for all its tasks, so there is one call
 per number of shots, each harness task once; the output folder gets ``raw/<shots>shot.json`` per
-call. The top-k override is :func:`elastic_moe_plugin.compat.inference_topk.transformers` on the
+call. The top-k override is :func:`elastic_moe_plugin.tools.inference_topk.transformers` on the
 ``hf`` backend and ``hf_overrides={<top-k config key>: k}`` on ``vllm``.
 """
 
@@ -31,8 +31,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from elastic_moe_plugin.compat import inference_topk
-from elastic_moe_plugin.compat.inference_topk import TOPK_CONFIG_KEYS, NotAMoEError, config_num_experts, config_topk
+from elastic_moe_plugin.tools import inference_topk
+from elastic_moe_plugin.tools.inference_topk import TOPK_CONFIG_KEYS, NotAMoEError, config_num_experts, config_topk
 from elastic_moe_plugin.tools.eval.errors import EvaluationError
 from elastic_moe_plugin.tools.eval.harness import (
     build_hf_lm,

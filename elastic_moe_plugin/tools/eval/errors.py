@@ -3,7 +3,7 @@
 ``EvaluationError`` is the root; the CLI prints any of them as ``elastic-moe eval: error: ...``
 and exits 2. ``SuiteError`` and ``MissingExtraError`` also derive from ``ValueError`` and
 ``ImportError``, so callers that catch those keep working. A dense checkpoint raises
-:class:`elastic_moe_plugin.compat.inference_topk.NotAMoEError`, which the top-k override raises too.
+:class:`elastic_moe_plugin.tools.inference_topk.NotAMoEError`, which the top-k override raises too.
 """
 
 from __future__ import annotations

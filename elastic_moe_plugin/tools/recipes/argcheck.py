@@ -93,11 +93,11 @@ def install_import_shims() -> list[str]:
     """Make ms-swift's Megatron arguments and Megatron-LM's argument module importable here."""
     used = []
     if not _available("triton"):
-        from elastic_moe_plugin.compat import megatron_cpu
+        from elastic_moe_plugin import cpu_runtime
 
-        megatron_cpu.disable_torch_compile()
-        megatron_cpu.enable(force=True)
-        used.append("megatron_cpu (stand-in for megatron-core's triton-only paged_stash module)")
+        cpu_runtime.disable_torch_compile()
+        cpu_runtime.enable(force=True)
+        used.append("cpu_runtime (stand-in for megatron-core's triton-only paged_stash module)")
     if not _available("mcore_bridge"):
         sys.meta_path.insert(0, _StubFinder("mcore_bridge"))
         used.append("mcore_bridge import stub (raises if called; only dataclass definitions are used)")
