@@ -34,7 +34,7 @@ pytestmark = pytest.mark.hf
 
 AVG9 = ("MMLU", "AGIEval", "GPQA", "BBH", "GSM8K", "MATH", "MBPP", "IFEval", "TruthfulQA")
 
-#: Table 1 (paper.md §5.1), per task in AVG9 order, and the printed Avg(9).
+#: Table 1 of the paper (§4.2), per task in AVG9 order, and the printed Avg(9).
 TABLE1 = {
     "OLMoE 6–10": ([51.25, 23.96, 26.34, 35.28, 21.46, 6.44, 25.40, 51.02, 41.58], 31.41),
     "OLMoE 5–11": ([50.91, 23.44, 26.79, 36.05, 21.38, 6.42, 25.00, 48.98, 41.15], 31.12),
@@ -70,7 +70,7 @@ PRETRAIN = (
     "MMLU",
     "LogiQA",
 )
-#: Table 2 (paper.md §5.2), per task in PRETRAIN order, and the printed average (excl. PPL).
+#: Table 2 of the paper (§4.3), per task in PRETRAIN order, and the printed average (excl. PPL).
 TABLE2 = {
     "top-8": ([54.2, 31.3, 41.9, 68.4, 49.3, 19.4, 81.4, 31.0, 53.7, 28.5, 23.1, 26.3], 41.3),
     "6–10": ([42.7, 33.1, 43.7, 68.6, 52.6, 20.1, 82.0, 33.8, 55.1, 29.9, 26.1, 27.2], 42.9),
@@ -266,7 +266,7 @@ def test_table_reproduces_table1_gains():
         "Qwen3 7–9": 0.76,
         "Qwen3 top-8": 0.0,
     }
-    # the BBH jump that carries most of the Qwen3 gain (paper.md §5.1)
+    # the BBH jump that carries most of the Qwen3 gain (Table 1 of the paper)
     assert qwen.delta(0, "BBH") == 14.0
 
 
