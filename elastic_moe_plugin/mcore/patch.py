@@ -334,7 +334,8 @@ def resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:
     if config.mode == "top_p":
         return LayerPlan(schedule=schedule, gate=gate_for(router, config), sampling="iid", layer_index=layer_index,
                          top_p=config.top_p, top_p_width=_top_p_width(model, config))
-    return LayerPlan(schedule=schedule, gate=gate_for(router, config), sampling=config.sampling, layer_index=layer_index)
+    return LayerPlan(schedule=schedule, gate=gate_for(router, config), sampling=config.sampling,
+                     layer_index=layer_index)
 
 
 def model_plans(model) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:

@@ -50,7 +50,8 @@ def _hand_candidates(logits, width, topk, gate, score_function="softmax", use_pr
         allowed = range(num_experts)
         if group_topk:
             size = num_experts // num_groups
-            groups = [sorted(rank[g * size:(g + 1) * size], reverse=True)[: topk // group_topk] for g in range(num_groups)]
+            groups = [sorted(rank[g * size:(g + 1) * size], reverse=True)[: topk // group_topk]
+                      for g in range(num_groups)]
             best = sorted(range(num_groups), key=lambda g: sum(groups[g]), reverse=True)[:group_topk]
             allowed = [e for e in range(num_experts) if e // size in best]
         order = sorted(allowed, key=lambda e: rank[e], reverse=True)[:width]
