@@ -204,7 +204,7 @@ def model_routing_metrics(
         first training forward, or when ``schedule`` gives None.
 
     Raises:
-        ValueError: two routers share a layer index (:func:`~elastic_moe_plugin.core.records.by_layer`).
+        ValueError: two routers share a layer index (the message names both).
     """
     layer_records, histograms = records.routing_records(sites), records.budget_histograms(sites)
     static = records.static_layers(sites)

@@ -115,13 +115,13 @@ def remember(
 
 
 # ---------------------------------------------------------------------------------- by layer
-def indexed(sites: Iterable[RouterSite]) -> Iterator[tuple[int, RouterSite]]:
+def _indexed(sites: Iterable[RouterSite]) -> Iterator[tuple[int, RouterSite]]:
     """``(layer index, site)`` in model order: ``site.layer_index``, else the site's position."""
     for position, site in enumerate(sites):
         yield (position if site.layer_index is None else site.layer_index), site
 
 
-def by_layer(entries: Iterable[tuple[int, RouterSite, Any]]) -> dict[int, Any]:
+def _by_layer(entries: Iterable[tuple[int, RouterSite, Any]]) -> dict[int, Any]:
     """``{layer index: value}`` from ``(index, site, value)`` rows, sorted by index.
 
     Raises:
@@ -142,7 +142,7 @@ def by_layer(entries: Iterable[tuple[int, RouterSite, Any]]) -> dict[int, Any]:
 
 
 def _held(sites: Sequence[RouterSite], attribute: str) -> dict[int, Any]:
-    return by_layer((index, site, site.router.__dict__[attribute]) for index, site in indexed(sites)
+    return _by_layer((index, site, site.router.__dict__[attribute]) for index, site in _indexed(sites)
                     if site.router.__dict__.get(attribute) is not None)
 
 
@@ -185,11 +185,11 @@ def static_layers(sites: Sequence[RouterSite]) -> dict[int, int]:
         ValueError: two of those routers share a layer index.
     """
     rows = []
-    for index, site in indexed(sites):
+    for index, site in _indexed(sites):
         resolved, plan = _cached_plan(site.router)
         if resolved and plan is None:
             rows.append((index, site, site.topk))
-    return by_layer(rows)
+    return _by_layer(rows)
 
 
 def trained_schedule(sites: Sequence[RouterSite]) -> tuple[BudgetSchedule, int] | None:
@@ -223,13 +223,12 @@ def model_plans(
     """
     if config is None or not config.enabled:
         return {}, {}
-    rows = [(index, site, resolve_plan(site)) for index, site in indexed(sites)]
-    plans = by_layer(rows)
+    rows = [(index, site, resolve_plan(site)) for index, site in _indexed(sites)]
+    plans = _by_layer(rows)
     return plans, {index: site.topk for index, site, _ in rows}
 
 
 __all__ = [
-    "HISTOGRAM_ATTR", "RECORD_ATTR", "RouterSite", "RoutingRecord", "budget_histograms", "by_layer", "indexed",
-    "model_plans", "remember", "reset_budget_histograms", "routing_records", "static_layers",
-    "trained_schedule",
+    "HISTOGRAM_ATTR", "RECORD_ATTR", "RouterSite", "RoutingRecord", "budget_histograms", "model_plans", "remember",
+    "reset_budget_histograms", "routing_records", "static_layers", "trained_schedule",
 ]

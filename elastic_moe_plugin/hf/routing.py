@@ -125,9 +125,10 @@ def realised_load_balancing_loss(
         c_e  = Σ_layers Σ_t m_t · #{kept slots of token t routed to e}
 
     This is transformers' own normalisation (``load_balancing_loss_func`` in 5.19); only c_e
-    changes: realised counts for layers with a ``dispatched`` entry, the stock top-k recount (``top_k`` on the
-    logits) for layers whose entry is None (eval, static layers). Σ_e c_e / N is the mean number
-    of experts per (layer, token): k for static top-k, the realised mean κ for elastic layers.
+    changes: realised counts for layers with a ``dispatched`` entry, the stock top-k recount
+    (``top_k`` on the logits) for layers whose entry is None (eval, static layers). Σ_e c_e / N is
+    the mean number of experts per (layer, token): k for static top-k, the realised mean κ for
+    elastic layers.
 
     Args:
         gate_logits: per layer ``[T, E]`` router logits, T = batch × sequence.
