@@ -1,11 +1,13 @@
 """Live routing metrics from routing records: framework-free, computed only when a logger asks.
 
-Both adapters keep, per elastic layer, the latest training forward's :class:`RoutingRecord`
-(``budgets`` κ [T], ``expert_ids`` [T, b] with −1 beyond κ, ``retained_weight_sums`` [T]) and a
-running κ histogram [b+1] since the last reset. :func:`routing_metrics` turns them into flat
-scalars named ``elastic_moe/layer_{i}/{name}`` (plus ``elastic_moe/{name}`` averages over layers)
-for Megatron's tracker, TensorBoard, W&B or swift's log. Nothing here runs unless a logging hook
-calls it, so training without logging pays nothing.
+Both adapters keep, per elastic layer, the latest training forward's
+:class:`~elastic_moe_plugin.core.records.RoutingRecord` (``budgets`` κ [T], ``expert_ids`` [T, b]
+with −1 beyond κ, ``retained_weight_sums`` [T]) and a running κ histogram [b+1] since the last
+reset. :func:`routing_metrics` turns them into flat scalars named ``elastic_moe/layer_{i}/{name}``
+(plus ``elastic_moe/{name}`` averages over layers) for Megatron's tracker, TensorBoard, W&B or
+swift's log; :func:`model_routing_metrics` does it for the routers an adapter enumerates (both
+adapters' ``routing_metrics(model)``). Nothing here runs unless a logging hook calls it, so
+training without logging pays nothing.
 
 Per layer:
     mean_kappa, kappa_frac_{r}          the κ histogram since the last reset, normalised
@@ -33,34 +35,15 @@ average over all of them; the weight and load averages over the layers that have
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from elastic_moe_plugin.core import records
+from elastic_moe_plugin.core.records import RouterSite, RoutingRecord
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 PREFIX = "elastic_moe"
-
-
-@dataclass(frozen=True)
-class RoutingRecord:
-    """What one elastic router did in its latest training forward (detached; the record docs/gates.md#gate-conventions asks for).
-
-    Attributes:
-        budgets: LongTensor [T], the realised κ per token.
-        expert_ids: LongTensor [T, b], selected experts sorted by router rank, −1 beyond κ_t.
-        retained_weight_sums: Tensor [T], Σ of the kept gate weights before any scaling factor
-            (1 for ``renormalized``; < 1 for ``full_softmax``).
-        capacity_dropped: BoolTensor [T, b], True where a selected slot of ``expert_ids`` was
-            dropped by the capacity factor (Megatron's ``moe_expert_capacity_factor``); None when
-            no capacity factor is set. ``expert_ids`` keep the selection before drops.
-    """
-
-    budgets: torch.Tensor
-    expert_ids: torch.Tensor
-    retained_weight_sums: torch.Tensor
-    capacity_dropped: torch.Tensor | None = None
 
 
 def expert_counts(record: RoutingRecord, num_experts: int) -> torch.Tensor:
@@ -198,3 +181,36 @@ def routing_metrics(
     if per_name.get("retained_weight_sum_min"):
         flat[f"{PREFIX}/retained_weight_sum_min"] = min(per_name["retained_weight_sum_min"])
     return flat
+
+
+def model_routing_metrics(
+    sites: Sequence[RouterSite],
+    schedule: Callable[[], tuple[BudgetSchedule, int] | None] | None = None,
+    *,
+    include_static: bool = True,
+) -> dict[str, float]:
+    """:func:`routing_metrics` of the routers an adapter enumerates (one host sync per layer).
+
+    Args:
+        sites: the adapter's routers (:class:`~elastic_moe_plugin.core.records.RouterSite`).
+        schedule: returns ``(the schedule the names follow, E)``, or None for no metrics; called
+            only when some router holds a record, a histogram or a static plan. Default:
+            :func:`~elastic_moe_plugin.core.records.trained_schedule` (the routers' cached plans).
+        include_static: report the static layers at κ = k (False: elastic layers only, as
+            Megatron's tracker path, whose layer mean divides by the elastic layers).
+
+    Returns:
+        ``{"elastic_moe/layer_<i>/<name>": ..., "elastic_moe/<name>": ...}``; ``{}`` before the
+        first training forward, or when ``schedule`` gives None.
+
+    Raises:
+        ValueError: two routers share a layer index (the message names both).
+    """
+    layer_records, histograms = records.routing_records(sites), records.budget_histograms(sites)
+    static = records.static_layers(sites)
+    if not (layer_records or histograms or static):
+        return {}
+    resolved = schedule() if schedule is not None else records.trained_schedule(sites)
+    if resolved is None:
+        return {}
+    return routing_metrics(layer_records, histograms, *resolved, static if include_static else None)

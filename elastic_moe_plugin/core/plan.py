@@ -144,5 +144,17 @@ def log_plan_once(line: str) -> bool:
 
 _logged_plans: set[str] = set()
 
-__all__ = ["PLAN_CACHE_ATTR", "PLAN_GATES", "LayerPlan", "cached_plan", "describe_plans", "log_plan_once",
+
+def log_plan(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, int], framework: str) -> str | None:
+    """Log (rank 0, once per process and line) and return :func:`describe_plans` of ``plans``
+    (an adapter's ``model_plans``, :func:`elastic_moe_plugin.core.records.model_plans`); None when
+    there are no plans (no active, enabled config)."""
+    if not plans:
+        return None
+    line = describe_plans(plans, topk, framework)
+    log_plan_once(line)
+    return line
+
+
+__all__ = ["PLAN_CACHE_ATTR", "PLAN_GATES", "LayerPlan", "cached_plan", "describe_plans", "log_plan", "log_plan_once",
            "warn_if_top1_gate_is_constant"]

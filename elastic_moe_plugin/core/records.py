@@ -1,28 +1,81 @@
-"""Routing records and κ histograms, kept on each elastic router between logging steps.
+"""Routing records and κ histograms on elastic routers, and the one front end both adapters read them through.
 
 After every training forward an elastic router holds (in its ``__dict__``, so no parameter,
-buffer or state-dict key is added) the latest :class:`~elastic_moe_plugin.core.metrics.RoutingRecord`
-and a running κ histogram ``LongTensor [b+1]`` (index = κ) since the last reset. Keeping them costs
-two small device ops per layer and no host sync; :mod:`~elastic_moe_plugin.core.metrics` turns
-them into logged scalars only when a logger asks.
+buffer or state-dict key is added) the latest :class:`RoutingRecord` and a running κ histogram
+``LongTensor [b+1]`` (index = κ) since the last reset. Keeping them costs two small device ops
+per layer and no host sync; :mod:`~elastic_moe_plugin.core.metrics` turns them into logged
+scalars only when a logger asks.
 
-Collecting them by layer follows one rule in both adapters: a router's layer index is the one
-the adapter knows (Megatron's ``layer_number - 1``, transformers' ``layer_idx``), else its
-position among the model's routers; two routers with the same index are an error naming both
-(e.g. Qwen3-Omni's thinker and talker stacks: collect one stack at a time).
+The front end. An adapter only enumerates its routers, as :class:`RouterSite` rows in model order
+(transformers: the covered router classes, tagged with ``layer_idx``; Megatron: every decoder-layer
+``TopKRouter`` of every model chunk, MTP routers left out). Everything read off those rows is
+written once, here and in :func:`elastic_moe_plugin.core.metrics.model_routing_metrics`:
+
+- :func:`routing_records`, :func:`budget_histograms`, :func:`reset_budget_histograms`;
+- :func:`static_layers`: the routers that ran a training forward as stock top-k;
+- :func:`model_plans`: every router's training plan, for the start-up plan line
+  (:func:`.plan.log_plan`).
+
+One rule keys them all by layer: a router's layer index is the one its adapter knows (Megatron's
+``layer_number - 1``, transformers' ``layer_idx``), else its position among the enumerated routers;
+two routers with the same index are an error naming both (e.g. Qwen3-Omni's thinker and talker
+stacks: collect one stack at a time).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from elastic_moe_plugin.core.metrics import RoutingRecord
+from elastic_moe_plugin.core.config import ElasticConfig
+from elastic_moe_plugin.core.plan import PLAN_CACHE_ATTR, LayerPlan
+from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 RECORD_ATTR = "_elastic_record"
 HISTOGRAM_ATTR = "_elastic_budget_histogram"
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingRecord:
+    """What one elastic router did in its latest training forward (detached; the record docs/gates.md#gate-conventions asks for).
+
+    Attributes:
+        budgets: LongTensor [T], the realised κ per token.
+        expert_ids: LongTensor [T, b], selected experts sorted by router rank, −1 beyond κ_t.
+        retained_weight_sums: Tensor [T], Σ of the kept gate weights before any scaling factor
+            (1 for ``renormalized``; < 1 for ``full_softmax``).
+        capacity_dropped: BoolTensor [T, b], True where a selected slot of ``expert_ids`` was
+            dropped by the capacity factor (Megatron's ``moe_expert_capacity_factor``); None when
+            no capacity factor is set. ``expert_ids`` keep the selection before drops.
+    """
+
+    budgets: torch.Tensor
+    expert_ids: torch.Tensor
+    retained_weight_sums: torch.Tensor
+    capacity_dropped: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSite:
+    """One MoE router as its adapter enumerates it.
+
+    Attributes:
+        name: the router's qualified module name (error messages name it).
+        router: the module; its ``__dict__`` holds the record, the κ histogram and the cached plan.
+        layer_index: the 0-based decoder-layer index the adapter knows, or None (then the router's
+            position among the enumerated routers stands in).
+        topk: k, the router's static top-k (what a static layer routes with).
+        num_experts: E.
+    """
+
+    name: str
+    router: torch.nn.Module
+    layer_index: int | None
+    topk: int
+    num_experts: int
 
 
 def remember(
@@ -61,44 +114,121 @@ def remember(
     histogram.scatter_add_(0, budgets, torch.ones_like(budgets))
 
 
-def collect(
-    routers: Iterable[tuple[str, torch.nn.Module]],
-    attribute: str,
-    layer_index: Callable[[str, torch.nn.Module], int | None],
-) -> dict[int, Any]:
-    """``{layer index: router.__dict__[attribute]}`` for the routers that hold ``attribute``.
+# ---------------------------------------------------------------------------------- by layer
+def _indexed(sites: Iterable[RouterSite]) -> Iterator[tuple[int, RouterSite]]:
+    """``(layer index, site)`` in model order: ``site.layer_index``, else the site's position."""
+    for position, site in enumerate(sites):
+        yield (position if site.layer_index is None else site.layer_index), site
 
-    Args:
-        routers: ``(qualified name, router)`` in model order.
-        layer_index: the adapter's index of a router, or None when it does not know one (then
-            the router's position among ``routers`` is used).
+
+def _by_layer(entries: Iterable[tuple[int, RouterSite, Any]]) -> dict[int, Any]:
+    """``{layer index: value}`` from ``(index, site, value)`` rows, sorted by index.
 
     Raises:
-        ValueError: two routers map to one index.
+        ValueError: two rows have one index (the message names both routers).
     """
     values: dict[int, Any] = {}
     names: dict[int, str] = {}
-    for position, (name, router) in enumerate(routers):
-        value = router.__dict__.get(attribute)
-        if value is None:
-            continue
-        index = layer_index(name, router)
-        index = position if index is None else index
+    for index, site, value in entries:
         if index in values:
             raise ValueError(
-                f"routers {names[index]!r} and {name!r} both have decoder-layer index {index}: the model has "
+                f"routers {names[index]!r} and {site.name!r} both have decoder-layer index {index}: the model has "
                 f"several MoE stacks (e.g. Qwen3-Omni's thinker and talker) or routers without a layer number. "
                 f"Pass one stack (e.g. routing_records(model.thinker)), or set each router's layer number."
             )
         values[index] = value
-        names[index] = name
+        names[index] = site.name
     return dict(sorted(values.items()))
 
 
-def reset_histograms(histograms: Iterable[torch.Tensor]) -> None:
-    """Zero κ histograms in place, so the next log covers only the steps after this one."""
-    for histogram in histograms:
+def _held(sites: Sequence[RouterSite], attribute: str) -> dict[int, Any]:
+    return _by_layer((index, site, site.router.__dict__[attribute]) for index, site in _indexed(sites)
+                    if site.router.__dict__.get(attribute) is not None)
+
+
+def routing_records(sites: Sequence[RouterSite]) -> dict[int, RoutingRecord]:
+    """``{layer index: RoutingRecord}`` of the routers whose latest training forward was elastic.
+
+    Raises:
+        ValueError: two of those routers share a layer index.
+    """
+    return _held(sites, RECORD_ATTR)
+
+
+def budget_histograms(sites: Sequence[RouterSite]) -> dict[int, torch.Tensor]:
+    """``{layer index: LongTensor [b+1]}``: κ counts (index = κ) since the last reset.
+
+    Raises:
+        ValueError: two routers holding a histogram share a layer index.
+    """
+    return _held(sites, HISTOGRAM_ATTR)
+
+
+def reset_budget_histograms(sites: Sequence[RouterSite]) -> None:
+    """Zero the κ histograms in place, so the next log covers only the steps after this one."""
+    for histogram in budget_histograms(sites).values():
         histogram.zero_()
 
 
-__all__ = ["HISTOGRAM_ATTR", "RECORD_ATTR", "collect", "remember", "reset_histograms"]
+def _cached_plan(router: torch.nn.Module) -> tuple[bool, LayerPlan | None]:
+    """``(True, plan)`` when ``router`` resolved a training plan (``plan`` None: it routed stock
+    top-k), ``(False, None)`` before its first training forward under the patch."""
+    cached = router.__dict__.get(PLAN_CACHE_ATTR)
+    return (False, None) if cached is None else (True, cached[1])
+
+
+def static_layers(sites: Sequence[RouterSite]) -> dict[int, int]:
+    """``{layer index: k}`` of the routers that ran a training forward as stock top-k (outside
+    ``ElasticConfig.layers``, or a ``static`` schedule): their cached plan is None.
+
+    Raises:
+        ValueError: two of those routers share a layer index.
+    """
+    rows = []
+    for index, site in _indexed(sites):
+        resolved, plan = _cached_plan(site.router)
+        if resolved and plan is None:
+            rows.append((index, site, site.topk))
+    return _by_layer(rows)
+
+
+def trained_schedule(sites: Sequence[RouterSite]) -> tuple[BudgetSchedule, int] | None:
+    """``(schedule, E)`` the routers trained with: the schedule of the first elastic router's cached
+    plan (one model's routers share it) and its expert count; without one (every layer static, or no
+    training forward yet), the point mass at the first static layer's k (else the first router's).
+    None without routers."""
+    for site in sites:
+        _, plan = _cached_plan(site.router)
+        if plan is not None:
+            return plan.schedule, site.num_experts
+    if not sites:
+        return None
+    static = static_layers(sites)
+    topk = next(iter(static.values())) if static else sites[0].topk
+    return BudgetSchedule.static(topk), sites[0].num_experts
+
+
+# ---------------------------------------------------------------------------------- plans
+def model_plans(
+    sites: Sequence[RouterSite],
+    config: ElasticConfig | None,
+    resolve_plan: Callable[[RouterSite], LayerPlan | None],
+) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
+    """``({layer index: training plan, None = stock top-k}, {layer index: k})`` of every router,
+    resolved by the adapter's ``resolve_plan`` as a first training forward resolves it (nothing is
+    cached); ``({}, {})`` when ``config`` is None or disabled.
+
+    Raises:
+        ValueError: two routers share a layer index.
+    """
+    if config is None or not config.enabled:
+        return {}, {}
+    rows = [(index, site, resolve_plan(site)) for index, site in _indexed(sites)]
+    plans = _by_layer(rows)
+    return plans, {index: site.topk for index, site, _ in rows}
+
+
+__all__ = [
+    "HISTOGRAM_ATTR", "RECORD_ATTR", "RouterSite", "RoutingRecord", "budget_histograms", "model_plans", "remember",
+    "reset_budget_histograms", "routing_records", "static_layers", "trained_schedule",
+]

@@ -16,12 +16,13 @@ Qwen3-Next, Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE thinker and talker, Qwen4-
 MiniMax, Mellum), :mod:`.patch` (what is patched, the lifecycle, plans and start-up checks),
 :mod:`.routing` (one elastic router forward, and the realised load-balancing loss),
 :mod:`.experts` (expert compute that follows κ in every experts implementation),
-:mod:`.records` (records, κ histograms and logged metrics). ``docs/transformers.md`` has the
-details.
+:mod:`.records` (the routers it enumerates for the records front end of
+:mod:`elastic_moe_plugin.core.records`: records, κ histograms, static layers, logged metrics).
+``docs/transformers.md`` has the details.
 """
 
 from elastic_moe_plugin.core.errors import UnsupportedTransformersError
-from elastic_moe_plugin.core.metrics import RoutingRecord
+from elastic_moe_plugin.core.records import RoutingRecord
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.hf.families import FAMILIES, RouterFamily, covered_router_classes
 from elastic_moe_plugin.hf.patch import (
@@ -37,12 +38,20 @@ from elastic_moe_plugin.hf.patch import (
     patched,
     patched_symbols,
     remove,
+    resolve_plan,
     tag_layers,
+    training_plan,
     transformers_version,
     validate_model,
     validate_router,
 )
-from elastic_moe_plugin.hf.records import budget_histograms, reset_budget_histograms, routing_metrics, routing_records
+from elastic_moe_plugin.hf.records import (
+    budget_histograms,
+    reset_budget_histograms,
+    routing_metrics,
+    routing_records,
+    static_layers,
+)
 from elastic_moe_plugin.hf.routing import elastic_routing, realised_load_balancing_loss
 
 __all__ = [
@@ -50,5 +59,6 @@ __all__ = [
     "RoutingRecord", "UnsupportedTransformersError", "active_config", "apply", "budget_histograms",
     "check_transformers_version", "covered_router_classes", "elastic_routing", "gate_for", "is_applied",
     "log_plan", "model_plans", "patched", "patched_symbols", "realised_load_balancing_loss", "remove", "reset_budget_histograms",
-    "routing_metrics", "routing_records", "tag_layers", "transformers_version", "validate_model", "validate_router",
+    "resolve_plan", "routing_metrics", "routing_records", "static_layers", "tag_layers", "training_plan",
+    "transformers_version", "validate_model", "validate_router",
 ]

@@ -20,6 +20,13 @@ Per covered family (``transformers.models.<family>.modeling_<family>``, see :mod
 Nothing else is touched: parameters, buffers and state-dict keys are stock, so checkpoints are
 interchangeable with unpatched transformers. The lifecycle (lock, idempotence,
 identity restore) is :class:`~elastic_moe_plugin.core.patching.PatchLifecycle`.
+
+Plans, the same three calls as in :mod:`elastic_moe_plugin.mcore.patch`: :func:`gate_for` (the
+weighing rule of a router under a config), :func:`resolve_plan` (a router's training plan,
+uncached: what the start-up plan line shows) and :func:`training_plan` (the plan of one forward,
+cached per router: what the patched router forward runs). Visibility follows one rule in both
+adapters: what another module of the package calls or the adapter package exports has no
+underscore and a docstring; what only this module uses is private.
 """
 
 from __future__ import annotations
@@ -38,13 +45,9 @@ from packaging.version import Version
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError, UnsupportedTransformersError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
-from elastic_moe_plugin.core.plan import (
-    LayerPlan,
-    cached_plan,
-    describe_plans,
-    log_plan_once,
-    warn_if_top1_gate_is_constant,
-)
+from elastic_moe_plugin.core import plan as core_plan
+from elastic_moe_plugin.core import records as core_records
+from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf.experts import experts_forward
@@ -52,12 +55,13 @@ from elastic_moe_plugin.hf.families import (
     FAMILIES,
     LAYER_ATTR,
     RouterFamily,
+    covered_router_classes,
     covered_routers,
     layer_index_from_name,
     load_family,
-    router_layer_index,
 )
-from elastic_moe_plugin.hf.routing import elastic_routing, realised_assignments, realised_load_balancing_loss
+from elastic_moe_plugin.hf.records import router_sites
+from elastic_moe_plugin.hf.routing import dispatched_slots, elastic_routing, realised_load_balancing_loss
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
@@ -118,7 +122,7 @@ check_transformers_version = _PATCH.check_version
 def _router_forward(original: Callable, family: RouterFamily) -> Callable:
     @functools.wraps(original)
     def forward(self, hidden_states: torch.Tensor):
-        plan = _training_plan(self, family, _PATCH.active_config(), _PATCH.generation)
+        plan = training_plan(self, family, _PATCH.active_config(), _PATCH.generation)
         if plan is None:
             return original(self, hidden_states)
         return elastic_routing(self, plan, hidden_states)
@@ -155,11 +159,11 @@ def _load_balancing_loss(original: Callable) -> Callable:
     def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
         if gate_logits is None or not isinstance(gate_logits, tuple):
             return original(gate_logits, num_experts, top_k, attention_mask)
-        realised = realised_assignments(gate_logits)
-        if all(entry is None for entry in realised):
+        dispatched = dispatched_slots(gate_logits)
+        if all(entry is None for entry in dispatched):
             # eval, static schedule, unpatched routers: the stock function, bit for bit
             return original(gate_logits, num_experts, top_k, attention_mask)
-        return realised_load_balancing_loss(gate_logits, realised, num_experts, top_k, attention_mask)
+        return realised_load_balancing_loss(gate_logits, dispatched, num_experts, top_k, attention_mask)
 
     return load_balancing_loss_func
 
@@ -227,15 +231,24 @@ def validate_router(router: torch.nn.Module, config: ElasticConfig, *, num_layer
     return config.resolve(num_experts=int(router.num_experts), topk=int(router.top_k), num_layers=num_layers)
 
 
-def _training_plan(router, family: RouterFamily, config: ElasticConfig | None, generation: int) -> LayerPlan | None:
-    """The plan for this forward, or None when the stock forward must run (cached per router)."""
+def training_plan(router, family: RouterFamily, config: ElasticConfig | None, generation: int) -> LayerPlan | None:
+    """The plan for this forward, or None when the stock forward must run (eval mode, no or a
+    disabled config). Cached per router, keyed on the patch ``generation`` and the router's layer
+    tag: a new config or layer index re-resolves it (:func:`resolve_plan`)."""
     if config is None or not router.training or not config.enabled:
         return None
     key = (generation, router.__dict__.get(LAYER_ATTR))
-    return cached_plan(router, key, lambda: _resolve_plan(router, family, config))
+    return cached_plan(router, key, lambda: resolve_plan(router, family, config))
 
 
-def _resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPlan | None:
+def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPlan | None:
+    """The training plan of ``router`` under ``config`` (uncached), None for stock top-k: a static
+    schedule, or a layer outside ``ElasticConfig.layers``.
+
+    Raises:
+        ConfigError: ``config`` does not fit the router, or ``layers`` is set and the router has no
+            layer tag (a model built before :func:`apply`; the message names the fix).
+    """
     schedule = validate_router(router, config)
     if schedule.is_static and config.mode != "top_p":
         return None
@@ -261,29 +274,18 @@ def _resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerP
 def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
     """({layer index: training plan, None = stock top-k}, {layer index: top-k}) of every covered
     router of ``model`` under the active config, resolved as the router's first training forward
-    resolves it (nothing is cached); ``({}, {})`` when no config is active or it is disabled."""
+    resolves it (:func:`resolve_plan`; nothing is cached); ``({}, {})`` when no config is active
+    or it is disabled. Layer indices as :mod:`.records` keys them."""
     config = _PATCH.active_config()
-    plans: dict[int, LayerPlan | None] = {}
-    topk: dict[int, int] = {}
-    if config is None or not config.enabled:
-        return plans, topk
-    for position, (name, router, family) in enumerate(covered_routers(model)):
-        index = router_layer_index(name, router)
-        index = position if index is None else index  # core.records.collect's fallback
-        plans[index] = _resolve_plan(router, family, config)
-        topk[index] = int(router.top_k)
-    return plans, topk
+    families = covered_router_classes()
+    return core_records.model_plans(router_sites(model), config,
+                                    lambda site: resolve_plan(site.router, families[type(site.router)], config))
 
 
 def log_plan(model: torch.nn.Module) -> str | None:
     """Log (rank 0, once) and return the start-up line of :func:`~elastic_moe_plugin.core.plan.describe_plans`
     for ``model``; None when no config is active."""
-    plans, topk = model_plans(model)
-    if not plans:
-        return None
-    line = describe_plans(plans, topk, "transformers")
-    log_plan_once(line)
-    return line
+    return core_plan.log_plan(*model_plans(model), "transformers")
 
 
 # ---------------------------------------------------------------------------------- models

@@ -1,19 +1,25 @@
-"""What the elastic routers of a transformers model did: records, κ histograms, logged scalars."""
+"""What the elastic routers of a transformers model did: the routers it enumerates for the records
+front end (:mod:`elastic_moe_plugin.core.records`, :func:`~elastic_moe_plugin.core.metrics.model_routing_metrics`).
+
+The routers are the covered router classes (:func:`.families.covered_routers`), in module order,
+each at its 0-based decoder-layer index: the ``layer_idx`` the patched decoder layer tagged it
+with, else the ``...layers.<i>.mlp.gate`` of its module path (:func:`.families.router_layer_index`),
+else its position among the model's routers.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from elastic_moe_plugin.core import metrics, records
-from elastic_moe_plugin.core.metrics import RoutingRecord
-from elastic_moe_plugin.core.plan import PLAN_CACHE_ATTR
-from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.core.records import RouterSite, RoutingRecord
 from elastic_moe_plugin.hf.families import covered_routers, router_layer_index
 
 
-def _collect(model: torch.nn.Module, attribute: str) -> dict:
-    routers = [(name, router) for name, router, _ in covered_routers(model)]
-    return records.collect(routers, attribute, router_layer_index)
+def router_sites(model: torch.nn.Module) -> list[RouterSite]:
+    """Every covered router of ``model``: name, module, layer index, k = ``top_k``, E = ``num_experts``."""
+    return [RouterSite(name, router, router_layer_index(name, router), int(router.top_k), int(router.num_experts))
+            for name, router, _ in covered_routers(model)]
 
 
 def routing_records(model: torch.nn.Module) -> dict[int, RoutingRecord]:
@@ -22,7 +28,7 @@ def routing_records(model: torch.nn.Module) -> dict[int, RoutingRecord]:
     Raises:
         ValueError: two routers share a layer index (several MoE stacks: pass one stack).
     """
-    return _collect(model, records.RECORD_ATTR)
+    return records.routing_records(router_sites(model))
 
 
 def budget_histograms(model: torch.nn.Module) -> dict[int, torch.Tensor]:
@@ -30,48 +36,32 @@ def budget_histograms(model: torch.nn.Module) -> dict[int, torch.Tensor]:
 
     Bounded in size; every routed token is counted once per step, also under gradient checkpointing.
     """
-    return _collect(model, records.HISTOGRAM_ATTR)
+    return records.budget_histograms(router_sites(model))
 
 
 def reset_budget_histograms(model: torch.nn.Module) -> None:
-    records.reset_histograms(budget_histograms(model).values())
+    """Zero every elastic router's κ histogram, so the next log covers only the steps after this one."""
+    records.reset_budget_histograms(router_sites(model))
 
 
 def static_layers(model: torch.nn.Module) -> dict[int, int]:
     """{0-based layer index: k} of the routers that ran a training forward as stock top-k (outside
     ``ElasticConfig.layers``, or a ``static`` schedule): their cached plan is None."""
-    found = {}
-    for name, router, _ in covered_routers(model):
-        cached = router.__dict__.get(PLAN_CACHE_ATTR)
-        if cached is not None and cached[1] is None:
-            index = router_layer_index(name, router)
-            if index is not None:
-                found[index] = int(router.top_k)
-    return found
+    return records.static_layers(router_sites(model))
 
 
 def routing_metrics(model: torch.nn.Module) -> dict[str, float]:
-    """Scalars for a trainer's logs from the records and κ histograms (one host sync per call).
+    """Scalars for a trainer's logs from the records and κ histograms (one host sync per layer).
 
     ``{"elastic_moe/layer_<i>/<name>": ..., "elastic_moe/<name>": ...}`` as computed by
     :func:`elastic_moe_plugin.core.metrics.routing_metrics` (mean κ, κ shares, exposure per rank,
-    retained weight sums, expert load imbalance), static layers at κ = k; empty before the first
-    training forward. Call :func:`reset_budget_histograms` after logging to make each log cover
-    its own steps.
+    retained weight sums, expert load imbalance), static layers at κ = k, named after the schedule
+    the elastic routers trained with (:func:`elastic_moe_plugin.core.records.trained_schedule`);
+    empty before the first training forward. Call :func:`reset_budget_histograms` after logging to
+    make each log cover its own steps.
     """
-    layer_records, histograms, static = routing_records(model), budget_histograms(model), static_layers(model)
-    if not (layer_records or histograms or static):
-        return {}
-    # The schedule and expert count of an elastic router (its cached plan); a model's elastic
-    # routers share both. Without one (every layer static), the point mass at k.
-    routers = [router for _, router, _ in covered_routers(model)]
-    for router in routers:
-        cached = router.__dict__.get(PLAN_CACHE_ATTR)
-        if cached is not None and cached[1] is not None:
-            return metrics.routing_metrics(layer_records, histograms, cached[1].schedule, int(router.num_experts),
-                                           static)
-    k = next(iter(static.values()))
-    return metrics.routing_metrics({}, {}, BudgetSchedule.static(k), int(routers[0].num_experts), static)
+    return metrics.model_routing_metrics(router_sites(model))
 
 
-__all__ = ["budget_histograms", "reset_budget_histograms", "routing_metrics", "routing_records", "static_layers"]
+__all__ = ["budget_histograms", "reset_budget_histograms", "router_sites", "routing_metrics", "routing_records",
+           "static_layers"]

@@ -38,9 +38,10 @@ from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf.experts import mark_kept_slots
 
-#: router_logits tensor → (candidate ids LongTensor [T, b], kept-slot mask BoolTensor [T, b]).
-#: Keyed by object identity (a tensor's == is elementwise) and weakly, so entries die with the logits.
-_REALISED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: router_logits tensor → the slots dispatched for it: (candidate ids LongTensor [T, b], kept-slot
+#: mask BoolTensor [T, b]). Keyed by object identity (a tensor's == is elementwise) and weakly, so
+#: entries die with the logits.
+_DISPATCHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def elastic_routing(
@@ -84,7 +85,7 @@ def elastic_routing(
     retained_weight_sums = weights.detach().sum(dim=-1)
     if plan.cast_weights_to_logits:
         weights = weights.to(router_logits.dtype)
-    _REALISED[router_logits] = (candidate_ids.detach(), kept)  # (6)
+    _DISPATCHED[router_logits] = (candidate_ids.detach(), kept)  # (6)
     # A checkpoint's recompute replays the same κ; the step was counted in its first forward.
     records.remember(router, width, budgets, candidate_ids, kept, retained_weight_sums, count=not recompute)
     mark_kept_slots(candidate_ids, kept, pair_count)  # (5)
@@ -102,15 +103,16 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
-def realised_assignments(gate_logits: tuple[Any, ...]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Per layer, the ``(candidate ids [T, b], kept [T, b])`` an elastic router dispatched for those
-    logits, or None for logits that did not come from an elastic training forward."""
-    return [_REALISED.get(layer) if isinstance(layer, torch.Tensor) else None for layer in gate_logits]
+def dispatched_slots(gate_logits: tuple[Any, ...]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Look up, per layer, the slots an elastic router dispatched for those logits (step 6):
+    ``(candidate ids [T, b], kept [T, b])``, or None for logits that did not come from an elastic
+    training forward. A lookup by tensor identity; nothing is computed."""
+    return [_DISPATCHED.get(layer) if isinstance(layer, torch.Tensor) else None for layer in gate_logits]
 
 
 def realised_load_balancing_loss(
     gate_logits: tuple[torch.Tensor, ...],
-    realised: list[tuple[torch.Tensor, torch.Tensor] | None],
+    dispatched: list[tuple[torch.Tensor, torch.Tensor] | None],
     num_experts: int,
     top_k: int,
     attention_mask: torch.Tensor | None = None,
@@ -123,13 +125,14 @@ def realised_load_balancing_loss(
         c_e  = Σ_layers Σ_t m_t · #{kept slots of token t routed to e}
 
     This is transformers' own normalisation (``load_balancing_loss_func`` in 5.19); only c_e
-    changes: realised counts for layers in ``realised``, the stock top-k recount (``top_k`` on the
-    logits) for layers whose entry is None (eval, static layers). Σ_e c_e / N is the mean number
-    of experts per (layer, token): k for static top-k, the realised mean κ for elastic layers.
+    changes: realised counts for layers with a ``dispatched`` entry, the stock top-k recount
+    (``top_k`` on the logits) for layers whose entry is None (eval, static layers). Σ_e c_e / N is
+    the mean number of experts per (layer, token): k for static top-k, the realised mean κ for
+    elastic layers.
 
     Args:
         gate_logits: per layer ``[T, E]`` router logits, T = batch × sequence.
-        realised: per layer ``(candidate ids [T, b], kept mask [T, b])`` or None.
+        dispatched: per layer ``(candidate ids [T, b], kept mask [T, b])`` (:func:`dispatched_slots`) or None.
         attention_mask: ``[batch, sequence]``, 1 = real token, or None.
     """
     compute_device = gate_logits[0].device
@@ -140,7 +143,7 @@ def realised_load_balancing_loss(
     if attention_mask is not None:
         flat_mask = attention_mask.reshape(-1).to(device=compute_device, dtype=torch.float32)
 
-    for layer_gate, entry in zip(gate_logits, realised):
+    for layer_gate, entry in zip(gate_logits, dispatched):
         # Stock P: softmax in the logits' dtype, then fp32 sums (kept identical to transformers).
         routing_weights = torch.nn.functional.softmax(layer_gate.to(compute_device), dim=-1)
         if entry is None:
@@ -167,4 +170,4 @@ def realised_load_balancing_loss(
     return overall_loss * num_experts
 
 
-__all__ = ["elastic_routing", "realised_assignments", "realised_load_balancing_loss"]
+__all__ = ["dispatched_slots", "elastic_routing", "realised_load_balancing_loss"]

@@ -13,7 +13,8 @@ Usage (call before building the model, on every rank)::
 Modules: :mod:`.patch` (what is patched: ``TopKRouter.routing`` and ``__init__`` at class level,
 plus the dispatcher fixes of :mod:`.dispatch`; the lifecycle; validation and plans),
 :mod:`.routing` (one elastic router forward), :mod:`.aux_loss` (load balancing on the realised
-map), :mod:`.records` and :mod:`.tracking` (routing records, metrics in Megatron's MoE tracker),
+map), :mod:`.records` (the routers it enumerates for the records front end of
+:mod:`elastic_moe_plugin.core.records`), :mod:`.tracking` (metrics in Megatron's MoE tracker),
 :mod:`.budget_rng` (κ's own stream, a named state of Megatron's RNG tracker), :mod:`.spec`
 (``ElasticTopKRouter`` for explicit specs), :mod:`.megatron_lm` (Megatron-LM's scripts with the
 patch applied) and :mod:`.training_log` (the routing metrics in Megatron-LM's own log).
@@ -42,7 +43,7 @@ Padding-mask polarity, as Megatron's code uses it: ``padding_mask`` True = paddi
 """
 
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
-from elastic_moe_plugin.core.metrics import RoutingRecord
+from elastic_moe_plugin.core.records import RoutingRecord
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.mcore.patch import (
     ALLOW_UNSUPPORTED_ENV,
@@ -50,14 +51,19 @@ from elastic_moe_plugin.mcore.patch import (
     active_config,
     apply,
     check_megatron_version,
+    gate_for,
     is_applied,
+    log_plan,
     megatron_core_version,
+    model_plans,
     patched,
     patched_symbols,
     remove,
+    resolve_plan,
+    training_plan,
     validate_router,
 )
-from elastic_moe_plugin.mcore.records import budget_histograms, reset_budget_histograms, routing_records
+from elastic_moe_plugin.mcore.records import budget_histograms, reset_budget_histograms, routing_records, static_layers
 from elastic_moe_plugin.mcore.routing import elastic_routing
 from elastic_moe_plugin.mcore.spec import elastic_router_spec
 from elastic_moe_plugin.mcore.tracking import log_routing_metrics, routing_metrics
@@ -74,7 +80,7 @@ def __getattr__(name: str):
 __all__ = [
     "ALLOW_UNSUPPORTED_ENV", "SUPPORTED_MCORE_RANGE", "ElasticTopKRouter", "LayerPlan", "RoutingRecord",
     "UnsupportedMegatronError", "active_config", "apply", "budget_histograms", "check_megatron_version",
-    "elastic_router_spec", "elastic_routing", "is_applied", "log_routing_metrics", "megatron_core_version",
-    "patched", "patched_symbols", "remove", "reset_budget_histograms", "routing_metrics", "routing_records",
-    "validate_router",
+    "elastic_router_spec", "elastic_routing", "gate_for", "is_applied", "log_plan", "log_routing_metrics",
+    "megatron_core_version", "model_plans", "patched", "patched_symbols", "remove", "reset_budget_histograms",
+    "resolve_plan", "routing_metrics", "routing_records", "static_layers", "training_plan", "validate_router",
 ]

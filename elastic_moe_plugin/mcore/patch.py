@@ -15,6 +15,14 @@ Not patched: the ``TopKRouter`` name itself. ``MoESubmodules.router`` binds its 
 time, so rebinding the name would silently do nothing. The router's parameters and buffers are
 untouched, so checkpoints stay interchangeable with stock Megatron and transformers. The lifecycle
 (lock, idempotence, identity restore) is :class:`~elastic_moe_plugin.core.patching.PatchLifecycle`.
+
+Plans, the same three calls as in :mod:`elastic_moe_plugin.hf.patch`: :func:`gate_for` (the
+weighing rule of a router under a config), :func:`resolve_plan` (a router's training plan,
+uncached: what the start-up plan line of :func:`log_plan` shows) and :func:`training_plan` (the
+plan of one forward, cached per router: what the patched ``routing`` and ``ElasticTopKRouter``
+run). Visibility follows one rule in both adapters: what another module of the package calls or
+the adapter package exports has no underscore and a docstring; what only this module uses is
+private.
 """
 
 from __future__ import annotations
@@ -33,8 +41,11 @@ from packaging.version import Version
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError, UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
+from elastic_moe_plugin.core import plan as core_plan
+from elastic_moe_plugin.core import records as core_records
 from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.mcore import budget_rng, dispatch
+from elastic_moe_plugin.mcore.records import is_mtp_router, router_sites
 from elastic_moe_plugin.mcore.routing import elastic_routing
 
 logger = logging.getLogger("elastic_moe_plugin.mcore")
@@ -220,7 +231,7 @@ def validate_router(router, config: ElasticConfig) -> None:
         raise UnsupportedMegatronError(
             f"elastic-moe cannot route {what} with this Megatron config: " + "; ".join(problems) + "."
         )
-    warn_if_top1_gate_is_constant(schedule, _gate_for(router, config), f"layers {config.layers or 'all MoE layers'}")
+    warn_if_top1_gate_is_constant(schedule, gate_for(router, config), f"layers {config.layers or 'all MoE layers'}")
 
 
 def _top_p_width(model_config, config: ElasticConfig) -> int:
@@ -252,9 +263,12 @@ def _captures_moe_preprocess(model_config) -> bool:
     return "moe_preprocess" in names
 
 
-def _gate_for(router, config: ElasticConfig) -> str:
-    """The plan's gate for the router's score function now (``router.score_function``: what stock
-    routes with; the config's ``moe_router_score_function`` is only read at construction)."""
+def gate_for(router, config: ElasticConfig) -> str:
+    """The weighing rule (``LayerPlan.gate``) of ``router`` under ``config``, for the router's score
+    function now (``router.score_function``: what stock routes with; the config's
+    ``moe_router_score_function`` is only read at construction): ``config.gate`` unless ``"auto"``
+    (sigmoid / sqrtsoftplus: ``"auto"`` → ``"sigmoid_auto"``); softmax ``"auto"`` → ``"full_softmax"``
+    with ``moe_router_pre_softmax``, else ``"renormalized"`` (``docs/gates.md``)."""
     if router.score_function in ("sigmoid", "sqrtsoftplus"):
         return {"auto": "sigmoid_auto", "renormalized": "renormalized", "full_softmax": "full_softmax"}[config.gate]
     if config.gate != "auto":
@@ -285,11 +299,19 @@ def training_plan(router, config: ElasticConfig, generation: int) -> LayerPlan |
     """
     if not router.training or not config.enabled:
         return None
-    return cached_plan(router, (generation, _plan_inputs(router)), lambda: _resolve_plan(router, config))
+    return cached_plan(router, (generation, _plan_inputs(router)), lambda: resolve_plan(router, config))
 
 
-def _resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:
-    if getattr(router, "is_mtp_layer", False):
+def resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:
+    """The training plan of ``router`` under ``config`` (uncached, start-up checks included), None
+    for stock top-k: an MTP layer, a static schedule, a layer outside ``ElasticConfig.layers``.
+
+    Raises:
+        ConfigError: ``layers`` is set and the router has no layer number.
+        UnsupportedMegatronError: :func:`validate_router` refuses the router's Megatron config.
+    """
+    if is_mtp_router(router):
+        # megatron-core 0.17+ flags MTP routers; 0.16 numbers them after the decoder (num_layers + i)
         return None
     model = router.config
     schedule = config.resolve(num_experts=model.num_moe_experts, topk=model.moe_router_topk)
@@ -306,14 +328,26 @@ def _resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:
         layer_index = None
     else:
         layer_index = int(layer_number) - 1  # Megatron: 1-based, pipeline offsets included
-        if layer_index >= _model_num_layers(model):
-            # An MTP layer: megatron-core 0.16 numbers them after the decoder (num_layers + i) and
-            # has no is_mtp_layer flag on the router; MTP layers stay stock.
-            return None
         if not config.layer_is_elastic(layer_index):
             return None
     validate_router(router, config)
     if config.mode == "top_p":
-        return LayerPlan(schedule=schedule, gate=_gate_for(router, config), sampling="iid", layer_index=layer_index,
+        return LayerPlan(schedule=schedule, gate=gate_for(router, config), sampling="iid", layer_index=layer_index,
                          top_p=config.top_p, top_p_width=_top_p_width(model, config))
-    return LayerPlan(schedule=schedule, gate=_gate_for(router, config), sampling=config.sampling, layer_index=layer_index)
+    return LayerPlan(schedule=schedule, gate=gate_for(router, config), sampling=config.sampling,
+                     layer_index=layer_index)
+
+
+def model_plans(model) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
+    """({0-based global layer index: training plan, None = stock top-k}, {layer index: top-k}) of
+    the decoder-layer routers of a module or of model chunks (:func:`.records.router_sites`) under
+    :func:`active_config`, resolved as a first training forward resolves them (:func:`resolve_plan`;
+    nothing is cached); ``({}, {})`` without an active, enabled config."""
+    config = _PATCH.active_config()
+    return core_records.model_plans(router_sites(model), config, lambda site: resolve_plan(site.router, config))
+
+
+def log_plan(model) -> str | None:
+    """Log (rank 0, once) and return the start-up plan line for a module or model chunks; None
+    without an active, enabled config."""
+    return core_plan.log_plan(*model_plans(model), "megatron-core")

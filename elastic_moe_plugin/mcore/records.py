@@ -1,43 +1,91 @@
-"""What the elastic routers of a Megatron-core model did: routing records and κ histograms.
+"""What the elastic routers of a Megatron-core model did: the routers it enumerates for the records
+front end (:mod:`elastic_moe_plugin.core.records`, :func:`~elastic_moe_plugin.core.metrics.model_routing_metrics`).
 
-Layer indices are 0-based and global: ``router.layer_number - 1`` (Megatron's 1-based number
-includes pipeline and virtual-pipeline offsets).
+The routers are the decoder-layer ``TopKRouter`` instances (subclasses included: mcore-bridge's,
+``ElasticTopKRouter``) of a module or of a list of model chunks (virtual pipeline stages), in
+module order, chunk by chunk. Layer indices are 0-based and global: ``router.layer_number - 1``
+(Megatron's 1-based number includes pipeline and virtual-pipeline offsets), else the router's
+position among the enumerated routers. Multi-token-prediction routers are not decoder layers and
+are left out (:func:`is_mtp_router`); they always route stock top-k.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from elastic_moe_plugin.core import records
-from elastic_moe_plugin.core.metrics import RoutingRecord
+from elastic_moe_plugin.core.records import RouterSite, RoutingRecord
 
 
-def _layer_index(name: str, router: torch.nn.Module) -> int | None:
+def model_chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """``[model]`` for one module, else the list of model chunks.
+
+    Raises:
+        TypeError: neither a module nor a sequence of modules.
+    """
+    if isinstance(model, torch.nn.Module):
+        return [model]
+    chunks = list(model)
+    if not all(isinstance(chunk, torch.nn.Module) for chunk in chunks):
+        raise TypeError("expected a torch.nn.Module or a sequence of model chunks (torch.nn.Module).")
+    return chunks
+
+
+def is_mtp_router(router: torch.nn.Module) -> bool:
+    """Whether ``router`` routes a multi-token-prediction layer: ``is_mtp_layer`` (megatron-core
+    0.17+), or a layer number past the decoder (0.16 numbers MTP layers ``num_layers + i`` and has
+    no flag on the router)."""
+    if getattr(router, "is_mtp_layer", False):
+        return True
     layer_number = getattr(router, "layer_number", None)
-    return None if layer_number is None else int(layer_number) - 1
+    return layer_number is not None and int(layer_number) - 1 >= int(router.config.num_layers)
 
 
-def _collect(model: torch.nn.Module, attribute: str) -> dict:
-    routers = [(name, module) for name, module in model.named_modules() if attribute in module.__dict__]
-    return records.collect(routers, attribute, _layer_index)
+def router_sites(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[RouterSite]:
+    """Every decoder-layer ``TopKRouter`` of the module or chunks: name (``<chunk>.<name>`` with
+    several chunks), module, ``layer_number - 1``, k = ``moe_router_topk``, E = ``num_moe_experts``."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    chunks = model_chunks(model)
+    sites = []
+    for number, chunk in enumerate(chunks):
+        for name, module in chunk.named_modules():
+            if not isinstance(module, TopKRouter) or is_mtp_router(module):
+                continue
+            layer_number = getattr(module, "layer_number", None)
+            config = module.config
+            sites.append(RouterSite(name if len(chunks) == 1 else f"{number}.{name}", module,
+                                    None if layer_number is None else int(layer_number) - 1,
+                                    int(config.moe_router_topk), int(config.num_moe_experts)))
+    return sites
 
 
-def routing_records(model: torch.nn.Module) -> dict[int, RoutingRecord]:
-    """{0-based layer index: RoutingRecord} of every elastic router's latest training forward.
+def routing_records(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, RoutingRecord]:
+    """{0-based global layer index: RoutingRecord} of every elastic router's latest training forward.
 
     Raises:
         ValueError: two routers share a layer index.
     """
-    return _collect(model, records.RECORD_ATTR)
+    return records.routing_records(router_sites(model))
 
 
-def budget_histograms(model: torch.nn.Module) -> dict[int, torch.Tensor]:
-    """{0-based layer index: LongTensor [b+1]} running κ counts since the last reset (bounded)."""
-    return _collect(model, records.HISTOGRAM_ATTR)
+def budget_histograms(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, torch.Tensor]:
+    """{0-based global layer index: LongTensor [b+1]} running κ counts since the last reset (bounded)."""
+    return records.budget_histograms(router_sites(model))
 
 
-def reset_budget_histograms(model: torch.nn.Module) -> None:
-    records.reset_histograms(budget_histograms(model).values())
+def reset_budget_histograms(model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
+    """Zero every elastic router's κ histogram, so the next log covers only the steps after this one."""
+    records.reset_budget_histograms(router_sites(model))
 
 
-__all__ = ["budget_histograms", "reset_budget_histograms", "routing_records"]
+def static_layers(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, int]:
+    """{0-based global layer index: k} of the decoder-layer routers that ran a training forward as
+    stock top-k (cached plan None: outside ``ElasticConfig.layers``, or a ``static`` schedule)."""
+    return records.static_layers(router_sites(model))
+
+
+__all__ = ["budget_histograms", "is_mtp_router", "model_chunks", "reset_budget_histograms", "router_sites",
+           "routing_records", "static_layers"]

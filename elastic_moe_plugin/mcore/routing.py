@@ -67,24 +67,56 @@ def draw_budgets(router, plan: LayerPlan, num_tokens: int, device: torch.device)
     return plan.schedule.budgets_from_uniforms(uniforms[shard * num_tokens : (shard + 1) * num_tokens], plan.sampling)
 
 
-def _select_candidates(router, plan: LayerPlan, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-b candidates by the stock selection rule, sorted by rank.
+def select_candidates(
+    logits: torch.Tensor,
+    width: int,
+    topk: int,
+    gate: str,
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    expert_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-b candidates by Megatron's selection rule, sorted by rank (step 3 of :mod:`elastic_moe_plugin.mcore`).
+
+    The plain-argument counterpart of Megatron's ``topk_routing_with_score_function(logits, topk,
+    use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, expert_bias)``: the same
+    ranking, widened from k to b, returning what the gate weighs instead of the weights::
+
+        softmax, post-softmax (default)   rank by z,        values z (renormalized) or p = softmax(z)
+        softmax, use_pre_softmax          rank by p,        values p, or z for renormalized
+        sigmoid / sqrtsoftplus            rank by s + bias, values s (unbiased; bias for selection only)
+        s = sigmoid(z) or sqrt(softplus(z)) in fp32; p = softmax(z) in fp32
+
+    Group-limited routing (``group_topk``) keeps the groups stock top-k keeps, scored with k
+    (:func:`_group_limited_candidates`), then takes the top-b inside them.
+
+    Args:
+        logits: z [T, E] (after the z-loss).
+        width: b, the candidate slots per token (``LayerPlan.width``).
+        topk: k, the model's ``moe_router_topk`` (scores the expert groups).
+        gate: ``LayerPlan.gate``: ``"renormalized"`` (values z for softmax), ``"full_softmax"`` or
+            ``"sigmoid_auto"``.
+        score_function, use_pre_softmax, num_groups, group_topk, expert_bias: as Megatron's router
+            (``router.score_function``, ``moe_router_pre_softmax``, ``moe_router_num_groups``,
+            ``moe_router_group_topk``, ``router.expert_bias`` [E] or None).
 
     Returns:
         candidate_values [T, b]: what the gate convention weighs (fp32 probabilities for
             full_softmax, raw logits for softmax renormalized, unbiased scores for
             sigmoid/sqrtsoftplus).
-        candidate_ids [T, b]: expert indices.
+        candidate_ids [T, b]: expert indices, best first.
+
+    Raises:
+        UnsupportedMegatronError: another score function.
     """
-    model = router.config
-    width = plan.width
-    score_function = router.score_function
     if score_function == "softmax":
         # Post-softmax ranks by logits (as stock), pre-softmax by probabilities: same order, but
         # matching stock keeps ties and the static case bit-identical.
-        if model.moe_router_pre_softmax or plan.gate == "full_softmax":
+        if use_pre_softmax or gate == "full_softmax":
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            selection = scores if model.moe_router_pre_softmax else logits
+            selection = scores if use_pre_softmax else logits
         else:
             scores = None
             selection = logits
@@ -94,20 +126,19 @@ def _select_candidates(router, plan: LayerPlan, logits: torch.Tensor) -> tuple[t
             scores = torch.sigmoid(logits.float())
         else:
             scores = torch.nn.functional.softplus(logits.float()).sqrt()
-        biased = scores + router.expert_bias.float() if router.expert_bias is not None else None
+        biased = scores + expert_bias.float() if expert_bias is not None else None
         selection = biased if biased is not None else scores
     else:
         raise UnsupportedMegatronError(f"moe_router_score_function={score_function!r} is not supported.")
 
-    if model.moe_router_group_topk:
+    if group_topk:
         selected, candidate_ids = _group_limited_candidates(
-            selection, topk=plan.schedule.center, width=width, num_groups=model.moe_router_num_groups,
-            group_topk=model.moe_router_group_topk,
+            selection, topk=topk, width=width, num_groups=num_groups, group_topk=group_topk,
         )
     else:
         selected, candidate_ids = torch.topk(selection, k=width, dim=1, sorted=True)
 
-    if score_function == "softmax" and plan.gate == "renormalized":
+    if score_function == "softmax" and gate == "renormalized":
         # Renormalized softmax gates weigh the kept logits (softmax over them = p_e / Σ_kept p), on
         # pre- and post-softmax models alike: κ_t = 1 then gives weight exactly 1 and a gate
         # gradient exactly 0 (docs/gates.md#gate-conventions), where p / Σp would leave fp32 rounding noise.
@@ -216,7 +247,11 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
 
     num_tokens = logits.shape[0]
     rule = _weighing_rule(router, plan)  # first: a stale plan fails here, clearly, not mid-selection
-    candidate_values, candidate_ids = _select_candidates(router, plan, logits)
+    candidate_values, candidate_ids = select_candidates(
+        logits, plan.width, plan.schedule.center, plan.gate, score_function=router.score_function,
+        use_pre_softmax=model.moe_router_pre_softmax, num_groups=model.moe_router_num_groups,
+        group_topk=model.moe_router_group_topk, expert_bias=router.expert_bias,
+    )
     if plan.top_p is None:
         budgets = draw_budgets(router, plan, num_tokens, logits.device)
     else:  # the smallest top-ranked set whose full-softmax mass reaches p (paper's top-p control)

@@ -10,7 +10,12 @@ that never calls them pays nothing beyond the records and κ histograms the patc
     names = tracking.record_routing_metrics(model)       # or: record only, report with your own call
 
 ``model`` is one module or a list of model chunks (virtual pipeline stages); every chunk's elastic
-routers count, keyed by their global 0-based layer index (``layer_number - 1``).
+routers count, keyed by their global 0-based layer index (``layer_number - 1``). The routers are
+those :func:`elastic_moe_plugin.mcore.records.router_sites` enumerates; the records, static layers,
+metric dict and plan line are the core's front end (:mod:`elastic_moe_plugin.core.records`,
+:func:`elastic_moe_plugin.core.metrics.model_routing_metrics`). ``static_layers``, ``model_plans``
+and ``log_plan`` are re-exported here from :mod:`.records` and :mod:`.patch`; this module adds
+Megatron's tracker and report path.
 
 The numbers are :func:`elastic_moe_plugin.core.metrics.layer_metrics` of each elastic router's latest
 :class:`~elastic_moe_plugin.mcore.RoutingRecord` and of its running κ histogram, with the schedule
@@ -42,17 +47,19 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from elastic_moe_plugin.compat import megatron_tracker
 from elastic_moe_plugin.core import metrics
+from elastic_moe_plugin.core import records as core_records
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.mcore import patch
-from elastic_moe_plugin.mcore import records as layer_records
+from elastic_moe_plugin.mcore.patch import log_plan, model_plans
+from elastic_moe_plugin.mcore.records import model_chunks, router_sites, static_layers
 
 logger = logging.getLogger("elastic_moe_plugin.mcore.tracking")
 
@@ -60,35 +67,7 @@ logger = logging.getLogger("elastic_moe_plugin.mcore.tracking")
 TRACKER_PREFIX = metrics.PREFIX + "/"
 
 
-# ---------------------------------------------------------------------------------- model access
-def _chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-    if isinstance(model, torch.nn.Module):
-        return [model]
-    chunks = list(model)
-    if not all(isinstance(chunk, torch.nn.Module) for chunk in chunks):
-        raise TypeError("expected a torch.nn.Module or a sequence of model chunks (torch.nn.Module).")
-    return chunks
-
-
-def _routers(chunks: Iterable[torch.nn.Module]) -> Iterator[torch.nn.Module]:
-    """Every ``TopKRouter`` (subclasses included) of the chunks."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, TopKRouter):
-                yield module
-
-
-def _records_and_histograms(chunks: Sequence[torch.nn.Module]):
-    records: dict[int, Any] = {}
-    histograms: dict[int, torch.Tensor] = {}
-    for chunk in chunks:
-        records.update(layer_records.routing_records(chunk))
-        histograms.update(layer_records.budget_histograms(chunk))
-    return records, histograms
-
-
+# ---------------------------------------------------------------------------------- metrics
 def resolve_schedule(model) -> tuple[BudgetSchedule, int, Any] | None:
     """(schedule, num_experts, TransformerConfig) of the model's elastic routers, or None.
 
@@ -97,7 +76,8 @@ def resolve_schedule(model) -> tuple[BudgetSchedule, int, Any] | None:
     ``TransformerConfig`` exactly as the router resolves it, so ``center`` is the model's top-k.
     """
     active = patch.active_config()
-    for router in _routers(_chunks(model)):
+    for site in router_sites(model):
+        router = site.router
         config: ElasticConfig | None = active if active is not None else getattr(router, "elastic_config", None)
         if config is None or not config.enabled:
             continue
@@ -106,7 +86,7 @@ def resolve_schedule(model) -> tuple[BudgetSchedule, int, Any] | None:
         return schedule, int(model_config.num_moe_experts), model_config
     if active is not None and active.enabled:
         # a pipeline stage whose layers are all dense has no router; the model's config has the rest
-        for chunk in _chunks(model):
+        for chunk in model_chunks(model):
             for module in chunk.modules():
                 model_config = getattr(module, "config", None)
                 if getattr(model_config, "num_moe_experts", None):
@@ -115,96 +95,31 @@ def resolve_schedule(model) -> tuple[BudgetSchedule, int, Any] | None:
     return None
 
 
-# ---------------------------------------------------------------------------------- metrics
-def _layer_inputs(model):
-    """(records, histograms, schedule, num_experts) of the model's elastic routers, or None."""
-    chunks = _chunks(model)
-    records, histograms = _records_and_histograms(chunks)
-    resolved = resolve_schedule(chunks) if (records or histograms or static_layers(chunks)) else None
-    if resolved is None:
-        return None
-    schedule, num_experts, _ = resolved
-    return records, histograms, schedule, num_experts
-
-
-def static_layers(model) -> dict[int, int]:
-    """{0-based global layer index: k} of the decoder-layer routers that ran a training forward as
-    stock top-k (cached plan None: outside ``ElasticConfig.layers``, or a ``static`` schedule); MTP
-    routers are not decoder layers and are left out."""
-    from elastic_moe_plugin.core.plan import PLAN_CACHE_ATTR
-
-    found = {}
-    for router in _routers(_chunks(model)):
-        cached = router.__dict__.get(PLAN_CACHE_ATTR)
-        layer_number = getattr(router, "layer_number", None)
-        if cached is None or cached[1] is not None or layer_number is None or getattr(router, "is_mtp_layer", False):
-            continue
-        if int(layer_number) - 1 < int(router.config.num_layers):
-            found[int(layer_number) - 1] = int(router.config.moe_router_topk)
-    return found
-
-
-def model_plans(model) -> tuple[dict[int, Any], dict[int, int]]:
-    """({0-based global layer index: training plan, None = stock top-k}, {layer index: top-k}) of
-    the decoder-layer routers of the chunks under :func:`mcore.active_config`, resolved as a first
-    training forward resolves them (``patch._resolve_plan``; nothing cached); ``({}, {})`` without
-    an active, enabled config."""
-    config = patch.active_config()
-    plans: dict[int, Any] = {}
-    topk: dict[int, int] = {}
-    if config is None or not config.enabled:
-        return plans, topk
-    for router in _routers(_chunks(model)):
-        layer_number = getattr(router, "layer_number", None)
-        if layer_number is None or getattr(router, "is_mtp_layer", False):
-            continue
-        if int(layer_number) - 1 >= int(router.config.num_layers):
-            continue
-        plans[int(layer_number) - 1] = patch._resolve_plan(router, config)
-        topk[int(layer_number) - 1] = int(router.config.moe_router_topk)
-    return plans, topk
-
-
-def log_plan(model) -> str | None:
-    """Log (rank 0, once) and return the start-up plan line for the chunks; None without a config."""
-    from elastic_moe_plugin.core.plan import describe_plans, log_plan_once
-
-    plans, topk = model_plans(model)
-    if not plans:
-        return None
-    line = describe_plans(plans, topk, "megatron-core")
-    log_plan_once(line)
-    return line
-
-
 def routing_metrics(model, *, include_static: bool = True) -> dict[str, float]:
     """Flat scalars of the model's routers (one host sync per layer; logging steps only).
 
     Returns ``{"elastic_moe/layer_<i>/<name>": value, "elastic_moe/<name>": mean over layers}``
-    as :func:`elastic_moe_plugin.core.metrics.routing_metrics` defines them, with the static layers
-    at κ = k unless ``include_static=False`` (Megatron's tracker path, whose layer mean divides by
-    the elastic layers); ``{}`` before the first training forward or without an active config.
+    as :func:`elastic_moe_plugin.core.metrics.model_routing_metrics` defines them, named after
+    :func:`resolve_schedule`, with the static layers at κ = k unless ``include_static=False``
+    (Megatron's tracker path, whose layer mean divides by the elastic layers); ``{}`` before the
+    first training forward or without an active config.
     """
-    inputs = _layer_inputs(model)
-    if inputs is None:
-        return {}
-    return metrics.routing_metrics(*inputs, static_layers(model) if include_static else None)
+    def schedule() -> tuple[BudgetSchedule, int] | None:
+        resolved = resolve_schedule(model)
+        return None if resolved is None else resolved[:2]
+
+    return metrics.model_routing_metrics(router_sites(model), schedule, include_static=include_static)
 
 
 def per_layer_metrics(model) -> dict[int, dict[str, float]]:
-    """{0-based layer index: {metric name: value}} (the per-layer part of :func:`routing_metrics`)."""
-    inputs = _layer_inputs(model)
-    if inputs is None:
-        return {}
-    records, histograms, schedule, num_experts = inputs
-    return {layer: metrics.layer_metrics(records.get(layer), histograms.get(layer), schedule, num_experts)
-            for layer in sorted(set(records) | set(histograms))}  # elastic layers only: they have records
+    """{0-based layer index: {metric name: value}} of the elastic layers (the per-layer part of
+    :func:`routing_metrics` with ``include_static=False``)."""
+    return _layers_from_flat(routing_metrics(model, include_static=False))
 
 
 def reset(model) -> None:
     """Zero every elastic router's κ histogram, so the next log covers only the steps after this one."""
-    for chunk in _chunks(model):
-        layer_records.reset_budget_histograms(chunk)
+    core_records.reset_budget_histograms(router_sites(model))
 
 
 # ---------------------------------------------------------------------------------- Megatron's tracker
@@ -224,6 +139,10 @@ def _pipeline_world_size() -> int:
     return parallel_state.get_pipeline_model_parallel_world_size()
 
 
+def _records_and_histograms(sites: Sequence[core_records.RouterSite]) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
+    return core_records.routing_records(sites), core_records.budget_histograms(sites)
+
+
 def _device(records, histograms) -> torch.device:
     """Where the tracker entries live: the routers' device, else (a stage without elastic layers)
     the current CUDA device, as Megatron's own entries."""
@@ -232,7 +151,7 @@ def _device(records, histograms) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _num_elastic_moe_layers(model_config, elastic: ElasticConfig | None, local_layers: Iterable[int]) -> int:
+def num_elastic_moe_layers(model_config, elastic: ElasticConfig | None, local_layers: Iterable[int]) -> int:
     """Divisor of Megatron's layer mean: elastic MoE layers of the whole model (all pipeline stages)."""
     num_layers = int(model_config.num_layers)
     frequency = getattr(model_config, "moe_layer_freq", 1)
@@ -257,7 +176,7 @@ def record_routing_metrics(model, *, loss_scale: float = 1.0) -> list[str]:
     Returns:
         the tracker names written (sorted); ``[]`` when there is nothing to record.
     """
-    chunks = _chunks(model)
+    chunks = model_chunks(model)
     return _record(chunks, routing_metrics(chunks, include_static=False), loss_scale)
 
 
@@ -277,8 +196,7 @@ def _record(chunks: Sequence[torch.nn.Module], flat: dict[str, float], loss_scal
     if not layers:
         return []
     _, _, model_config = resolve_schedule(chunks)
-    records, histograms = _records_and_histograms(chunks)
-    device = _device(records, histograms)
+    device = _device(*_records_and_histograms(router_sites(chunks)))
     names = sorted({name for values in layers.values() for name in values})
     # One host->device copy of the whole table; the tracker then indexes per layer.
     table = torch.full((len(names), len(layers)), float("nan"), dtype=torch.float64)
@@ -338,12 +256,13 @@ def log_routing_metrics(
     Returns:
         :func:`routing_metrics` of this rank (before the cross-rank average), for console logs.
     """
-    chunks = _chunks(model)
+    chunks = model_chunks(model)
+    sites = router_sites(chunks)
     resolved = resolve_schedule(chunks)
     elastic = patch.active_config()
     if elastic is None:
-        elastic = next((getattr(r, "elastic_config", None) for r in _routers(chunks)
-                        if getattr(r, "elastic_config", None) is not None), None)
+        elastic = next((getattr(site.router, "elastic_config", None) for site in sites
+                        if getattr(site.router, "elastic_config", None) is not None), None)
     if resolved is None or (resolved[0].is_static and elastic.mode != "top_p"):
         return {}  # the same answer on every rank: the config is global
     schedule, num_experts, model_config = resolved
@@ -352,8 +271,8 @@ def log_routing_metrics(
         return {}  # nothing recorded yet, and no other stage waits for this one
     if writer is None and wandb_writer is None:
         writer, wandb_writer = _megatron_lm_writers()
-    records, histograms = _records_and_histograms(chunks)
-    divisor = _num_elastic_moe_layers(model_config, elastic, set(records) | set(histograms))
+    records, histograms = _records_and_histograms(sites)
+    divisor = num_elastic_moe_layers(model_config, elastic, set(records) | set(histograms))
     with_capacity = getattr(model_config, "moe_expert_capacity_factor", None) is not None
     names = [TRACKER_PREFIX + name for name in metrics.metric_names(schedule, num_experts, with_capacity)]
     device = _device(records, histograms)
@@ -371,6 +290,6 @@ def log_routing_metrics(
 
 
 __all__ = [
-    "TRACKER_PREFIX", "log_plan", "log_routing_metrics", "model_plans", "per_layer_metrics", "record_routing_metrics", "reset",
-    "resolve_schedule", "routing_metrics", "static_layers",
+    "TRACKER_PREFIX", "log_plan", "log_routing_metrics", "model_plans", "num_elastic_moe_layers",
+    "per_layer_metrics", "record_routing_metrics", "reset", "resolve_schedule", "routing_metrics", "static_layers",
 ]

@@ -187,7 +187,7 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
     names = [tracking.TRACKER_PREFIX + name
              for name in metrics.metric_names(schedule, int(megatron_args.num_experts), with_capacity)]
     num_layers = int(megatron_args.num_layers)
-    divisor = tracking._num_elastic_moe_layers(megatron_args, config, per_layer)  # noqa: SLF001 - one rule for both hooks
+    divisor = tracking.num_elastic_moe_layers(megatron_args, config, per_layer)  # one rule for both hooks
     writer = _Capture(get_tensorboard_writer())
     device = torch.cuda.current_device()
     with megatron_tracker.isolated():

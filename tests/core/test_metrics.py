@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from elastic_moe_plugin import BudgetSchedule
-from elastic_moe_plugin.core.metrics import RoutingRecord, layer_metrics, routing_metrics
+from elastic_moe_plugin.core.metrics import layer_metrics, routing_metrics
+from elastic_moe_plugin.core.records import RoutingRecord
 
 # 4 tokens, b = 4 slots, k = 2: κ = (1, 2, 3, 4); slot j holds router rank j + 1
 EXPERT_IDS = torch.tensor([[0, -1, -1, -1], [1, 2, -1, -1], [2, 3, 0, -1], [3, 0, 1, 2]])

@@ -138,3 +138,23 @@ def test_routing_metrics_is_empty_without_elastic_routing(make_config):
     assert tracking.routing_metrics(model) == {}
     assert tracking.record_routing_metrics(model) == []
     assert tracking.log_routing_metrics(model, 1, writer=RecordingWriter()) == {}
+
+
+def test_model_chunks_count_together_and_mtp_routers_are_not_decoder_layers(make_config, make_router):
+    """Two virtual-pipeline chunks (layer 0 static, layer 1 elastic) plus an MTP router that 0.16
+    numbers after the decoder (layer_number = num_layers + 1): records, static layers, plans and
+    metrics are keyed by the global decoder layer, and the MTP router is none of them."""
+    mcore.apply(ElasticConfig(schedule="1-3", layers="1"))
+    config = make_config(num_layers=2, mtp_num_layers=1)
+    first, second, mtp = (make_router(config, layer_number=number, weight_std=0.5).train() for number in (1, 2, 3))
+    chunks = [torch.nn.ModuleList([first]), torch.nn.ModuleList([second, mtp])]
+    for router in (first, second, mtp):
+        router(torch.randn(16, 1, config.hidden_size))
+    assert list(mcore.routing_records(chunks)) == [1]
+    assert mcore.static_layers(chunks) == tracking.static_layers(chunks) == {0: config.moe_router_topk}
+    plans, topk = mcore.model_plans(chunks)
+    assert sorted(plans) == sorted(topk) == [0, 1] and plans[0] is None and plans[1].layer_index == 1
+    assert mcore.log_plan(chunks).startswith("elastic-moe plan (megatron-core, 2 MoE layers): elastic 1-3")
+    layers = {key.split("/")[1] for key in tracking.routing_metrics(chunks) if key.startswith("elastic_moe/layer_")}
+    assert layers == {"layer_0", "layer_1"}
+    assert set(tracking.per_layer_metrics(chunks)) == {1}  # the tracker path: elastic layers only

@@ -1,0 +1,96 @@
+"""The records front end (``core.records``, ``core.metrics.model_routing_metrics``) on plain modules.
+
+No framework: the routers are bare ``torch.nn.Module`` objects carrying, in their ``__dict__``,
+what a training forward leaves there (a record and a κ histogram via ``records.remember``, a cached
+plan via ``plan.cached_plan``). Every expectation is written out by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_moe_plugin import BudgetSchedule, ElasticConfig
+from elastic_moe_plugin.core import metrics, plan, records
+from elastic_moe_plugin.core.plan import LayerPlan
+from elastic_moe_plugin.core.records import RouterSite
+
+SCHEDULE = BudgetSchedule.parse("1-3", 2)
+ELASTIC = LayerPlan(schedule=SCHEDULE, gate="renormalized", sampling="iid", layer_index=None)
+
+
+def _elastic(router, budgets):
+    """What an elastic training forward leaves on ``router``: its plan, a record, κ counted."""
+    plan.cached_plan(router, "key", lambda: ELASTIC)
+    width = SCHEDULE.high
+    ids = torch.arange(width).repeat(len(budgets), 1)
+    kept = torch.arange(width).unsqueeze(0) < torch.tensor(budgets).unsqueeze(1)
+    records.remember(router, width, torch.tensor(budgets), ids, kept, torch.ones(len(budgets)), count=True)
+
+
+def _static(router):
+    plan.cached_plan(router, "key", lambda: None)  # a stock top-k forward caches the None plan
+
+
+def _sites(*layer_indices):
+    return [RouterSite(f"layers.{i}.gate", torch.nn.Module(), index, 2, 4) for i, index in enumerate(layer_indices)]
+
+
+def test_layers_are_the_adapters_index_else_the_position():
+    sites = _sites(None, 5, None)
+    for site in sites:
+        _elastic(site.router, [1, 3])
+    assert list(records.routing_records(sites)) == [0, 2, 5]  # positions 0 and 2, index 5; sorted
+    assert {index: h.tolist() for index, h in records.budget_histograms(sites).items()} == {
+        0: [0, 1, 0, 1], 2: [0, 1, 0, 1], 5: [0, 1, 0, 1]}
+    records.reset_budget_histograms(sites)
+    assert all(h.sum() == 0 for h in records.budget_histograms(sites).values())
+
+
+def test_two_routers_on_one_layer_are_an_error_naming_both():
+    sites = _sites(3, 3)
+    for site in sites:
+        _elastic(site.router, [2])
+    with pytest.raises(ValueError, match=r"'layers.0.gate' and 'layers.1.gate' both have decoder-layer index 3"):
+        records.routing_records(sites)
+
+
+def test_static_layers_are_the_routers_whose_cached_plan_is_none():
+    sites = _sites(0, 1, 2)
+    _static(sites[0].router)
+    _elastic(sites[1].router, [1, 2, 3])
+    # sites[2] never ran a training forward: neither static nor elastic
+    assert records.static_layers(sites) == {0: 2}
+    assert records.trained_schedule(sites) == (SCHEDULE, 4)
+    assert records.trained_schedule(sites[:1]) == (BudgetSchedule.static(2), 4)
+    assert records.trained_schedule([]) is None
+
+
+def test_model_routing_metrics_reports_elastic_and_static_layers():
+    sites = _sites(0, 1)
+    _static(sites[0].router)
+    _elastic(sites[1].router, [1, 3, 3, 1])
+    values = metrics.model_routing_metrics(sites)
+    assert values["elastic_moe/layer_0/mean_kappa"] == 2.0 and values["elastic_moe/layer_1/mean_kappa"] == 2.0
+    assert values["elastic_moe/layer_1/kappa_frac_3"] == 0.5
+    assert values["elastic_moe/layer_1/topk_set_changed_frac"] == 1.0  # every κ ≠ k = 2
+    assert values["elastic_moe/topk_set_changed_frac"] == 0.5  # the static layer counts at 0
+    elastic_only = metrics.model_routing_metrics(sites, include_static=False)
+    assert not any(key.startswith("elastic_moe/layer_0/") for key in elastic_only)
+    assert metrics.model_routing_metrics(sites, lambda: None) == {}  # the adapter's schedule: none
+    assert metrics.model_routing_metrics(_sites(0)) == {}  # nothing ran yet
+
+
+def test_model_plans_key_by_layer_and_need_an_enabled_config(monkeypatch):
+    monkeypatch.setattr(plan, "_logged_plans", set())
+    sites = _sites(None, 1)
+    resolved = {id(sites[0].router): ELASTIC, id(sites[1].router): None}
+    config = ElasticConfig(schedule="1-3")
+    plans, topk = records.model_plans(sites, config, lambda site: resolved[id(site.router)])
+    assert plans == {0: ELASTIC, 1: None} and topk == {0: 2, 1: 2}
+    assert records.model_plans(sites, None, lambda site: ELASTIC) == ({}, {})
+    assert records.model_plans(sites, ElasticConfig(enabled=False), lambda site: ELASTIC) == ({}, {})
+    line = plan.log_plan(plans, topk, "test")
+    assert line == ("elastic-moe plan (test, 2 MoE layers): elastic 1-3 around k=2 (σ=1.5), renormalized gate, "
+                    "iid sampling: layers 0; static top-2: layers 1")
+    assert plan.log_plan({}, {}, "test") is None
