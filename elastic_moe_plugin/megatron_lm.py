@@ -54,9 +54,9 @@ USAGE = (f"python -m {PROG} [{CPU_FLAG}] PATH/TO/pretrain_gpt.py [megatron args]
          "[--elastic-moe-log-metrics true|false]")
 CPU_HELP = (f"{CPU_FLAG} (before the script path): run Megatron-LM on a CPU-only machine through the opt-in "
             "CPU runtime (elastic_moe_plugin.cpu_runtime); refused when CUDA is available. Megatron-LM then needs "
-            "--distributed-backend gloo --transformer-impl local --use-cpu-initialization "
-            "--no-gradient-accumulation-fusion --no-persist-layer-norm --no-bias-gelu-fusion --disable-bias-linear "
-            "--clip-grad 0 (README, 'Megatron-LM on the CPU').")
+            "--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
+            "--no-persist-layer-norm --clip-grad 0, --disable-bias-linear for MoE at TP = EP = 1, and with TP > 1 "
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 and --sequence-parallel (README, 'Megatron-LM on the CPU').")
 _BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 

@@ -46,13 +46,13 @@ identity, removes the stand-in module and cancels pending installs. ``enable()``
 a real GPU.
 
 Flags a CPU run of ``megatron.training`` passes itself (choices of the run, not redirected; the
-README's Megatron-LM section lists them): ``--distributed-backend gloo``, ``--transformer-impl
-local``, ``--use-cpu-initialization``, ``--no-gradient-accumulation-fusion``,
-``--no-persist-layer-norm``, ``--no-bias-gelu-fusion`` and ``--disable-bias-linear`` (no fused
-kernels without Transformer Engine; the bias add of SequentialMLP experts fails in autograd), and
-``--clip-grad 0`` (``clip_grad_by_total_norm_fp32`` asserts ``grad.type() ==
-'torch.cuda.FloatTensor'``); with TP or CP > 1, ``CUDA_DEVICE_MAX_CONNECTIONS=1`` and
-``--sequence-parallel`` for MoE, as on a GPU.
+README's "Megatron-LM on the CPU" says why each, and :data:`.training_loop.CPU_ARGUMENTS` refuses a
+run without the first five, naming them): ``--distributed-backend gloo``, ``--transformer-impl
+local``, ``--no-gradient-accumulation-fusion``, ``--no-persist-layer-norm``, ``--clip-grad 0``;
+``--disable-bias-linear`` for MoE layers at TP = EP = 1 (the experts' in-place bias add fails in
+autograd on any device); with TP or CP > 1 ``CUDA_DEVICE_MAX_CONNECTIONS=1`` and, for MoE,
+``--sequence-parallel``, as on a GPU. ``--use-cpu-initialization`` is not required; with it the
+weights are the same at every TP size.
 
 Caller-side notes: ``GPTModel`` (both versions) builds its default causal mask with
 ``device="cuda"``, so outside the training loop pass an explicit ``attention_mask``; with EP=TP=1
