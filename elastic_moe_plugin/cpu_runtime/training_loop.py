@@ -3,7 +3,8 @@
 Installed by :func:`install` for ``cpu_runtime.enable(training=True)``, with the device answers of
 :func:`elastic_moe_plugin.cpu_runtime.cuda.install_training`. Each is set when its module is
 imported (now, if it already is); verified against the megatron-core 0.19.2 wheel's
-``megatron.training`` and a Megatron-LM tree of the same release.
+``megatron.training`` and a source tree of that release (``megatron/core`` and ``megatron/training`` of
+the 0.19.2 sdist, its dataset helpers built by ``scripts/build_megatron_dataset_helpers.sh``).
 
 * ``megatron.training.global_vars.set_global_variables`` (and the copies ``arguments`` and
   ``initialize`` bind at import; every Megatron-LM version calls it right after ``validate_args``)
