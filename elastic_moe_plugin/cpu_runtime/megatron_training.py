@@ -4,7 +4,7 @@ Nothing here concerns CUDA (that is :mod:`elastic_moe_plugin.cpu_runtime`): thes
 Python-version shim and a packaging gap of the wheel, both hit on a GPU machine too. Megatron-LM
 run from its own checkout on Python >= 3.12 needs neither.
 
-Usage (before ``megatron.training`` is imported; tests and the CPU recipes only)::
+Usage (before ``megatron.training`` is imported)::
 
     from elastic_moe_plugin.cpu_runtime import megatron_training
 
@@ -18,11 +18,17 @@ What ``enable()`` changes (verified against the megatron-core 0.19.2 wheel):
   backport, when ``typing`` lacks it. ``megatron/training/models/gpt.py`` (and the config modules
   it imports) do ``from typing import override``; the wheel declares ``Requires-Python >= 3.12``
   but is otherwise importable on 3.11. On 3.12 and later nothing is set.
-* ``megatron.core.datasets.utils.compile_helpers`` -> skips the build when the compiled dataset
-  helpers (``megatron.core.datasets.helpers_cpp``) already import. ``initialize_megatron`` runs
-  ``make -C megatron/core/datasets`` on rank 0 and exits the job when it fails; the wheel ships
-  the compiled extension but not the Makefile, so the build always fails there. Without a
-  compiled extension the stock build runs unchanged. Applied when the module is imported.
+* ``megatron.core.datasets.utils.compile_helpers`` -> skips the build when there is no Makefile
+  to build with and the compiled dataset helpers (``megatron.core.datasets.helpers_cpp``) already
+  import. ``initialize_megatron`` runs ``make -C megatron/core/datasets`` on rank 0 and exits the
+  job when it fails; the wheel ships the compiled extension but not the Makefile, so the build
+  always fails there. A Megatron-LM checkout has its Makefile, and its stock build runs unchanged
+  (``scripts/build_megatron_dataset_helpers.sh`` builds the helpers of a checkout beforehand). Applied
+  when the module is imported.
+
+Both are what Megatron-LM needs on Python 3.11 wherever it runs, so
+``python -m elastic_moe_plugin.megatron_lm --cpu`` switches them on with the CPU runtime; each does
+nothing where it is not needed (Python >= 3.12; a tree with its Makefile).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -51,18 +58,22 @@ def _compiled_helpers_import() -> bool:
     return True
 
 
-def _skip_build_when_compiled(original: Callable[[], Any]) -> Callable[[], Any]:
-    @functools.wraps(original)
-    def compile_helpers() -> Any:
-        if _compiled_helpers_import():
-            return None  # the wheel's prebuilt extension: there is nothing to build (and no Makefile)
-        return original()
+def _skip_build_when_compiled(datasets_dir: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+    def factory(original: Callable[[], Any]) -> Callable[[], Any]:
+        @functools.wraps(original)
+        def compile_helpers() -> Any:
+            if not os.path.isfile(os.path.join(datasets_dir, "Makefile")) and _compiled_helpers_import():
+                return None  # the wheel's prebuilt extension: there is nothing to build (and no Makefile)
+            return original()
 
-    return compile_helpers
+        return compile_helpers
+
+    return factory
 
 
 def _fix_dataset_utils(patches: AttributePatches, module: types.ModuleType) -> None:
-    patches.wrap(module, "compile_helpers", _skip_build_when_compiled)
+    # the folder the stock build runs ``make -C`` in: the one of the module itself
+    patches.wrap(module, "compile_helpers", _skip_build_when_compiled(os.path.dirname(os.path.abspath(module.__file__))))
 
 
 def _install(patches: AttributePatches) -> None:

@@ -1,122 +1,35 @@
-"""Run a Megatron-LM training script with Elastic Expert Routing applied.
+"""Run a Megatron-LM training script in this process with Elastic Expert Routing applied.
 
-::
+The command line (``python -m elastic_moe_plugin.megatron_lm [--cpu] SCRIPT ...``) is parsed by the
+entry point, :mod:`elastic_moe_plugin.megatron_lm`; :func:`run` does the Megatron side, on every rank:
 
-    python -m elastic_moe_plugin.megatron_lm PATH/TO/pretrain_gpt.py <megatron args> \\
-        --elastic-moe-schedule 6-10 [--elastic-moe-layers 3-7 ...]
-
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m elastic_moe_plugin.megatron_lm \\
-        PATH/TO/pretrain_gpt.py <megatron args> --elastic-moe-schedule 6-10
-
-Every rank runs this module. It
-
-1. takes the ``--elastic-moe-*`` flags out of the command line (anywhere after the script path)
-   before Megatron parses its arguments, so Megatron never sees them; a misspelt
-   ``--elastic-moe-...`` flag is an error here rather than an "unrecognized arguments" there;
-2. builds the :class:`~elastic_moe_plugin.core.config.ElasticConfig` from defaults < YAML
-   (``--elastic-moe-config`` / ``ELASTIC_MOE_CONFIG``) < ``ELASTIC_MOE_*`` < the flags, and applies
-   :func:`elastic_moe_plugin.mcore.apply` (a class-level patch of ``TopKRouter``, so routers built
-   later by the script route elastically in training);
-3. unless ``--elastic-moe-log-metrics false``, installs :mod:`elastic_moe_plugin.mcore.training_log`:
-   at every ``--log-interval`` step the routing metrics go to Megatron-LM's TensorBoard / W&B
-   writers and its console line (installed when the script imports ``megatron.training``);
-4. runs the script in this process as ``__main__`` (``runpy.run_path``), with ``sys.argv`` set to
-   the script and the remaining Megatron arguments. The script's folder is put first on
-   ``sys.path`` before step 2 imports megatron, as ``python SCRIPT`` would have it, so a
-   Megatron-LM checkout's ``megatron`` package serves both the patch and the script.
+1. puts the script's folder first on ``sys.path`` *before* megatron is imported, as ``python SCRIPT``
+   would have it: a Megatron-LM checkout's own ``megatron`` package then serves both the patch and
+   the script, even when a megatron-core wheel is installed as well;
+2. applies :func:`elastic_moe_plugin.mcore.apply` (a class-level patch of ``TopKRouter``, so routers
+   built later by the script route elastically in training);
+3. unless told not to, installs :mod:`elastic_moe_plugin.mcore.training_log`: at every
+   ``--log-interval`` step the routing metrics go to Megatron-LM's TensorBoard / W&B writers and its
+   console line (installed when the script imports ``megatron.training``);
+4. runs the script as ``__main__`` (``runpy.run_path``), with ``sys.argv`` set to the script and
+   Megatron's own arguments.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import difflib
 import os
 import runpy
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from elastic_moe_plugin.core.config import ConfigError, ElasticConfig, add_cli_arguments, config_from_cli
+from elastic_moe_plugin.core.config import ElasticConfig
 
-FLAG_PREFIX = "--elastic-moe-"
-#: an option of this entry point, not of ElasticConfig: Megatron-LM's log gets the routing metrics
-LOG_METRICS_FLAG = FLAG_PREFIX + "log-metrics"
-USAGE = ("python -m elastic_moe_plugin.megatron_lm PATH/TO/pretrain_gpt.py [megatron args] "
-         "[--elastic-moe-schedule 6-10] [--elastic-moe-layers 3-7] [--elastic-moe-<field> VALUE ...] "
-         "[--elastic-moe-log-metrics true|false]")
-_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+#: the entry point's option that keeps the routing metrics out of Megatron-LM's log (named in the banner)
+LOG_METRICS_FLAG = "--elastic-moe-log-metrics"
 
 
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """What the command line asks for: the routing config, the script, Megatron's own arguments,
-    and whether routing metrics go to Megatron-LM's log."""
-
-    config: ElasticConfig
-    script: str
-    megatron_args: list[str]
-    log_metrics: bool = True
-
-
-def parse_argv(argv: Sequence[str], environ=None) -> Launch:
-    """``argv`` (without the program name) -> :class:`Launch`.
-
-    Raises:
-        ConfigError: no script given, an unknown ``--elastic-moe-*`` flag, or an invalid value.
-    """
-    parser = argparse.ArgumentParser(prog="elastic_moe_plugin.megatron_lm", add_help=False, allow_abbrev=False)
-    add_cli_arguments(parser, prefix=FLAG_PREFIX)
-    parser.add_argument(LOG_METRICS_FLAG, dest="elastic_moe_log_metrics", default="true", metavar="BOOL")
-    known, rest = parser.parse_known_args(list(argv))
-    flags = [a.split("=", 1)[0] for a in parser._option_string_actions]  # noqa: SLF001 - argparse's own table
-    stray = [a for a in rest if a.startswith(FLAG_PREFIX)]
-    if stray:
-        hints = []
-        for arg in stray:
-            name = arg.split("=", 1)[0]
-            close = difflib.get_close_matches(name, flags, n=1)
-            hints.append(name + (f" (did you mean {close[0]}?)" if close else ""))
-        raise ConfigError(f"unknown elastic-moe flag(s): {', '.join(hints)}. Accepted: {', '.join(sorted(flags))}.")
-    if not rest or rest[0].startswith("-"):
-        raise ConfigError(f"no training script given. Usage: {USAGE}")
-    script, megatron_args = rest[0], rest[1:]
-    if not script.endswith(".py"):
-        raise ConfigError(f"{script!r} is not a Python script. Usage: {USAGE}")
-    log_metrics = _BOOLEANS.get(str(known.elastic_moe_log_metrics).strip().lower())
-    if log_metrics is None:
-        raise ConfigError(f"{LOG_METRICS_FLAG}={known.elastic_moe_log_metrics!r} is invalid: expected true or "
-                          f"false (1/0, yes/no, on/off). Pass {LOG_METRICS_FLAG} false to keep the routing metrics "
-                          f"out of Megatron-LM's log.")
-    return Launch(config_from_cli(known, environ), script, megatron_args, log_metrics)
-
-
-def split_argv(argv: Sequence[str], environ=None) -> tuple[ElasticConfig, str, list[str]]:
-    """``argv`` (without the program name) -> (config, script path, Megatron's own arguments).
-
-    Raises:
-        ConfigError: as :func:`parse_argv`.
-    """
-    launch = parse_argv(argv, environ)
-    return launch.config, launch.script, launch.megatron_args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(f"usage: {USAGE}\n\n{__doc__}")
-        return 0
-    try:
-        launch = parse_argv(argv)
-    except ConfigError as error:
-        print(f"elastic_moe_plugin.megatron_lm: error: {error}", file=sys.stderr)
-        return 2
-    config, script, megatron_args = launch.config, launch.script, launch.megatron_args
-    if not os.path.isfile(script):
-        print(f"elastic_moe_plugin.megatron_lm: error: training script {script!r} does not exist.", file=sys.stderr)
-        return 2
-    # The script's folder goes first on sys.path *before* megatron is imported, as `python SCRIPT`
-    # would have it: a Megatron-LM checkout's own megatron/ package then serves both the patch and
-    # the script, even when a megatron-core wheel is installed as well.
+def run(config: ElasticConfig, script: str, megatron_args: Sequence[str], log_metrics: bool = True) -> None:
+    """Steps 1-4 of the module docstring. ``script`` must exist (the entry point checks it)."""
     script_dir = os.path.dirname(os.path.abspath(script))
     if not sys.path or sys.path[0] != script_dir:
         sys.path.insert(0, script_dir)
@@ -124,15 +37,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from elastic_moe_plugin.mcore import training_log
 
     mcore.apply(config)
-    if launch.log_metrics:
+    if log_metrics:
         training_log.install()
     if int(os.environ.get("RANK", "0")) == 0:
-        logged = "routing metrics in Megatron-LM's log" if launch.log_metrics else f"{LOG_METRICS_FLAG} false"
+        logged = "routing metrics in Megatron-LM's log" if log_metrics else f"{LOG_METRICS_FLAG} false"
         print(f"elastic-moe: {config}; {logged}; running {script}", file=sys.stderr, flush=True)
     sys.argv = [script, *megatron_args]
     runpy.run_path(script, run_name="__main__")
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["LOG_METRICS_FLAG", "run"]

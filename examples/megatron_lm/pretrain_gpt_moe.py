@@ -13,11 +13,15 @@ With Elastic Expert Routing (every rank; the ``--elastic-moe-*`` flags never rea
     torchrun --nproc-per-node 8 -m elastic_moe_plugin.megatron_lm examples/megatron_lm/pretrain_gpt_moe.py \\
         <megatron args> --elastic-moe-schedule 6-10 [--elastic-moe-layers 3-7]
 
+On a CPU-only machine, ``-m elastic_moe_plugin.megatron_lm --cpu examples/megatron_lm/pretrain_gpt_moe.py
+<megatron args>`` with the flags a CPU run needs (README, "Megatron-LM on the CPU");
+``tests/mcore/test_megatron_lm.py`` runs it so, on 1 and 2 gloo ranks (EP=2; TP=2 with sequence
+parallelism).
+
 Stock Megatron-LM, for comparison: ``torchrun --nproc-per-node 8 examples/megatron_lm/pretrain_gpt_moe.py
 <megatron args>``. Written for the ``megatron.training`` of megatron-core 0.19, whose ``pretrain``
 takes a config container; that package needs Python 3.12 (on 3.11 with the wheel, enable
-``elastic_moe_plugin.cpu_runtime.megatron_training`` first). ``tests/mcore/test_megatron_lm.py`` runs it
-on CPU, through the opt-in CPU layer, with the flags listed there.
+``elastic_moe_plugin.cpu_runtime.megatron_training`` first; ``--cpu`` does).
 
 Data layout: every rank of the first and last pipeline stage builds the dataset (the same samples
 from the same seed), so tensor-parallel peers need no broadcast of the batch. Context parallelism

@@ -1,7 +1,7 @@
-"""``compat.megatron_training``: the megatron-core wheel's ``megatron.training`` on Python 3.11.
+"""``cpu_runtime.megatron_training``: the megatron-core wheel's ``megatron.training`` on Python 3.11.
 
 The import of the real ``megatron.training`` with these shims (and the dataset helpers' build
-skipped) is checked in ``test_megatron_cpu.py``, in a fresh interpreter; here the Python-version
+skipped) is checked in ``test_runtime.py``, in a fresh interpreter; here the Python-version
 shim on its own.
 """
 

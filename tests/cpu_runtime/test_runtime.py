@@ -620,3 +620,162 @@ def test_two_process_gloo_matches_single_process(single_process, tmp_path):
             torch.testing.assert_close(
                 outputs[rank][name], single[rank], **TOL, msg=f"{name} rank {rank}"
             )
+
+
+# ------------------------------------------------------------------------------------------------
+# the lifecycle of the two parts, and what each part adds
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_failed_training_install_leaves_the_runtime_as_it_was(monkeypatch):
+    from elastic_moe_plugin.cpu_runtime import training_loop
+
+    def broken(patches):
+        patches.set(torch.cuda, "device_count", lambda: 99)
+        raise RuntimeError("planted")
+
+    cpu_runtime.disable()
+    try:
+        stock_count = torch.cuda.device_count
+        monkeypatch.setattr(training_loop, "install", broken)
+        with pytest.raises(RuntimeError, match="planted"):
+            cpu_runtime.enable(training=True)  # this call turned the runtime on: it goes off again
+        assert not cpu_runtime.is_enabled() and torch.cuda.device_count is stock_count
+        cpu_runtime.enable()
+        with pytest.raises(RuntimeError, match="planted"):
+            cpu_runtime.enable(training=True)  # the runtime was on before: it stays on
+        assert cpu_runtime.is_enabled() and not cpu_runtime.is_enabled(training=True)
+        assert torch.cuda.device_count is stock_count
+    finally:
+        monkeypatch.undo()
+        cpu_runtime.disable()
+        cpu_runtime.enable()
+
+
+def _norm_config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    values = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, use_cpu_initialization=True,
+                  persist_layer_norm=False)
+    values.update(overrides)
+    return TransformerConfig(**values)
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_the_torch_norm_takes_sequence_parallel_and_marks_its_parameters(normalization):
+    """With ``sequence_parallel`` the local spec's norm is the stock torch norm, its parameters marked
+    ``sequence_parallel`` (finalize_model_grads then all-reduces their gradients over TP, as for TE's
+    norm); without it, and after disable(), the stock constructor runs (and refuses SP again)."""
+    from megatron.core.transformer import torch_norm
+
+    replacement = vars(torch_norm.WrappedTorchNorm)["__new__"]
+    assert replacement.__elastic_moe_patched__
+    stock_new = replacement.__wrapped__
+    config = _norm_config(normalization=normalization)
+    # TransformerConfig refuses sequence_parallel without TP > 1 at construction; the norm only reads it
+    config.sequence_parallel = True
+    norm = torch_norm.WrappedTorchNorm(config=config, hidden_size=HIDDEN, eps=1e-5)
+    expected = torch.nn.LayerNorm if normalization == "LayerNorm" else torch.nn.RMSNorm
+    assert type(norm) is expected and norm.normalized_shape == (HIDDEN,) and norm.eps == 1e-5
+    assert [getattr(p, "sequence_parallel", None) for p in norm.parameters()] == [True] * len(list(norm.parameters()))
+    x = _seeded((5, HIDDEN), 21, scale=2.0)
+    if normalization == "LayerNorm":
+        reference = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    else:
+        reference = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(norm(x), reference, **TOL)
+
+    plain = torch_norm.WrappedTorchNorm(config=_norm_config(normalization=normalization), hidden_size=HIDDEN)
+    assert all(not hasattr(p, "sequence_parallel") for p in plain.parameters())
+    with pytest.raises(AssertionError, match="persist_layer_norm"):  # the stock checks still run
+        broken = _norm_config(normalization=normalization)
+        broken.sequence_parallel, broken.persist_layer_norm = True, True
+        torch_norm.WrappedTorchNorm(config=broken, hidden_size=HIDDEN)
+
+    cpu_runtime.disable()
+    try:
+        assert vars(torch_norm.WrappedTorchNorm)["__new__"] is stock_new and isinstance(stock_new, staticmethod)
+        with pytest.raises(AssertionError, match="sequence parallel not supported"):
+            torch_norm.WrappedTorchNorm(config=config, hidden_size=HIDDEN)
+    finally:
+        cpu_runtime.enable()
+
+
+@pytest.mark.skipif(not _wheel_training_is_importable(),
+                    reason="no megatron.training next to this megatron.core (the megatron-core 0.16.1 wheel ships none)")
+def test_training_loop_answers_device_arch_and_checks_flags_and_restores_every_binding():
+    """In a fresh interpreter, enable(training=True) before megatron.training is imported:
+    ``get_device_arch_version`` answers 0 in ``utils`` and in the copy ``arguments`` binds at import,
+    ``set_global_variables`` checks the CPU flags first, the JIT warm-up leaves the CPU generator where
+    it was, and disable() gives every binding its stock function back (also the ones bound from a
+    module patched earlier)."""
+    code = textwrap.dedent(
+        """
+        import argparse, torch
+        from elastic_moe_plugin import cpu_runtime
+        from elastic_moe_plugin.cpu_runtime import megatron_training, training_loop
+        cpu_runtime.enable(training=True)
+        megatron_training.enable()
+        import megatron.training.utils.common_utils as common_utils
+        import megatron.training.utils as utils
+        import megatron.training.arguments as arguments
+        import megatron.training.global_vars as global_vars
+        import megatron.training.initialize as initialize
+        owners = {"common_utils": common_utils, "utils": utils, "arguments": arguments}
+        stock_arch = common_utils.get_device_arch_version.__wrapped__
+        assert all(o.get_device_arch_version() == 0 for o in owners.values())
+        stock_globals = global_vars.set_global_variables.__wrapped__
+        assert arguments.set_global_variables.__wrapped__ is stock_globals
+        good = argparse.Namespace(distributed_backend="gloo", transformer_impl="local",
+                                  gradient_accumulation_fusion=False, no_persist_layer_norm=True, clip_grad=0.0)
+        training_loop.check_cpu_arguments(good)
+        bad = argparse.Namespace(**{**vars(good), "distributed_backend": "nccl", "clip_grad": 1.0})
+        try:
+            arguments.set_global_variables(bad)
+        except cpu_runtime.MegatronCPUError as error:
+            message = str(error)
+        assert "--distributed-backend gloo (got 'nccl'" in message and "--clip-grad 0 (got 1.0" in message, message
+        assert "--transformer-impl local (got" not in message, message
+        assert initialize._warmup_jit_function.__elastic_moe_patched__
+        stock_warmup = initialize._warmup_jit_function.__wrapped__
+        state = torch.default_generator.get_state()
+        wrapped = training_loop._keep_cpu_generator(lambda: torch.rand(7))
+        drawn = wrapped()
+        assert torch.equal(torch.default_generator.get_state(), state) and drawn.shape == (7,)
+        megatron_training.disable()
+        cpu_runtime.disable()
+        assert all(o.get_device_arch_version is stock_arch for o in owners.values())
+        assert global_vars.set_global_variables is stock_globals is arguments.set_global_variables
+        assert initialize._warmup_jit_function is stock_warmup
+        print("training loop ok")
+        """
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                            check=False, env={**os.environ, "TORCH_COMPILE_DISABLE": "1"})
+    assert result.returncode == 0 and "training loop ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_dataset_helpers_build_is_skipped_only_without_a_makefile(tmp_path):
+    """A Megatron-LM checkout has ``megatron/core/datasets/Makefile``: its stock build runs; the wheel
+    has none (and ships the compiled helpers): the build, which would fail, is skipped."""
+    import types
+
+    from elastic_moe_plugin.core.patching import AttributePatches
+    from elastic_moe_plugin.cpu_runtime import megatron_training
+
+    if not megatron_training._compiled_helpers_import():
+        pytest.skip("this megatron-core has no compiled dataset helpers")
+    module = types.ModuleType("fake_dataset_utils")
+    module.__file__ = str(tmp_path / "utils.py")
+    builds = []
+    module.compile_helpers = lambda: builds.append("make")
+    patches = AttributePatches()
+    megatron_training._fix_dataset_utils(patches, module)
+    try:
+        assert module.compile_helpers() is None and builds == []
+        (tmp_path / "Makefile").write_text("default:\n")
+        module.compile_helpers()
+        assert builds == ["make"]
+    finally:
+        patches.restore()

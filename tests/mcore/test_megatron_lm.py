@@ -2,15 +2,16 @@
 
 ``examples/megatron_lm/pretrain_gpt_moe.py`` (the project's own script: Megatron's argument
 parsing, ``initialize_megatron``, GPT model builder, ``train_step``, ``training_log``, torch_dist
-checkpoints, mock data) runs under torchrun on gloo, on CPU, through
-``python -m elastic_moe_plugin.megatron_lm`` (``tests/fixtures/megatron_lm/run_on_cpu.py`` switches
-the opt-in CPU layer on first; ``--stock`` runs the script without the plugin). A tiny MoE GPT:
-2 layers, 4 experts, top-2, alltoall dispatcher, aux loss; 10 iterations of 2 micro-batches of
-4 x 32 tokens; dropout off (under the CPU emulation dropout shares the CPU generator with data
-loading, so even stock Megatron would not resume bit-exactly with it on).
+checkpoints, mock data) runs under torchrun on gloo, on CPU, through the documented front door,
+``python -m elastic_moe_plugin.megatron_lm --cpu``: one run as that very command, the others through
+``tests/fixtures/megatron_lm/run_on_cpu.py``, which calls the same entry point with ``--cpu`` and adds
+the test-only observer (``--stock`` runs the script without the plugin, on the same CPU runtime).
+A tiny MoE GPT: 2 layers, 4 experts, top-2, alltoall dispatcher, aux loss; 10 iterations of
+2 micro-batches of 4 x 32 tokens; dropout off (under the CPU emulation dropout shares the CPU
+generator with data loading, so even stock Megatron would not resume bit-exactly with it on).
 
-The nine runs start with the module's first test, two processes at a time (each takes 10-20 s,
-mostly imports; about 80 s in all on 2 cores), and the tests read their logs, TensorBoard event
+The eleven runs start with the module's first test, two processes at a time (each takes 10-20 s,
+mostly imports; about 100 s in all on 2 cores), and the tests read their logs, TensorBoard event
 files, checkpoints and, through ``RUN_ON_CPU_OBSERVE``, the experts per token each router handed
 its dispatcher.
 
@@ -29,6 +30,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,10 @@ MEGATRON_ARGS = [
     "--clip-grad", "0",
 ]
 ELASTIC = ["--elastic-moe-schedule", SCHEDULE]
+# The TP=2 comparison: a vocabulary padded to a multiple of 64·TP gives 128 rows at TP 1 and 2 alike
+# (the default 128·TP would pad TP=2 to 256, another model); 3 iterations of the 10-iteration schedule.
+SHORT = ["--exit-interval", "3", "--save-interval", "3", "--make-vocab-size-divisible-by", "64"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
 def _skip_reason() -> str | None:
@@ -87,6 +93,8 @@ class Run:
     nproc: int = 1
     stock: bool = False
     after: tuple[str, ...] = ()  # runs whose checkpoints this one loads
+    front_door: bool = False  # the documented command itself, not the launcher (no observer)
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def _runs(tmp: Path) -> dict[str, Run]:
@@ -106,6 +114,11 @@ def _runs(tmp: Path) -> dict[str, Run]:
                                     "--exit-interval", "3"]),
         "ep2_layer1": Run([*ELASTIC, "--elastic-moe-layers", "1", "--expert-model-parallel-size", "2",
                            "--exit-interval", "3"], nproc=2),
+        "front_door": Run([*ELASTIC, *SHORT, "--save", str(tmp / "ckpt_front_door"),
+                           "--tensorboard-dir", str(tmp / "tb_front_door")], front_door=True),
+        # Megatron requires CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1 on GPUs before Blackwell, and so on CPU
+        "tp2_sp": Run([*ELASTIC, *SHORT, *TP2_SP, "--save", str(tmp / "ckpt_tp2_sp")], nproc=2,
+                      env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)),
     }
 
 
@@ -132,15 +145,19 @@ class Result:
 def _environment() -> dict[str, str]:
     drop = ("ELASTIC_MOE_", "MASTER_", "TORCHELASTIC_", "PET_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # CUDA_VISIBLE_DEVICES empty: on a GPU machine --cpu refuses a visible GPU; hiding it is its documented fix
     env.update(TORCH_COMPILE_DISABLE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NO_VCS_VERSION="1",
+               CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     return env
 
 
 def _start(name: str, run: Run, tmp: Path) -> subprocess.Popen:
+    entry = ["-m", "elastic_moe_plugin.megatron_lm", "--cpu"] if run.front_door else [
+        str(LAUNCHER), *(["--stock"] if run.stock else [])]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(run.nproc),
-               str(LAUNCHER), *(["--stock"] if run.stock else []), str(SCRIPT), *MEGATRON_ARGS, *run.args]
-    env = {**_environment(), "RUN_ON_CPU_OBSERVE": str(tmp / f"observed_{name}")}
+               *entry, str(SCRIPT), *MEGATRON_ARGS, *run.args]
+    env = {**_environment(), "RUN_ON_CPU_OBSERVE": str(tmp / f"observed_{name}"), **dict(run.env)}
     with open(tmp / f"{name}.log", "w") as log:  # a file, not a pipe: nobody reads a pipe while runs overlap
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp)
 
@@ -347,3 +364,87 @@ def test_routing_metrics_reach_the_tensorboard_event_files(runs):
             for budget in _schedule().budgets:
                 share = sum(f[budget] for f in forwards) / (2 * TOKENS_PER_FORWARD)
                 assert ours[f"moe/elastic_moe/kappa_frac_{budget}_layer_{layer}"][step] == pytest.approx(share, abs=1e-6)
+
+
+# ====================================================================================== the CPU front door
+def test_the_documented_cpu_command_trains_with_kappa_spread_over_one_to_three(runs):
+    """``torchrun ... -m elastic_moe_plugin.megatron_lm --cpu SCRIPT ... --elastic-moe-schedule 1-3``
+    on 1 rank, 3 iterations: the banner, the κ metrics on every console line, and per step and layer
+    the κ shares Megatron's TensorBoard writer received: each of 1, 2, 3 drawn, nothing else."""
+    run = _ok(runs, "front_door")
+    assert "elastic-moe: --cpu: Megatron runs on the CPU" in run.output
+    assert "elastic-moe: ElasticConfig(schedule='1-3'" in run.output
+    lines = run.lines()
+    assert sorted(lines) == [1, 2, 3]
+    for iteration, line in lines.items():
+        assert math.isfinite(run.value(iteration, "lm loss")), line
+        for name in ("mean_kappa", "retained_weight_sum_mean", "tokens_per_expert_max_over_mean", "topk_set_changed_frac"):
+            assert f" elastic_moe/{name}: " in line, line
+    scalars = _scalars(runs["tmp"] / "tb_front_door")
+    budgets = _schedule().budgets
+    assert list(budgets) == [1, 2, 3]
+    for step in (1, 2, 3):
+        means = []
+        for layer in range(LAYERS):
+            shares = {b: scalars[f"moe/elastic_moe/kappa_frac_{b}_layer_{layer}"][step] for b in budgets}
+            assert all(share > 0 for share in shares.values()), (step, layer, shares)
+            assert sum(shares.values()) == pytest.approx(1.0, abs=1e-6)
+            means.append(sum(b * share for b, share in shares.items()))
+        # the console prints the layer mean of E[κ] to 2 decimals
+        assert run.value(step, "elastic_moe/mean_kappa") == pytest.approx(sum(means) / LAYERS, abs=0.005 + 1e-9)
+
+
+def _checkpoint_tensors(checkpoint: Path) -> dict:
+    """The model tensors of a torch_dist checkpoint, at their global shapes (TP shards reassembled)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(checkpoint))
+    metadata = reader.read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in metadata.items()
+               if isinstance(entry, TensorStorageMetadata) and "optimizer" not in key and "_extra_state" not in key}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+def test_tp2_with_sequence_parallel_on_two_gloo_ranks_trains_as_one_rank(runs):
+    """TP=2 with sequence parallelism (the CPU runtime's sequence-parallel torch norm) equals the
+    1-rank run of the same model and data.
+
+    - κ: with SP each TP rank routes its own half of the sequence and draws its own slice of one
+      global budget stream (``docs/parallelism.md``), so the two ranks' κ differ, and together they
+      are the 1-rank run's κ: per forward, the two histograms sum to the elastic run's, exactly (κ does
+      not depend on the weights, so that run's first 6 forwards serve).
+    - Parameters after 3 iterations, every tensor, max abs error <= 2e-5: fp32, and the TP=2 run sums
+      its row-parallel partials and the vocab-parallel cross entropy across ranks in another order.
+      Measured <= 3.6e-6 (Adam turns ~1e-7 noise on near-zero expert gradients into that); with the
+      norms' ``sequence_parallel`` mark removed (their gradients then not all-reduced over TP) the
+      same comparison measured >= 8e-5 for every tensor and ~3e-3 for the norms.
+    - The loss lines: lm loss and load-balancing loss within rel 1e-6 (measured equal in all 7 printed
+      digits; the unmarked norms move iteration 2 by 3.7e-6), the grad norm to its 3 printed decimals.
+    """
+    one, two = _ok(runs, "front_door"), _ok(runs, "tp2_sp")
+    assert "tensor-model-parallel size: 2" in two.output
+    assert sorted(two.lines()) == [1, 2, 3]
+    for iteration in (1, 2, 3):
+        for name in ("lm loss", "load_balancing_loss"):
+            assert two.value(iteration, name) == pytest.approx(one.value(iteration, name), rel=1e-6), (iteration, name)
+        assert two.value(iteration, "grad norm") == pytest.approx(one.value(iteration, "grad norm"), abs=1.5e-3)
+    elastic = _ok(runs, "elastic")
+    assert sorted(two.observed) == [0, 1]
+    for layer in range(LAYERS):
+        halves = [two.observed[rank][layer] for rank in (0, 1)]
+        assert len(halves[0]) == len(halves[1]) == 6
+        assert all(sum(counts) == TOKENS_PER_FORWARD // 2 for half in halves for counts in half)
+        assert halves[0] != halves[1], "the SP shards draw their own slices"
+        summed = [[a + b for a, b in zip(*pair)] for pair in zip(*halves)]
+        assert summed == elastic.observed[0][layer][:6], f"layer {layer}"
+    reference = _checkpoint_tensors(runs["tmp"] / "ckpt_front_door" / "iter_0000003")
+    tensors = _checkpoint_tensors(runs["tmp"] / "ckpt_tp2_sp" / "iter_0000003")
+    assert sorted(tensors) == sorted(reference) and any("layer_norm_weight" in key for key in tensors)
+    for key, tensor in tensors.items():
+        assert tensor.shape == reference[key].shape, key
+        assert (tensor.float() - reference[key].float()).abs().max().item() <= 2e-5, key
