@@ -41,10 +41,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(BIN)/elastic-moe demo
 
-# Full suite against megatron-core 0.19.2, then the Megatron tests again against 0.16.1.
+# Full suite against megatron-core 0.19.2, then the Megatron tests again against 0.16.1. Each pass
+# prints its slowest tests. Serial on purpose: pytest-xdist (-n 2 --dist loadfile) took 553 s against
+# 494 s serial for the first pass on the 2-core CI machine (the multi-process tests oversubscribe it).
+DURATIONS ?= 25
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	PYTHONPATH=$(MCORE_LOW_DIR) $(BIN)/python -m pytest -m megatron $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=$(DURATIONS) $(PYTEST_ARGS)
+	PYTHONPATH=$(MCORE_LOW_DIR) $(BIN)/python -m pytest -m megatron --durations=$(DURATIONS) $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" -x -q $(PYTEST_ARGS)
