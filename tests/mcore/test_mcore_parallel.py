@@ -686,10 +686,10 @@ REFUSALS = {
                            r"moe_router_load_balancing_type='quantile_balancing'.*use 'aux_loss'"),
     "router_fusion": (dict(moe_router_fusion=True), {}, r"moe_router_fusion=True.*moe-router-fusion off"),
     "cuda_graph_moe_preprocess": (dict(moe_token_dispatcher_type="alltoall"), "cuda_graph",
-                                  r"CUDA graph that captures the dispatcher's preprocess \(scope 'moe_preprocess'.*"
-                                  r"sampling='iid'.*remove 'moe_preprocess'"),
+                                  r"CUDA graph that captures the router \(scope 'moe_router'.*'moe_preprocess'.*"
+                                  r"κ is drawn on the host.*cuda_graph_modules=\['attn'\].*schedule='static'"),
     "cuda_graph_whole_layer": (dict(moe_token_dispatcher_type="alltoall"), "cuda_graph_whole_layer",
-                               r"CUDA graph that captures the dispatcher's preprocess.*a whole-layer scope"),
+                               r"CUDA graph that captures the router.*a whole-layer scope"),
     "inference_optimized": ({}, {"transformer_impl": "inference_optimized"},
                             r"transformer_impl='inference_optimized'.*'transformer_engine' or 'local'"),
     "group_limited_unreachable": (dict(num_moe_experts=8, moe_router_num_groups=4, moe_router_group_topk=1), {},
@@ -715,31 +715,56 @@ def test_refused_options_fail_at_router_construction_with_the_fix(name, make_con
         make_router(config)  # the point mass is stock: stock options stay allowed
 
 
+def _set_cuda_graph_scope(config, impl, names):
+    """``cuda_graph_impl`` and the scope list (``cuda_graph_modules`` in 0.19, ``cuda_graph_scope``
+    in 0.16) set after construction, as ``_cuda_graph_overrides``."""
+    from megatron.core.transformer import enums
+
+    config.cuda_graph_impl = impl
+    if hasattr(config, "cuda_graph_modules"):
+        config.cuda_graph_modules = [enums.CudaGraphModule[name] for name in names]
+    else:
+        config.cuda_graph_scope = [enums.CudaGraphScope[name] for name in names]
+
+
+#: CUDA-graph (impl, scope) that capture TopKRouter.forward: κ, drawn on the host, would replay stale
+ROUTER_CAPTURING_GRAPHS = {
+    "te_moe_router": ("transformer_engine", ["moe_router"]),
+    "te_moe_router_preprocess": ("transformer_engine", ["moe_router", "moe_preprocess"]),
+    "te_moe_layer": ("transformer_engine", ["moe"]),
+    "local_moe_router": ("local", ["moe_router"]),
+    "whole_layer": ("transformer_engine", []),
+    "attn_and_moe_router": ("transformer_engine", ["attn", "moe_router"]),
+}
+
+
 @pytest.mark.usefixtures("mcore_env")
-@pytest.mark.parametrize("variant", ["balanced", "drop_and_pad", "local_moe_router_only", "allgather"])
-def test_cuda_graph_preprocess_scope_is_allowed_where_sizes_stay_static(variant, make_config, make_router):
-    """Only iid + dropless alltoall adds a sync to the preprocess; the other combinations keep
-    stock's static sizes, so Megatron's own CUDA-graph rules apply unchanged. ``cuda_graph_impl='local'``
-    captures moe_preprocess with moe_router, so there ``moe_router`` alone is refused too."""
-    overrides = dict(moe_token_dispatcher_type="alltoall")
-    sampling = "iid"
-    if variant == "balanced":
-        sampling = "balanced"
-    elif variant == "drop_and_pad":
+@pytest.mark.parametrize("graph", list(ROUTER_CAPTURING_GRAPHS))
+@pytest.mark.parametrize("variant", ["iid", "balanced", "drop_and_pad", "allgather"])
+def test_a_cuda_graph_that_captures_the_router_is_refused_for_every_elastic_schedule(variant, graph, make_config,
+                                                                                     make_router):
+    """κ is drawn on the host and copied in at every forward, so a graph replay would reuse the κ of
+    its capture: every scope that captures the router is refused, whatever the sampling and the
+    dispatcher sizes (the point mass, stock, stays allowed)."""
+    overrides = dict(moe_token_dispatcher_type="allgather" if variant == "allgather" else "alltoall")
+    if variant == "drop_and_pad":
         overrides.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
-    elif variant == "allgather":
-        overrides.update(moe_token_dispatcher_type="allgather")
     config = make_config(**overrides)
-    for key, value in _cuda_graph_overrides().items():
-        setattr(config, key, value)
-    if variant == "local_moe_router_only":
-        config.cuda_graph_impl = "local"
-        scopes = config.cuda_graph_modules if hasattr(config, "cuda_graph_modules") else config.cuda_graph_scope
-        scopes[:] = scopes[:1]  # moe_router only
-        with mcore.patched(ElasticConfig(schedule=SCHEDULE)), pytest.raises(UnsupportedMegatronError,
-                                                                            match="moe_preprocess"):
-            make_router(config)
-        config.cuda_graph_impl = "transformer_engine"  # TE's implementation captures exactly the scope named
+    _set_cuda_graph_scope(config, *ROUTER_CAPTURING_GRAPHS[graph])
+    sampling = "balanced" if variant == "balanced" else "iid"
+    with mcore.patched(ElasticConfig(schedule=SCHEDULE, sampling=sampling)), pytest.raises(
+            UnsupportedMegatronError, match=r"CUDA graph that captures the router.*replay would reuse the κ"):
+        make_router(config)
+    with mcore.patched(ElasticConfig(schedule="static")):
+        make_router(config)
+
+
+@pytest.mark.usefixtures("mcore_env")
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+@pytest.mark.parametrize("sampling", ["iid", "balanced"])
+def test_a_cuda_graph_of_the_attention_only_is_allowed(sampling, impl, make_config, make_router):
+    config = make_config(moe_token_dispatcher_type="alltoall")
+    _set_cuda_graph_scope(config, impl, ["attn"])
     with mcore.patched(ElasticConfig(schedule=SCHEDULE, sampling=sampling)):
         make_router(config)
 
