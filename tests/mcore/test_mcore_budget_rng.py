@@ -73,7 +73,7 @@ def test_each_draw_is_the_closed_form_and_advances_the_counter_by_one_whatever_t
         x = torch.randn(tokens, B, H)
         if tokens:
             kappa = _kappa(router, x)
-        else:  # the router on an empty micro-batch: the stream's draw itself
+        else:  # Megatron's router gating cannot take T = 0 (a view of 0 elements): the stream's draw itself
             kappa = budget_rng.draw(schedule, "iid", 0, 0, "cpu").budgets
         expected = BudgetStream(seed, counter).draw(schedule, "iid", 0, tokens * B if tokens else 0)[0]
         assert torch.equal(kappa, expected.budgets), f"draw {counter}"
