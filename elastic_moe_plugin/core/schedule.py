@@ -16,12 +16,15 @@ Vocabulary
       q(j) = a(j) - a(j + 1)
       Σ_{j > k0} a(j) = ½ · E|κ - k0|       (for a schedule with E[κ] = k0)
 
-Sampling draws from the generator it is given (torch's default generator when none). The adapters
-give κ a stream of its own, seeded with ``BUDGET_SEED_OFFSET`` + the framework's seed, that their
-checkpoints save and their activation recompute replays: a named state of Megatron's RNG tracker
-(:mod:`elastic_moe_plugin.mcore.budget_rng`), a generator saved in transformers' ``rng_state``
-files (:mod:`elastic_moe_plugin.hf.budget_rng`). A private generator that nothing saves or replays
-would silently break recompute and resume.
+:meth:`BudgetSchedule.sample` draws from the generator it is given (torch's default generator
+when none). In training the adapters draw κ from a stream of their own instead, the counter-based
+:mod:`elastic_moe_plugin.core.budget_stream` (seeded with ``BUDGET_SEED_OFFSET`` + the framework's
+seed, addressed by (seed, draw counter, token shard)), whose uniforms they map with
+:meth:`BudgetSchedule.host_budgets_from_uniforms`; its state lives where their framework saves and
+replays RNG state: a named state of Megatron's RNG tracker
+(:mod:`elastic_moe_plugin.mcore.budget_rng`), the Trainer's ``rng_state`` files
+(:mod:`elastic_moe_plugin.hf.budget_rng`). A private generator that nothing saves or replays would
+silently break recompute and resume.
 """
 
 from __future__ import annotations
