@@ -16,12 +16,15 @@ Vocabulary
       q(j) = a(j) - a(j + 1)
       Σ_{j > k0} a(j) = ½ · E|κ - k0|       (for a schedule with E[κ] = k0)
 
-Sampling draws from the generator it is given (torch's default generator when none). The adapters
-give κ a stream of its own, seeded with ``BUDGET_SEED_OFFSET`` + the framework's seed, that their
-checkpoints save and their activation recompute replays: a named state of Megatron's RNG tracker
-(:mod:`elastic_moe_plugin.mcore.budget_rng`), a generator saved in transformers' ``rng_state``
-files (:mod:`elastic_moe_plugin.hf.budget_rng`). A private generator that nothing saves or replays
-would silently break recompute and resume.
+:meth:`BudgetSchedule.sample` draws from the generator it is given (torch's default generator
+when none). In training the adapters draw κ from a stream of their own instead, the counter-based
+:mod:`elastic_moe_plugin.core.budget_stream` (seeded with ``BUDGET_SEED_OFFSET`` + the framework's
+seed, addressed by (seed, draw counter, token shard)), whose uniforms they map with
+:meth:`BudgetSchedule.host_budgets_from_uniforms`; its state lives where their framework saves and
+replays RNG state: a named state of Megatron's RNG tracker
+(:mod:`elastic_moe_plugin.mcore.budget_rng`), the Trainer's ``rng_state`` files
+(:mod:`elastic_moe_plugin.hf.budget_rng`). A private generator that nothing saves or replays would
+silently break recompute and resume.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 
 #: κ's stream is seeded with this + the framework's seed: a large prime, so it never meets the seeds
@@ -277,10 +281,12 @@ class BudgetSchedule:
     def budgets_from_uniforms(self, uniforms: torch.Tensor, mode: SamplingMode = "iid") -> torch.Tensor:
         """Map uniforms u [T] in [0, 1) to budgets κ [T] (LongTensor, same device).
 
-        ``"iid"`` inverts the CDF: κ = low + #{r : CDF(r) <= u}. ``"balanced"`` sorts the
-        uniforms to draw a random permutation of :meth:`balanced_counts`. Separating the
-        uniforms from the mapping lets distributed callers draw one global stream and keep their
-        own slice (identical on tensor-parallel peers, independent across data-parallel ranks).
+        ``"iid"`` inverts the CDF: κ = low + #{r : CDF(r) <= u}. ``"balanced"`` permutes the
+        sorted :meth:`balanced_counts` multiset m by the order of the uniforms, κ = m[argsort(u)]
+        (a stable sort: ties go by token index), a uniformly random permutation of m. Separating the uniforms from the mapping
+        lets the adapters draw the uniforms from κ's own counter-based stream
+        (:mod:`elastic_moe_plugin.core.budget_stream`), which maps them on the host with
+        :meth:`host_budgets_from_uniforms`, the same rule.
         """
         if mode == "iid":
             if self.is_static:
@@ -293,7 +299,40 @@ class BudgetSchedule:
             multiset = _balanced_multiset(self, uniforms.numel(), uniforms.device)
             if self.is_static:
                 return multiset.clone()
-            return multiset[torch.argsort(uniforms)]
+            return multiset[torch.argsort(uniforms, stable=True)]
+        raise ValueError(f"sampling='{mode}' is not a sampling mode: expected one of {SAMPLING_MODES}.")
+
+    def host_budgets_from_uniforms(self, uniforms: np.ndarray, mode: SamplingMode = "iid") -> np.ndarray:
+        """:meth:`budgets_from_uniforms` on the host: u [T] float64 (numpy) to κ [T] int64 (numpy).
+
+        The same rule, value for value (``tests/core/test_budget_stream.py``). Balanced ranks with
+        numpy's quicksort (5x faster than a stable sort at T = 8192) and falls back to the stable
+        sort only when two uniforms are equal, so ties still go by token index.
+        """
+        if mode == "iid":
+            if self.is_static:
+                return np.full(uniforms.shape, self.low, dtype=np.int64)
+            cdf = _host_cdf(self.pmf)
+            if cdf.size > 32:
+                return np.searchsorted(cdf, uniforms, side="right").astype(np.int64) + self.low
+            # #{r : CDF(r) <= u} by one comparison per threshold: 4x faster than numpy's searchsorted
+            # on unsorted u for the narrow supports of budget schedules (the same count)
+            budgets = np.full(uniforms.shape, self.low, dtype=np.int64)
+            for threshold in cdf.tolist():
+                budgets += uniforms >= threshold
+            return budgets
+        if mode == "balanced":
+            if uniforms.ndim != 1:
+                raise ValueError(f"balanced sampling needs uniforms of shape [T], got {tuple(uniforms.shape)}.")
+            counts = self.balanced_counts(uniforms.size) if not self.is_static else {self.low: uniforms.size}
+            multiset = _host_multiset(tuple(sorted(counts.items())))
+            if self.is_static:
+                return multiset.copy()
+            order = np.argsort(uniforms, kind="quicksort")
+            ranked = uniforms[order]
+            if ranked.size > 1 and bool(np.any(ranked[1:] == ranked[:-1])):
+                order = np.argsort(uniforms, kind="stable")
+            return multiset[order]
         raise ValueError(f"sampling='{mode}' is not a sampling mode: expected one of {SAMPLING_MODES}.")
 
     def balanced_counts(self, num_tokens: int) -> dict[int, int]:
@@ -345,6 +384,21 @@ def _multiset_tensor(counts: tuple[tuple[int, int], ...], device: str) -> torch.
     # Filled on the device: a host->device copy of pageable memory would wait for the stream, once
     # per new token count (variable-length micro-batches miss this cache).
     return torch.cat([torch.full((count,), budget, dtype=torch.long, device=device) for budget, count in counts])
+
+
+@functools.lru_cache(maxsize=64)
+def _host_cdf(pmf: tuple[float, ...]) -> np.ndarray:
+    # the float64 values of _cdf_cached's (torch.cumsum and np.cumsum add in the same order)
+    cdf = np.cumsum(np.asarray(pmf, dtype=np.float64))[:-1]
+    cdf.flags.writeable = False
+    return cdf
+
+
+@functools.lru_cache(maxsize=64)
+def _host_multiset(counts: tuple[tuple[int, int], ...]) -> np.ndarray:
+    multiset = np.repeat(np.asarray([b for b, _ in counts], dtype=np.int64), [n for _, n in counts])
+    multiset.flags.writeable = False  # shared by every draw of this T
+    return multiset
 
 
 @functools.lru_cache(maxsize=64)

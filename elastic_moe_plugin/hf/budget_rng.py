@@ -1,63 +1,139 @@
-"""κ's own random stream on the transformers path, saved in the Trainer's ``rng_state`` files.
+"""κ's stream on the transformers path: one counter-based stream per process, saved in the
+Trainer's ``rng_state`` files and reset by an explicit re-seed.
 
-- **Draws** come from one ``torch.Generator`` per device, seeded at its first draw with
-  ``BUDGET_SEED_OFFSET + torch.initial_seed()`` (``transformers.set_seed(args.seed)``, which the
-  Trainer calls, sets that seed). Nothing else draws from it: dropout, data shuffling and weight
-  initialisation no longer move any budget. The seed is the same on every process, as the default
-  generator's was, so tensor-parallel processes (holding the same tokens) draw the same κ.
-- **Gradient checkpointing** restores the default generators for the recompute, not this one. The
-  recompute runs inside backward (the caller says so: ``replay=True``) and reuses the κ the router
-  drew in its latest forward, kept on the router: exact for every loop that runs a micro-batch's
-  backward before the next forward of the same router (the Trainer, accelerate, ms-swift). A
-  recompute whose token count differs from that forward's is an error, not a silent mismatch.
-- **Resume**: :func:`state_dict` / :func:`load_state_dict`. :func:`install` wraps
-  ``Trainer._save_rng_state`` and ``Trainer._load_rng_state`` so the generator states travel as the
-  key :data:`RNG_STATE_KEY` of the Trainer's own ``rng_state.pth`` (``rng_state_<process>.pth``
-  with several processes) and come back when ``trainer.train(resume_from_checkpoint=...)`` restores
-  the other generators; the κ sequence then continues exactly.
+- **Draws**: :class:`~elastic_moe_plugin.core.budget_stream.BudgetStream` ``(seed, counter)``; each
+  router call draws this process's T uniforms on the host from (seed, counter, token shard) and
+  advances the counter by one, whatever T. The token shard (:func:`token_shard`) is the process's
+  data-parallel index: every process of a DDP / FSDP / DeepSpeed run (ms-swift, the Trainer, a
+  plain loop) holds its own tokens, so κ is independent across processes, also when their
+  padding-free lengths differ; tensor-parallel peers (a model whose ``_device_mesh`` has a ``tp``
+  dimension, tagged at ``from_pretrained`` or :func:`tag_tensor_parallel`) share a shard and
+  draw the same κ. Nothing else draws from the stream: dropout, data shuffling and weight
+  initialisation leave κ where it was.
+- **Seed**: ``BUDGET_SEED_OFFSET + s``. An explicit re-seed, ``torch.manual_seed(s)`` (what
+  ``transformers.set_seed``, the Trainer's ``seed`` / ``full_determinism`` and accelerate's
+  ``set_seed`` call), resets the stream to ``(BUDGET_SEED_OFFSET + s, 0)`` while the patch is
+  applied: :func:`install` wraps ``torch.manual_seed`` (and its alias ``torch.random.manual_seed``)
+  through the adapter's ``AttributePatches``, restored by ``hf.remove()``; the wrapper adds two
+  integer assignments to the call. Calling ``set_seed(42)`` twice in one process therefore gives
+  the same κ twice. Without a re-seed since the patch was applied, the stream is seeded at its
+  first draw from ``torch.initial_seed()``. Code that bound ``manual_seed`` before the patch
+  (``from torch import manual_seed``) bypasses the wrapper; call :func:`reseed` there.
+- **Gradient checkpointing** restores the default generators for the recompute, not this stream.
+  The recompute runs inside backward (the caller says so: ``replay=True``) and reuses the κ the
+  router drew in its latest forward, kept on the router: exact for every loop that runs a
+  micro-batch's backward before the next forward of the same router (the Trainer, accelerate,
+  ms-swift). A recompute whose token count differs from that forward's is an error, not a silent
+  mismatch.
+- **Resume**: :func:`state_dict` / :func:`load_state_dict` (``{"seed": int, "counter": int}``).
+  :func:`install` wraps ``Trainer._save_rng_state`` and ``Trainer._load_rng_state`` so the state
+  travels as the key :data:`RNG_STATE_KEY` of the Trainer's own ``rng_state.pth``
+  (``rng_state_<process>.pth`` with several processes) and comes back when
+  ``trainer.train(resume_from_checkpoint=...)`` restores the other generators; the κ sequence then
+  continues exactly on every process (the counter is the same on all of them).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from typing import Any
 
 import torch
 
-from elastic_moe_plugin.core.patching import AttributePatches
+from elastic_moe_plugin.core.budget_stream import LATEST_DRAW_ATTR, BudgetStream
+from elastic_moe_plugin.core.patching import PATCH_MARKER, AttributePatches, unwrap
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
 
-#: the key of the budget generators' states in the Trainer's rng_state files
+logger = logging.getLogger("elastic_moe_plugin.hf")
+
+#: the key of κ's stream state in the Trainer's rng_state files
 RNG_STATE_KEY = "elastic_moe_budget"
 #: κ [T] of a router's latest forward, reused by its recompute
 LATEST_BUDGETS_ATTR = "_elastic_latest_budgets"
+#: the tensor-parallel process group a router's tokens are shared over (set by tag_tensor_parallel)
+TP_GROUP_ATTR = "_elastic_tp_group"
+_TOKEN_SHARD_ATTR = "_elastic_token_shard"
 
 _LOCK = threading.Lock()
-_GENERATORS: dict[str, torch.Generator] = {}  # str(device) -> generator
-_RESTORED: dict[str, torch.Tensor] = {}  # states loaded before the device's first draw
+_STREAM: list[BudgetStream | None] = [None]  # None: seeded from torch.initial_seed() at the first draw
 
 
-def _generator(device: torch.device) -> torch.Generator:
-    key = str(device)
+def current_stream() -> BudgetStream:
+    """The stream of the next draw (seeded from ``torch.initial_seed()`` if nothing seeded it)."""
     with _LOCK:
-        generator = _GENERATORS.get(key)
-        if generator is None:
-            generator = torch.Generator(device=device)
-            restored = _RESTORED.pop(key, None)
-            if restored is not None:
-                generator.set_state(restored)
-            else:
-                generator.manual_seed(BUDGET_SEED_OFFSET + torch.initial_seed())
-            _GENERATORS[key] = generator
-        return generator
+        if _STREAM[0] is None:
+            _STREAM[0] = BudgetStream.seeded(BUDGET_SEED_OFFSET + torch.initial_seed())
+        return _STREAM[0]
+
+
+def reseed(seed: int) -> None:
+    """Reset the stream to ``(BUDGET_SEED_OFFSET + seed, 0)`` (what ``torch.manual_seed(seed)`` does
+    while the patch is applied)."""
+    with _LOCK:
+        _STREAM[0] = BudgetStream.seeded(BUDGET_SEED_OFFSET + int(seed))
+
+
+def token_shard(router: torch.nn.Module) -> tuple[int, int]:
+    """(number of token shards, this process's shard): (1, 0) without ``torch.distributed``; else
+    (world // tp, rank // tp), tp the size of the router's tensor-parallel group (1 untagged).
+
+    Raises:
+        ValueError: the tensor-parallel ranks are not a contiguous block of the world (transformers'
+            meshes put ``tp`` innermost).
+    """
+    cached = router.__dict__.get(_TOKEN_SHARD_ATTR)
+    if cached is not None:
+        return cached
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return 1, 0  # not cached: a process group may still come
+    world, rank = distributed.get_world_size(), distributed.get_rank()
+    group = router.__dict__.get(TP_GROUP_ATTR)
+    tp_ranks = sorted(distributed.get_process_group_ranks(group)) if group is not None else [rank]
+    tp = len(tp_ranks)
+    if tp_ranks != list(range(tp_ranks[0], tp_ranks[0] + tp)) or tp_ranks[0] % tp:
+        raise ValueError(
+            f"elastic-moe draws one κ per token shard and needs tensor-parallel ranks to form a contiguous block "
+            f"(got {tp_ranks} of {world}); build the device mesh with 'tp' as its innermost dimension, as "
+            f"transformers does."
+        )
+    router.__dict__[_TOKEN_SHARD_ATTR] = shard = (world // tp, rank // tp)
+    return shard
+
+
+def tag_tensor_parallel(model: torch.nn.Module) -> int:
+    """Tag every router of ``model`` with its tensor-parallel group, read from transformers'
+    ``model._device_mesh`` (its ``tp`` dimension, or the mesh itself when it is one-dimensional and
+    ``model.tp_size > 1``); returns the tensor-parallel size (1: nothing to tag)."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None:
+        return 1
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if "tp" in names:
+        tp_mesh = mesh["tp"]
+    elif mesh.ndim == 1 and (getattr(model, "_tp_size", None) or 1) > 1:
+        tp_mesh = mesh
+    else:
+        return 1
+    if tp_mesh.size() <= 1:
+        return 1
+    from elastic_moe_plugin.hf.families import covered_routers
+
+    group = tp_mesh.get_group()
+    for _, router, _ in covered_routers(model):
+        router.__dict__[TP_GROUP_ATTR] = group
+        router.__dict__.pop(_TOKEN_SHARD_ATTR, None)
+    return tp_mesh.size()
 
 
 def draw(router: torch.nn.Module, plan: LayerPlan, num_tokens: int, device: torch.device, *, replay: bool) -> torch.Tensor:
     """κ [T] for one router forward: a fresh draw, or with ``replay`` (a checkpoint's recompute)
-    the router's latest κ.
+    the router's latest κ. The draw (κ and Σκ on the host) is kept on the router
+    (``core.budget_stream.latest_draw``).
 
     Raises:
         RuntimeError: a recompute finds no κ of that token count to replay.
@@ -73,32 +149,51 @@ def draw(router: torch.nn.Module, plan: LayerPlan, num_tokens: int, device: torc
                 f"the same layer (as transformers' Trainer does); disable gradient checkpointing otherwise."
             )
         return latest
-    budgets = plan.schedule.sample(num_tokens, plan.sampling, generator=_generator(device), device=device)
-    router.__dict__[LATEST_BUDGETS_ATTR] = budgets
-    return budgets
-
-
-def state_dict() -> dict[str, torch.Tensor]:
-    """{device: generator state} of every budget generator (copies; states restored but not yet
-    drawn from included)."""
+    shard = token_shard(router)[1]
+    stream = current_stream()
+    budget_draw, advanced = stream.draw(plan.schedule, plan.sampling, shard, num_tokens, device)
     with _LOCK:
-        states = {key: state.clone() for key, state in _RESTORED.items()}
-        states.update({key: generator.get_state() for key, generator in _GENERATORS.items()})
-    return states
+        if _STREAM[0] is stream:  # a concurrent re-seed wins
+            _STREAM[0] = advanced
+    router.__dict__[LATEST_DRAW_ATTR] = budget_draw
+    router.__dict__[LATEST_BUDGETS_ATTR] = budget_draw.budgets
+    return budget_draw.budgets
 
 
-def load_state_dict(states: dict[str, torch.Tensor]) -> None:
-    """Restore the generators of :func:`state_dict` (devices not drawn from yet get theirs at their
-    first draw); generators of other devices start afresh."""
+def state_dict() -> dict[str, int]:
+    """``{"seed": int, "counter": int}``: the stream of the next draw."""
+    stream = current_stream()
+    return {"seed": stream.seed, "counter": stream.counter}
+
+
+def load_state_dict(state: dict[str, Any]) -> None:
+    """Restore :func:`state_dict`'s stream; an empty dict forgets it (the next draw seeds from
+    ``torch.initial_seed()``). A state of the plugin's earlier generator-per-device format is
+    ignored with a warning: the stream then starts afresh."""
     with _LOCK:
-        _GENERATORS.clear()
-        _RESTORED.clear()
-        _RESTORED.update({str(key): state.clone() for key, state in states.items()})
+        if not state:
+            _STREAM[0] = None
+        elif "seed" in state and "counter" in state:
+            _STREAM[0] = BudgetStream(int(state["seed"]), int(state["counter"]))
+        else:
+            logger.warning("elastic-moe: the saved κ state (keys %s) predates the counter-based stream; κ's stream "
+                           "starts afresh from torch.initial_seed().", sorted(state))
+            _STREAM[0] = None
 
 
 def reset() -> None:
-    """Forget every generator: the next draw seeds anew from ``torch.initial_seed()`` (tests)."""
+    """Forget the stream: the next draw seeds anew from ``torch.initial_seed()`` (tests)."""
     load_state_dict({})
+
+
+def _reseeding(original):
+    @functools.wraps(original)
+    def manual_seed(seed):
+        result = original(seed)
+        reseed(int(seed))
+        return result
+
+    return manual_seed
 
 
 # ---------------------------------------------------------------------------------- the Trainer
@@ -143,12 +238,39 @@ def _load_with_budget_states(original):
     return _load_rng_state
 
 
+def _tagging_tensor_parallel(stock):
+    @functools.wraps(stock)
+    def maybe_distribute_model(cls, model, *args, **kwargs):
+        model = stock(cls, model, *args, **kwargs)
+        tag_tensor_parallel(model)
+        return model
+
+    setattr(maybe_distribute_model, PATCH_MARKER, True)  # its __wrapped__ (functools.wraps) is the stock function
+    replacement = classmethod(maybe_distribute_model)
+    setattr(replacement, PATCH_MARKER, True)
+    return replacement
+
+
 def install(patches: AttributePatches) -> None:
-    """Carry the budget generators in the Trainer's rng_state files (part of ``hf.apply``)."""
+    """Part of ``hf.apply``: carry κ's stream in the Trainer's rng_state files, reset it on
+    ``torch.manual_seed``, and tag tensor-parallel models built by ``from_pretrained``."""
     from transformers import trainer
 
     patches.wrap(trainer.Trainer, "_save_rng_state", _save_with_budget_states)
     patches.wrap(trainer.Trainer, "_load_rng_state", _load_with_budget_states)
+    patches.wrap(torch, "manual_seed", _reseeding)
+    if vars(torch.random).get("manual_seed") is not None:
+        patches.wrap(torch.random, "manual_seed", _reseeding)
+    try:
+        from transformers.distributed.mixin import DistributedMixin
+    except ImportError:  # a transformers without its own distributed loading
+        return
+    found = vars(DistributedMixin).get("maybe_distribute_model")
+    if isinstance(found, classmethod):
+        # AttributePatches.wrap cannot mark a classmethod (its __wrapped__ is read-only): wrap the
+        # stock function (unwrapped of another copy's wrapper) and redirect, restored by identity.
+        patches.set(DistributedMixin, "maybe_distribute_model", _tagging_tensor_parallel(unwrap(found.__func__)))
 
 
-__all__ = ["LATEST_BUDGETS_ATTR", "RNG_STATE_KEY", "draw", "install", "load_state_dict", "reset", "state_dict"]
+__all__ = ["LATEST_BUDGETS_ATTR", "RNG_STATE_KEY", "TP_GROUP_ATTR", "current_stream", "draw", "install", "load_state_dict",
+           "reseed", "reset", "state_dict", "tag_tensor_parallel", "token_shard"]

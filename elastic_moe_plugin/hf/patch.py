@@ -14,8 +14,14 @@ Per covered family (``transformers.models.<family>.modeling_<family>``, see :mod
 - ``modeling_<family>.load_balancing_loss_func``: counts the *realised* assignments of logits that
   came from an elastic router (paper §3.2); for any other logits the original runs, bitwise stock.
 - ``transformers.trainer.Trainer._save_rng_state`` / ``_load_rng_state``: the Trainer's
-  ``rng_state`` files also carry κ's own generator (:mod:`.budget_rng`), so a resumed run
-  continues the κ sequence.
+  ``rng_state`` files also carry κ's stream (:mod:`.budget_rng`), so a resumed run continues the κ
+  sequence.
+- ``torch.manual_seed`` / ``torch.random.manual_seed``: run the original, then reset κ's stream to
+  the same seed (what ``transformers.set_seed`` and the Trainer's seeding call), so an explicit
+  re-seed reaches κ (:mod:`.budget_rng`; two integer assignments per call).
+- ``transformers.distributed.mixin.DistributedMixin.maybe_distribute_model`` (a classmethod,
+  redirected): runs the original, then tags the routers of a tensor-parallel model with their
+  tensor-parallel group, so TP peers draw the same κ (:func:`.budget_rng.tag_tensor_parallel`).
 
 Nothing else is touched: parameters, buffers and state-dict keys are stock, so checkpoints are
 interchangeable with unpatched transformers. The lifecycle (lock, idempotence,
@@ -110,7 +116,7 @@ def _install(config: ElasticConfig, patches: AttributePatches) -> None:
         if callable(module.__dict__.get("load_balancing_loss_func")) and id(module) not in loss_patched:
             loss_patched.add(id(module))  # families sharing a modeling module share one loss function
             patches.wrap(module, "load_balancing_loss_func", _load_balancing_loss)
-    budget_rng.install(patches)  # the Trainer's rng_state files carry κ's generator
+    budget_rng.install(patches)  # κ's stream: the Trainer's rng_state files, the re-seed, TP tagging
 
 
 # The lambda reads transformers_version at call time (tests substitute it).

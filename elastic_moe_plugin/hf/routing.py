@@ -3,9 +3,10 @@
 One MoE layer in training (paper §3.2, Eq. 4-5; the gate weights follow ``docs/gates.md``)::
 
     (1) z [T, E] = x W^T                                  (the stock router logits)
-    (2) κ [T] ~ q on {a..b}                              (BudgetSchedule.sample on κ's own generator,
-                                                           hf.budget_rng: saved by the Trainer,
-                                                           replayed by gradient checkpointing)
+    (2) κ [T] ~ q on {a..b}                              (one draw of κ's counter-based stream,
+                                                           hf.budget_rng: this process's token
+                                                           shard, saved by the Trainer, replayed
+                                                           by gradient checkpointing)
     (3) p = softmax(z) in fp32; the top-b candidates by p, sorted by rank
     (4) slot j (0-based) is kept iff j < κ_t; weights by core.gates.weigh_candidates:
             full_softmax  w = p_e                          (norm_topk_prob=False, OLMoE)

@@ -93,7 +93,8 @@ def _apply_seq_aux_loss(router, assignments: RealisedAssignments, probs: torch.T
     """``seq_aux_loss``: per-sequence load balancing, averaged over the B sequences.
 
     As stock, the batch folds into the expert axis (column (b, e) counts sequence b's tokens). With
-    κ varying, each sequence s normalises by its own realised Σ_{t∈s} κ_t.
+    κ varying, each sequence s normalises by its own realised Σ_{t∈s} κ_t, in the op order of the
+    micro-batch loss, so that on one sequence (B = 1) the two are exactly equal, as stock's are.
     """
     coeff = router.get_aux_loss_coeff("seq_aux_loss")
     if coeff == 0:
@@ -111,12 +112,15 @@ def _apply_seq_aux_loss(router, assignments: RealisedAssignments, probs: torch.T
         if assignments.padding_mask is not None:
             # tokens per sequence, averaged over the micro-batch (stock's convention for P)
             local_tokens, total_tokens = local_tokens / bsz, total_tokens / bsz
-        per_sequence_counts = counts.view(bsz, num_experts)
-        # Σ_{t∈s} κ_t, realised; a fully padded sequence has 0 here and weighted = 0, so clamp
-        # instead of producing 0/0 = NaN
-        sequence_budgets = per_sequence_counts.sum(dim=-1).clamp(min=1)
-        weighted = (seq_scores.sum(dim=0).view(bsz, num_experts) * per_sequence_counts).sum(dim=-1)
-        aux_loss = (weighted / (sequence_budgets * total_tokens)).sum() * (num_experts * coeff / bsz)
+        # Per sequence s, stock's switch_load_balancing_loss_func with its topk := Σ_{t∈s} κ_t / T,
+        # op for op: sum_e(P_se · c_se) · (E·coeff / (topk_s · T · T)), then the mean over the B
+        # sequences. On one sequence that is exactly _apply_aux_loss's value (as stock's seq and
+        # micro-batch losses are equal there); a fully padded sequence has Σκ = 0 and P = 0, so
+        # clamp instead of producing 0/0 = NaN.
+        sequence_budgets = counts.view(bsz, num_experts).sum(dim=-1).clamp(min=1)
+        topk = sequence_budgets / total_tokens
+        weighted = (seq_scores.sum(dim=0) * counts).view(bsz, num_experts).sum(dim=-1)
+        aux_loss = (weighted * (num_experts * coeff / (topk * total_tokens * total_tokens))).sum() / bsz
     return router.attach_and_log_load_balancing_loss(
         probs, coeff, aux_loss, "seq_load_balancing_loss", router.tp_cp_group,
         valid_token_count=local_tokens * bsz, **_attach_kwargs(router, needs_dp_avg=True),

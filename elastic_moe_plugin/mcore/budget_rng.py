@@ -1,49 +1,59 @@
-"""κ's own random stream on the Megatron path: a named state in Megatron's CUDA RNG tracker.
+"""κ's stream on the Megatron path: a named state of Megatron's CUDA RNG tracker.
 
-Budgets are drawn inside ``get_cuda_rng_tracker().fork(BUDGET_RNG_NAME)``, the mechanism Megatron
-uses for its own streams (``model-parallel-rng`` for dropout in tensor-parallel regions,
-``expert-parallel-rng`` for expert initialisation). A named tracker state is carried, with no code
-of ours, everywhere Megatron already carries RNG state:
+The stream is :class:`~elastic_moe_plugin.core.budget_stream.BudgetStream` ``(seed, counter)``; a
+draw (:func:`draw`) generates this rank's T uniforms on the host from (seed, counter, token shard)
+and advances the counter by one, whatever T. Its state lives in the tracker under
+:data:`BUDGET_RNG_NAME`, so it is carried, with no code of ours, everywhere Megatron carries RNG
+state:
 
 - ``save_checkpoint`` / ``load_checkpoint`` store and restore ``get_states()`` (the
-  ``rng_tracker_states`` of the ``rng_state`` entry), so a resumed run continues the exact κ
-  sequence;
+  ``rng_tracker_states`` of the ``rng_state`` entry). Megatron saves data-parallel rank 0's states
+  (every rank's with ``--data-parallel-random-init``) and gives them to every data-parallel rank:
+  the counter is identical on all of them whatever their T, so that restores every rank exactly;
 - activation recompute (``CheckpointFunction``, ``CheckpointWithoutOutput``, Transformer Engine's
-  checkpoint) snapshots the tracker states at forward and restores them for the recompute, so a
-  recomputed layer draws the same κ;
-- nothing else draws from it: data shuffling, dropout and initialisation use the default generator
-  or their own states, so changing them no longer moves any budget (the issue with drawing from
-  the default generator, whose state Megatron-LM advances between ``load_checkpoint`` and the first
-  step when it builds the data iterators).
+  checkpoint) snapshots ``get_states()`` (a shallow copy of the dict) at forward and restores it for
+  the recompute. A draw never mutates the stored entry: it stores a new one, so the snapshot keeps
+  the old state and a recomputed layer draws the same κ;
+- the rerun state machine (``--rerun-mode``) saves and restores the same states;
+- ``model_parallel_cuda_manual_seed(s)`` (a re-seed) resets the tracker; the next draw registers a
+  fresh stream seeded from ``s``.
 
-Seed. ``BUDGET_SEED_OFFSET + s``, where ``s`` is the seed of the CUDA default generator when the
-state is registered: ``model_parallel_cuda_manual_seed(s)`` sets it, and Megatron-LM passes its
-``--seed`` + 100·pp_rank (+ 10·dp_rank with ``--data-parallel-random-init``). The state is the same
-on every rank of a pipeline stage; :func:`~elastic_moe_plugin.mcore.routing.draw_budgets` keeps
-drawing the uniforms of all token shards from it and taking its own slice, so tensor-parallel peers
-holding the same tokens get the same κ and data/context/sequence-parallel shards independent κ,
-exactly as before. Because the state is identical across data-parallel ranks, the checkpoint's copy
-(Megatron saves data-parallel rank 0's tracker states unless ``--data-parallel-random-init``, and
-then every rank's) restores every rank exactly.
+The entry. The stream as the 16-byte state of a CUDA Philox generator (seed, offset = 4·counter;
+:meth:`BudgetStream.to_state_tensor`), a CPU ``uint8`` tensor like the tracker's own states, or,
+in a tracker whose states are ``torch.Generator`` objects (``use_cudagraphable_rng``, i.e. any
+``--cuda-graph-impl``, and Transformer Engine's tracker, ``--te-rng-tracker``), a CUDA generator
+holding that state. So every consumer that iterates the tracker's states sees an entry of the kind
+it expects: CUDA-graph capture registers every state with ``register_generator_state`` (a
+generator there); ``load_checkpoint`` under a graph-safe tracker converts each saved tensor with
+``convert_cuda_rng_state(to_graphable=True)``, which sets it on the CUDA generator (16 bytes, an
+offset that is a multiple of 4) and clones it; ``get_rng_state`` pickles the states into a
+``ShardedObject``. Nothing ever forks into the entry: no generator draws from it.
 
-Registration happens when an elastic router is built (after Megatron's seeding, before
-``load_checkpoint`` replaces the states with the saved ones), and again at a draw if the state is
-missing: a checkpoint saved by a static or stock run has none, and re-seeding
-(``model_parallel_cuda_manual_seed``) resets the tracker. Neither costs a host sync: the tracker
-keeps states as host tensors, and a draw only swaps the device generator's state.
+Seed. ``BUDGET_SEED_OFFSET + s``, where ``s`` is the CUDA default generator's seed when the state is
+registered: ``model_parallel_cuda_manual_seed(s)`` sets it, and Megatron-LM passes ``--seed`` +
+100·pp_rank (+ 10·dp_rank with ``--data-parallel-random-init``). Registration happens when an
+elastic router is built (after Megatron's seeding, before ``load_checkpoint`` replaces the states
+with the saved ones), and again at a draw if the state is missing (a checkpoint of a static or
+stock run; a re-seed). Nothing here reads the device: the state is host bytes, a draw is host work
+plus one non-blocking copy.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import logging
 
 import torch
 
-from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
+from elastic_moe_plugin.core.budget_stream import BudgetDraw, BudgetStream
+from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET, BudgetSchedule, SamplingMode
 
-#: the tracker state κ is drawn from (saved by Megatron as ``rng_tracker_states[BUDGET_RNG_NAME]``)
+#: the tracker state κ's stream lives in (saved by Megatron as ``rng_tracker_states[BUDGET_RNG_NAME]``)
 BUDGET_RNG_NAME = "elastic-moe-budget-rng"
+
+logger = logging.getLogger("elastic_moe_plugin.mcore")
+
+# The entry this process stored last and the stream it holds: consecutive draws skip decoding it.
+_LAST_WRITTEN: list = [None, None]
 
 
 def _tracker():
@@ -53,36 +63,76 @@ def _tracker():
 
 
 def budget_seed() -> int:
-    """The seed of a newly registered budget state: the CUDA default generator's seed + offset."""
+    """The seed of a newly registered stream: the CUDA default generator's seed + offset."""
     return BUDGET_SEED_OFFSET + int(torch.cuda.initial_seed())
 
 
+def _generator_device(tracker) -> torch.device | None:
+    """The device of the tracker's ``torch.Generator`` states, None when it holds tensors."""
+    for name, state in tracker.get_states().items():
+        if name != BUDGET_RNG_NAME and isinstance(state, torch.Generator):
+            return state.device
+    return None
+
+
+def _entry(tracker, stream: BudgetStream):
+    """The stream as an entry of the kind the tracker holds (module docstring)."""
+    state = stream.to_state_tensor()
+    device = _generator_device(tracker)
+    if device is None:
+        return state
+    generator = torch.Generator(device=device)
+    generator.set_state(state)
+    return generator
+
+
+def _store(tracker, stream: BudgetStream) -> None:
+    """Replace the entry (never mutate it: a recompute snapshot holds the old object)."""
+    entry = _entry(tracker, stream)
+    states = getattr(tracker, "states_", None)
+    if isinstance(states, dict):
+        states[BUDGET_RNG_NAME] = entry  # what the tracker's own fork() does with its states
+    else:
+        tracker.set_states({**tracker.get_states(), BUDGET_RNG_NAME: entry})
+    _LAST_WRITTEN[:] = [entry, stream]
+
+
 def ensure_registered() -> None:
-    """Add the budget state to Megatron's RNG tracker unless it holds one (idempotent)."""
+    """Add a fresh stream (counter 0, :func:`budget_seed`) to the tracker unless it holds one."""
     tracker = _tracker()
-    if BUDGET_RNG_NAME in tracker.get_states():
-        return
-    seed = budget_seed()
-    # The tracker refuses a seed it has seen; ours stays booked after a set_states() (a checkpoint
-    # load, a recompute restoring an earlier snapshot) dropped the state itself.
-    booked = getattr(tracker, "seeds_", None)
-    if isinstance(booked, set):
-        booked.discard(seed)
-    tracker.add(BUDGET_RNG_NAME, seed)
+    if BUDGET_RNG_NAME not in tracker.get_states():
+        _store(tracker, BudgetStream.seeded(budget_seed()))
 
 
-@contextlib.contextmanager
-def forked() -> Iterator[None]:
-    """Draws inside the block come from the budget stream (the device's default generator runs on
-    the budget state, which is then saved back; the default generator's own state is restored)."""
-    ensure_registered()
-    with _tracker().fork(BUDGET_RNG_NAME):
-        yield
+def stream() -> BudgetStream:
+    """The current stream (registers it first)."""
+    tracker = _tracker()
+    entry = tracker.get_states().get(BUDGET_RNG_NAME)
+    if entry is None:
+        ensure_registered()
+        return _LAST_WRITTEN[1]
+    if entry is _LAST_WRITTEN[0]:
+        return _LAST_WRITTEN[1]
+    try:
+        return BudgetStream.from_state(entry)
+    except ValueError as error:  # e.g. a CPU checkpoint of a version that kept a generator state here
+        logger.warning("elastic-moe: the saved κ stream %r is not a stream state (%s); starting a fresh one "
+                       "from seed %d.", BUDGET_RNG_NAME, error, budget_seed())
+        _store(tracker, BudgetStream.seeded(budget_seed()))
+        return _LAST_WRITTEN[1]
+
+
+def draw(schedule: BudgetSchedule, sampling: SamplingMode, shard: int, num_tokens: int,
+         device: torch.device | str) -> BudgetDraw:
+    """κ [T] of this rank's token shard from the stream, which advances by one draw."""
+    budgets, advanced = stream().draw(schedule, sampling, shard, num_tokens, device)
+    _store(_tracker(), advanced)
+    return budgets
 
 
 def reset() -> None:
-    """Drop the budget state from the tracker: the next elastic router or draw registers a fresh
-    one, seeded from the CUDA default generator's seed at that time (tests; a deliberate re-seed)."""
+    """Drop the stream from the tracker: the next elastic router or draw registers a fresh one,
+    seeded from the CUDA default generator's seed at that time (tests; a deliberate re-seed)."""
     tracker = _tracker()
     states = tracker.get_states()
     if BUDGET_RNG_NAME in states:
@@ -90,10 +140,9 @@ def reset() -> None:
 
 
 def state() -> torch.Tensor:
-    """The budget stream's current state (a copy, for tests and diagnostics); registers it first."""
-    ensure_registered()
-    found = _tracker().get_states()[BUDGET_RNG_NAME]
-    return found.get_state() if isinstance(found, torch.Generator) else found.clone()
+    """The stream's state tensor (a copy: :meth:`BudgetStream.to_state_tensor`), for tests and
+    diagnostics; registers the stream first."""
+    return stream().to_state_tensor()
 
 
-__all__ = ["BUDGET_RNG_NAME", "budget_seed", "ensure_registered", "forked", "reset", "state"]
+__all__ = ["BUDGET_RNG_NAME", "budget_seed", "draw", "ensure_registered", "reset", "state", "stream"]

@@ -29,6 +29,11 @@ flex ``dispatch_preprocess``                ``_initialize_metadata`` expands the
                                             runs; the tag is handed to the manager instead (outside
                                             the ``torch.compile`` region of ``dispatch_preprocess``).
 ==========================================  =======================================================
+
+The router in front of these adds no sync of its own: κ is drawn on the host from its counter-based
+stream and reaches the device by one non-blocking copy from pinned memory (:mod:`.budget_rng`). Σκ
+is then known on the host (``core.budget_stream.latest_draw(router).total``); the fixes above do not
+use it yet, so the counts stay as listed (``docs/performance.md``).
 """
 
 from __future__ import annotations

@@ -207,16 +207,21 @@ def validate_router(router, config: ElasticConfig) -> None:
                         f"[T, topk] buffers with a fixed k; train with the stock TopKRouter, transformer_impl="
                         f"'transformer_engine' or 'local' (elastic layers route static top-k in eval, so the "
                         f"checkpoint then serves on the inference-optimised layers unchanged)")
-    if (_captures_moe_preprocess(model) and config.sampling == "iid" and not model.moe_pad_expert_input_to_capacity
+    if not top_p and _captures_router(model):
+        problems.append("a CUDA graph that captures the router (scope 'moe_router' or 'moe' in cuda_graph_modules, "
+                        "cuda_graph_scope before megatron-core 0.19; 'moe_preprocess', which needs 'moe_router'; a "
+                        "whole-layer scope; or cuda_graph_impl='full_iteration'): κ is drawn on the host and copied "
+                        "in at every forward, so a graph replay would reuse the κ of its capture; capture only scopes "
+                        "without the router (e.g. cuda_graph_modules=['attn']), or use schedule='static'")
+    elif (top_p and _captures_moe_preprocess(model) and not model.moe_pad_expert_input_to_capacity
             and model.moe_token_dispatcher_type == "alltoall"):
         problems.append("a CUDA graph that captures the dispatcher's preprocess (scope 'moe_preprocess' in "
                         "cuda_graph_modules, cuda_graph_scope before megatron-core 0.19, which cuda_graph_impl='local' "
                         "adds to 'moe_router'; a whole-layer scope; or cuda_graph_impl='full_iteration') with "
-                        "sampling='iid': a dropless alltoall dispatch is then sized from the realised Σκ, a "
+                        "mode='top_p': a dropless alltoall dispatch is then sized from the realised Σκ, a "
                         "device-to-host sync Megatron also refuses to capture (as with a capacity factor); remove "
                         "'moe_preprocess' (and 'moe_router' with cuda_graph_impl='local') from the CUDA-graph scope, "
-                        "or use sampling='balanced' (Σκ = T·k, no sync) or drop-and-pad "
-                        "(moe_pad_expert_input_to_capacity)")
+                        "or use drop-and-pad (moe_pad_expert_input_to_capacity)")
     num_groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
     if group_topk:
         per_group = model.num_moe_experts // num_groups
@@ -239,26 +244,44 @@ def _top_p_width(model_config, config: ElasticConfig) -> int:
     return config.top_p_max_experts or model_config.num_moe_experts
 
 
-def _captures_moe_preprocess(model_config) -> bool:
-    """Whether a per-layer CUDA graph captures ``MoELayer.preprocess`` (the dispatcher's sizing).
+def _cuda_graph_scopes(model_config) -> set[str] | None:
+    """The per-layer CUDA-graph scope names, None without CUDA graphs; an empty set captures the
+    whole layer (as the deprecated ``"full"`` does), and so does ``full_iteration`` (0.19: an impl;
+    0.16: a scope).
 
     megatron-core 0.19 names the scope list ``cuda_graph_modules`` (``cuda_graph_scope`` is migrated
     into it); 0.16 names it ``cuda_graph_scope``. Entries are enums or, set by hand, strings.
     """
     impl = getattr(model_config, "cuda_graph_impl", "none")
     if impl in (None, "none"):
-        return False
-    if impl == "full_iteration":  # 0.19: one graph for the whole forward-backward
-        return True
+        return None
+    if impl == "full_iteration":
+        return set()
     scopes = getattr(model_config, "cuda_graph_modules", None)
     if scopes is None:
         scopes = getattr(model_config, "cuda_graph_scope", None)
     if isinstance(scopes, str):
         scopes = scopes.split(",")
     names = {getattr(scope, "name", scope) for scope in scopes or ()} - {"full"}
-    if not names:  # an empty scope (or the deprecated "full") captures the whole layer
+    return set() if "full_iteration" in names else names
+
+
+def _captures_router(model_config) -> bool:
+    """Whether a CUDA graph captures ``TopKRouter.forward``: the scopes ``moe_router``, ``moe`` (the
+    whole MoE layer, drop-and-pad only), ``moe_preprocess`` (Megatron requires ``moe_router`` with
+    it), a whole layer, or the whole iteration. ``attn``, ``mlp`` (dense layers) and ``mamba`` do not."""
+    names = _cuda_graph_scopes(model_config)
+    return names is not None and (not names or bool(names & {"moe_router", "moe", "moe_preprocess"}))
+
+
+def _captures_moe_preprocess(model_config) -> bool:
+    """Whether a per-layer CUDA graph captures ``MoELayer.preprocess`` (the dispatcher's sizing)."""
+    names = _cuda_graph_scopes(model_config)
+    if names is None:
+        return False
+    if not names:
         return True
-    if impl == "local" and "moe_router" in names:
+    if getattr(model_config, "cuda_graph_impl", None) == "local" and "moe_router" in names:
         names.add("moe_preprocess")  # Megatron's local implementation captures both together
     return "moe_preprocess" in names
 

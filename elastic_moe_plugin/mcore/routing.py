@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from elastic_moe_plugin.core import records
+from elastic_moe_plugin.core.budget_stream import LATEST_DRAW_ATTR
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
 from elastic_moe_plugin.core.plan import LayerPlan
@@ -47,24 +48,25 @@ def token_shard(router) -> tuple[int, int]:
 
 
 def draw_budgets(router, plan: LayerPlan, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """κ [T] for this rank's tokens, from the budget stream (:mod:`.budget_rng`).
+    """κ [T] for this rank's T tokens: one draw of κ's counter-based stream (:mod:`.budget_rng`).
 
-    Every rank draws the uniforms of all token shards (``num_shards · T``, one global stream) and
-    keeps its own slice. The budget stream is seeded identically on the ranks of a pipeline stage,
-    so tensor-parallel peers holding the same tokens get the same κ, while data/context/
-    sequence-parallel shards get independent draws. Megatron's checkpoints save the stream and its
-    activation recompute restores it, so a resumed run continues the κ sequence and a recomputed
-    layer sees the same κ.
+    The draw is addressed by (stream seed, draw counter, token shard), with the shard of
+    :func:`token_shard`: the rank generates exactly its own T uniforms on the host, maps them with
+    the schedule and copies κ to the device without a sync (``core.budget_stream``). Tensor-parallel
+    peers holding the same tokens have the same shard, hence the same κ; data/context/sequence-
+    parallel shards have their own keys, hence independent κ; the counter advances by one on every
+    rank whatever its T. Megatron's checkpoints save the stream and its activation recompute
+    restores it, so a resumed run continues the κ sequence and a recomputed layer sees the same κ.
+
+    The draw itself, with κ and Σκ on the host, is kept on the router
+    (``core.budget_stream.latest_draw(router)``).
     """
     cached = router.__dict__.get("_elastic_token_shard")
     if cached is None:  # process groups are fixed for the router's life
         cached = router.__dict__["_elastic_token_shard"] = token_shard(router)
-    num_shards, shard = cached
-    with budget_rng.forked():
-        if num_shards == 1:
-            return plan.schedule.sample(num_tokens, plan.sampling, device=device)
-        uniforms = torch.rand(num_shards * num_tokens, dtype=torch.float64, device=device)
-    return plan.schedule.budgets_from_uniforms(uniforms[shard * num_tokens : (shard + 1) * num_tokens], plan.sampling)
+    draw = budget_rng.draw(plan.schedule, plan.sampling, cached[1], num_tokens, device)
+    router.__dict__[LATEST_DRAW_ATTR] = draw
+    return draw.budgets
 
 
 def select_candidates(

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from elastic_moe_plugin import ElasticConfig, hf
 from elastic_moe_plugin.core.config import ConfigError
 from elastic_moe_plugin.core.patching import PATCH_MARKER
+from elastic_moe_plugin.core.budget_stream import BudgetStream
 from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET, BudgetSchedule
 from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf import families as hf_families
@@ -75,9 +76,12 @@ def _all_patch_points():
         assert loaded.experts is not None, family.name  # every covered family's experts follow κ in 5.19
         points += [(loaded.router, "forward"), (loaded.decoder_layer, "__init__"), (loaded.experts, "forward"),
                    (loaded.module, "load_balancing_loss_func")]
+    from transformers.distributed.mixin import DistributedMixin
     from transformers.trainer import Trainer
 
-    return points + [(Trainer, "_save_rng_state"), (Trainer, "_load_rng_state")]
+    # κ's stream: the Trainer's rng_state files, the re-seed, tensor-parallel tagging (hf.budget_rng)
+    return points + [(Trainer, "_save_rng_state"), (Trainer, "_load_rng_state"), (torch, "manual_seed"),
+                     (torch.random, "manual_seed"), (DistributedMixin, "maybe_distribute_model")]
 
 
 # ------------------------------------------------------------------------------- patch checklist
@@ -360,9 +364,9 @@ def test_moe_block_equals_dense_reference_for_every_experts_implementation(tiny,
     budget_rng.reset()
     y = block(x)
     budgets = block.gate._elastic_record.budgets
-    # κ comes from its own generator, seeded with BUDGET_SEED_OFFSET + torch.initial_seed() at its first draw
-    generator = torch.Generator().manual_seed(BUDGET_SEED_OFFSET + 12)
-    assert torch.equal(budgets, BudgetSchedule.parse("1-3", center=2).sample(16, generator=generator))
+    # κ is draw 0 of its own stream, seeded with BUDGET_SEED_OFFSET + torch.initial_seed(), on shard 0
+    expected = BudgetStream(BUDGET_SEED_OFFSET + 12).draw(BudgetSchedule.parse("1-3", center=2), "iid", 0, 16)[0]
+    assert torch.equal(budgets, expected.budgets)
     assert set(budgets.tolist()) == {1, 2, 3}
     with torch.no_grad():
         reference = _dense_reference(block, x, budgets, norm)

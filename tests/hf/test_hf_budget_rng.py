@@ -6,7 +6,9 @@
   6-step run, with gradient checkpointing on: the generator state travels in the Trainer's
   ``rng_state.pth``. (The losses are not compared: on this CPU setup the Trainer's own resume
   differs from the uninterrupted run in the 4th digit with the plugin off as well.)
-- a recompute that cannot be matched to its forward is an error naming the cause.
+- a recompute that cannot be matched to its forward is an error naming the cause;
+- an explicit re-seed (`transformers.set_seed`, i.e. `torch.manual_seed`) restarts κ's stream, other
+  random draws after it do not move κ, and `hf.remove()` takes the hook away.
 
 Gradient checkpointing's exact replay (gradients, budgets, histograms) is in ``test_hf_adapter.py``.
 """
@@ -19,6 +21,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from elastic_moe_plugin import ElasticConfig, hf
+from elastic_moe_plugin.core.budget_stream import BudgetStream
+from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
 from elastic_moe_plugin.hf import budget_rng
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
@@ -107,7 +111,8 @@ def test_a_resumed_trainer_run_continues_the_kappa_sequence(tiny, tmp_path):
 
     with safe_globals():  # as the Trainer reads it
         saved = torch.load(checkpoint / "rng_state.pth", weights_only=True)
-    assert set(saved[budget_rng.RNG_STATE_KEY]) == {"cpu"}, "the Trainer's rng_state carries κ's generator"
+    # the Trainer's rng_state carries κ's stream: seed 0 (TrainingArguments.seed), 3 steps × 2 layers drawn
+    assert saved[budget_rng.RNG_STATE_KEY] == {"seed": BUDGET_SEED_OFFSET, "counter": 3 * 2}
 
     budget_rng.reset()
     torch.manual_seed(123)  # whatever the resumed process does first must not matter
@@ -118,3 +123,72 @@ def test_a_resumed_trainer_run_continues_the_kappa_sequence(tiny, tmp_path):
         for layer in (0, 1):
             assert torch.equal(resumed_kappa[step][layer], kappa[step][layer]), f"step {step}, layer {layer}"
     assert not torch.equal(kappa[4][0], kappa[5][0])
+
+
+# ------------------------------------------------------------------------------- an explicit re-seed
+def _two_steps(tiny, *, between=None):
+    """Build a model from the default generator as it is, run ``between`` (other random draws), then
+    two training steps; (κ of every layer and step, the losses)."""
+    config = tiny.config("olmoe")
+    model = transformers.OlmoeForCausalLM(config).train()
+    if between is not None:
+        between()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(3, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(4))
+    kappa, losses = [], []
+    for _ in range(2):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        kappa.append([record.budgets.clone() for record in hf.routing_records(model).values()])
+        losses.append(loss.item())
+    return kappa, losses
+
+
+def _same_kappa(a, b) -> bool:
+    return all(torch.equal(x, y) for step_a, step_b in zip(a, b) for x, y in zip(step_a, step_b))
+
+
+def test_set_seed_twice_in_one_process_gives_the_same_kappa_and_losses(tiny):
+    """``torch.initial_seed()`` is 42 both times, so only the re-seed hook can restart κ's stream."""
+    hf.apply(ElasticConfig(schedule="1-3"))
+    transformers.set_seed(42)
+    kappa, losses = _two_steps(tiny)
+    assert len(set(kappa[0][0].tolist())) == 3 and not torch.equal(kappa[0][0], kappa[1][0])
+    transformers.set_seed(42)
+    kappa_again, losses_again = _two_steps(tiny)
+    assert _same_kappa(kappa, kappa_again)
+    assert losses == losses_again
+    transformers.set_seed(43)
+    assert not _same_kappa(kappa, _two_steps(tiny)[0]), "another seed, another κ"
+
+
+def test_random_draws_after_set_seed_do_not_move_kappa(tiny):
+    import random
+
+    import numpy as np
+
+    hf.apply(ElasticConfig(schedule="1-3"))
+    transformers.set_seed(42)
+    kappa, losses = _two_steps(tiny)
+
+    def other_consumers():  # data shuffling, dropout masks, augmentation: every other generator
+        torch.rand(1000)
+        torch.randperm(100, generator=torch.Generator().manual_seed(1))
+        random.random()
+        np.random.rand(10)
+
+    transformers.set_seed(42)
+    kappa_after_draws, losses_after_draws = _two_steps(tiny, between=other_consumers)
+    assert _same_kappa(kappa, kappa_after_draws)
+    assert losses == losses_after_draws  # dropout is off: the draws touch nothing the model reads
+
+
+def test_remove_takes_the_re_seed_hook_away(tiny):
+    hf.apply(ElasticConfig(schedule="1-3"))
+    torch.manual_seed(5)
+    assert budget_rng.current_stream() == BudgetStream(BUDGET_SEED_OFFSET + 5, 0)
+    hf.remove()
+    torch.manual_seed(6)
+    assert budget_rng.current_stream() == BudgetStream(BUDGET_SEED_OFFSET + 5, 0), "no hook once removed"

@@ -1,7 +1,10 @@
 """κ's own stream on the Megatron path (``elastic_moe_plugin.mcore.budget_rng``), router level.
 
-- it is a named state of Megatron's RNG tracker, seeded with ``BUDGET_SEED_OFFSET`` + Megatron's
-  seed (``model_parallel_cuda_manual_seed``);
+- it is a named state of Megatron's RNG tracker, the stream ``(seed, counter)`` as a 16-byte CUDA
+  Philox state, seeded with ``BUDGET_SEED_OFFSET`` + Megatron's seed
+  (``model_parallel_cuda_manual_seed``), which a re-seed resets;
+- each draw is the closed form of ``core.budget_stream`` at (seed, counter, shard) and advances the
+  counter by one whatever T (T = 0 included), replacing the entry rather than mutating it;
 - drawing κ leaves the default generator alone, and consuming the default generator (dropout, data
   shuffling) leaves κ alone;
 - restoring the tracker states as ``load_checkpoint`` does continues the κ sequence exactly; a
@@ -18,6 +21,7 @@ import pytest
 import torch
 
 from elastic_moe_plugin import ElasticConfig, mcore
+from elastic_moe_plugin.core.budget_stream import BudgetStream, latest_draw
 from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
 from elastic_moe_plugin.mcore import budget_rng
 
@@ -51,8 +55,48 @@ def router(make_config, make_router):
 def test_the_stream_is_a_tracker_state_seeded_from_megatrons_seed(router):
     states = _tracker().get_states()
     assert budget_rng.BUDGET_RNG_NAME in states, "an elastic router registers the stream when it is built"
-    expected = torch.Generator().manual_seed(SEED + BUDGET_SEED_OFFSET).get_state()
+    expected = BudgetStream(SEED + BUDGET_SEED_OFFSET, 0).to_state_tensor()
     assert torch.equal(states[budget_rng.BUDGET_RNG_NAME], expected)
+    # the layout of a CUDA Philox generator state: seed, then offset 4·counter (little-endian)
+    assert expected.tolist()[:8] == list((SEED + BUDGET_SEED_OFFSET).to_bytes(8, "little"))
+    assert expected.tolist()[8:] == [0] * 8
+
+
+def test_each_draw_is_the_closed_form_and_advances_the_counter_by_one_whatever_t(router):
+    """κ of draw c = the core stream's draw (seed, c, shard 0); T varies, T = 0 included; every
+    draw stores a new entry object (a recompute snapshot keeps the old one)."""
+    schedule = mcore.active_config().budget_schedule(2)
+    seed = SEED + BUDGET_SEED_OFFSET
+    for counter, tokens in enumerate((S, 3, 0, 1, S)):
+        before = _tracker().get_states()[budget_rng.BUDGET_RNG_NAME]
+        assert budget_rng.stream() == BudgetStream(seed, counter)
+        x = torch.randn(tokens, B, H)
+        if tokens:
+            kappa = _kappa(router, x)
+        else:  # Megatron's router gating cannot take T = 0 (a view of 0 elements): the stream's draw itself
+            kappa = budget_rng.draw(schedule, "iid", 0, 0, "cpu").budgets
+        expected = BudgetStream(seed, counter).draw(schedule, "iid", 0, tokens * B if tokens else 0)[0]
+        assert torch.equal(kappa, expected.budgets), f"draw {counter}"
+        if tokens:
+            assert latest_draw(router).total == int(kappa.sum())
+        after = _tracker().get_states()[budget_rng.BUDGET_RNG_NAME]
+        assert after is not before and torch.equal(before, BudgetStream(seed, counter).to_state_tensor())
+    assert budget_rng.stream() == BudgetStream(seed, 5)
+
+
+def test_model_parallel_cuda_manual_seed_resets_the_stream(router):
+    """An explicit re-seed reaches κ: the same seed gives the same κ again, whatever was drawn in
+    between from the default generator."""
+    from megatron.core import tensor_parallel
+
+    x = torch.randn(S, B, H)
+    first = [_kappa(router, x) for _ in range(2)]
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    torch.rand(1000)  # data, dropout, initialisation draws
+    again = [_kappa(router, x) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED + 1)
+    assert not torch.equal(_kappa(router, x), first[0])
 
 
 def test_a_static_schedule_registers_nothing(make_config, make_router):

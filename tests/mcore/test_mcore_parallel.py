@@ -24,11 +24,13 @@ import datetime
 import os
 import traceback
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from elastic_moe_plugin import ElasticConfig, mcore
+from elastic_moe_plugin.core.budget_stream import BudgetStream
 from elastic_moe_plugin.mcore import budget_rng
 from elastic_moe_plugin.mcore import routing as routing_module
 from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError
@@ -131,11 +133,19 @@ def _router_kappa(config, x):
     return mcore.routing_records(router)[0].budgets, state
 
 
-def _stream_budgets(state, num_tokens, sampling="iid"):
-    """What ONE process drawing ``num_tokens`` uniforms from ``state`` maps them to."""
-    generator = torch.Generator().set_state(state)
-    uniforms = torch.rand(num_tokens, dtype=torch.float64, generator=generator)
-    return ElasticConfig(schedule=SCHEDULE).budget_schedule(K).budgets_from_uniforms(uniforms, sampling)
+def _shard_budgets(state, shard, num_tokens, sampling="iid"):
+    """κ of the stream ``state`` (the tracker entry's tensor) for token shard ``shard``: the closed
+    form of ``core.budget_stream`` at (seed, counter, shard)."""
+    schedule = ElasticConfig(schedule=SCHEDULE).budget_schedule(K)
+    return BudgetStream.from_state(state).draw(schedule, sampling, shard, num_tokens)[0].budgets
+
+
+def _disjoint_uniforms(state, shards, num_tokens) -> bool:
+    """No two of ``shards`` draw their κ from the same uniforms."""
+    stream = BudgetStream.from_state(state)
+    uniforms = [stream.uniforms(shard, num_tokens) for shard in shards]
+    return all(np.intersect1d(uniforms[a], uniforms[b]).size == 0
+               for a in range(len(shards)) for b in range(a + 1, len(shards)))
 
 
 # ================================================================================ workers
@@ -216,8 +226,8 @@ def _tp_without_sp_scenario(rank, world, init_method):
 
 
 def _dp_randomness_scenario(rank, world, init_method):
-    """DP=2 at the router: κ differ across DP ranks, are slices of one global stream, and are
-    reproducible from Megatron's seed (model_parallel_cuda_manual_seed)."""
+    """DP=2 at the router: κ differ across DP ranks, each drawn from the rank's own token shard of
+    the stream, and are reproducible from Megatron's seed (model_parallel_cuda_manual_seed)."""
     from megatron.core import tensor_parallel
 
     _init(rank, world, init_method)
@@ -480,11 +490,12 @@ def test_tp2_with_sequence_parallel_matches_a_single_process(world2, reference_e
     """TP=2 + SP (+ ETP=2) with the realised aux loss on: the ranks hold different sequence halves."""
     per_rank = _scenario(world2, "tp2_sp")
     _check_equivalence(per_rank, reference_env, aux=0.1)
-    # SP shards are token shards: independent κ, one stream sliced by rank
+    # SP shards are token shards: one stream, in step on both ranks; each rank draws its own shard
     assert per_rank[0]["etp_rank"] != per_rank[1]["etp_rank"]
     assert torch.equal(per_rank[0]["rng_state"], per_rank[1]["rng_state"])
-    stream = _stream_budgets(per_rank[0]["rng_state"], 2 * S * B)
-    assert torch.equal(torch.cat([r["kappa"] for r in per_rank]), stream)
+    for rank, result in enumerate(per_rank):
+        assert torch.equal(result["kappa"], _shard_budgets(result["rng_state"], rank, S * B))
+    assert _disjoint_uniforms(per_rank[0]["rng_state"], [0, 1], S * B)
 
 
 @pytest.mark.slow
@@ -495,7 +506,7 @@ def test_tp2_without_sequence_parallel(world2, reference_env):
     assert [r["token_shard"] for r in per_rank] == [(1, 0), (1, 0)]
     assert torch.equal(per_rank[0]["kappa"], per_rank[1]["kappa"])
     assert len(set(per_rank[0]["kappa"].tolist())) > 1
-    assert torch.equal(per_rank[0]["kappa"], _stream_budgets(per_rank[0]["rng_state"], S * B))
+    assert torch.equal(per_rank[0]["kappa"], _shard_budgets(per_rank[0]["rng_state"], 0, S * B))
     refused = [r.get("layer_refused") for r in per_rank]
     if all(refused):
         pytest.skip(f"megatron-core refuses MoE training with TP>1 and no SP: {refused[0]!r} "
@@ -510,22 +521,19 @@ def test_tp2_without_sequence_parallel(world2, reference_env):
 
 
 @pytest.mark.slow
-def test_dp2_budgets_differ_and_slice_one_global_stream(world2):
+def test_dp2_budgets_differ_and_come_from_each_ranks_own_shard(world2):
     per_rank = _scenario(world2, "dp2_randomness")
     assert [r["token_shard"] for r in per_rank] == [(2, 0), (2, 1)]
     for sampling in ("iid", "balanced"):
         (kappa0, state0), (kappa1, state1) = per_rank[0][sampling], per_rank[1][sampling]
-        assert torch.equal(state0, state1), "the DP ranks' budget streams must be seeded alike"
+        assert torch.equal(state0, state1), "the DP ranks' budget streams must be in step"
         assert not torch.equal(kappa0, kappa1), f"{sampling}: DP ranks must draw different κ"
-        if sampling == "iid":  # concatenated = one process drawing 2·T uniforms
-            assert torch.equal(torch.cat([kappa0, kappa1]), _stream_budgets(state0, 2 * S * B))
-        else:  # each shard maps its own slice of the stream, so each dispatches exactly T·k
-            generator = torch.Generator().set_state(state0)
-            uniforms = torch.rand(2 * S * B, dtype=torch.float64, generator=generator).split(S * B)
-            schedule = ElasticConfig(schedule=SCHEDULE).budget_schedule(K)
-            for kappa, shard in zip((kappa0, kappa1), uniforms):
-                assert torch.equal(kappa, schedule.budgets_from_uniforms(shard, "balanced"))
+        # each rank generates only its own T uniforms, from (seed, counter, its shard)
+        for shard, kappa in enumerate((kappa0, kappa1)):
+            assert torch.equal(kappa, _shard_budgets(state0, shard, S * B, sampling)), (sampling, shard)
+            if sampling == "balanced":  # each shard maps its own uniforms, so each dispatches exactly T·k
                 assert int(kappa.sum()) == S * B * K
+        assert _disjoint_uniforms(state0, [0, 1], S * B)
 
 
 @pytest.mark.slow
@@ -588,7 +596,7 @@ def test_world4_dp_with_ep2_allgather_matches_a_single_process(world4, reference
 
 
 @pytest.mark.slow
-def test_world4_tp_peers_share_budgets_and_dp_ranks_slice_the_stream(world4):
+def test_world4_tp_peers_share_budgets_and_dp_ranks_draw_their_own_shards(world4):
     per_rank = _scenario(world4, "tp2_dp2_router")
     by_coords = {(r["dp_rank"], r["tp_rank"]): r for r in per_rank}
     assert sorted(by_coords) == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -598,8 +606,9 @@ def test_world4_tp_peers_share_budgets_and_dp_ranks_slice_the_stream(world4):
     assert not torch.equal(by_coords[0, 0]["kappa"], by_coords[1, 0]["kappa"])
     state = by_coords[0, 0]["rng_state"]
     assert all(torch.equal(r["rng_state"], state) for r in per_rank)
-    stream = _stream_budgets(state, 2 * S * B)
-    assert torch.equal(torch.cat([by_coords[0, 0]["kappa"], by_coords[1, 0]["kappa"]]), stream)
+    for dp in (0, 1):  # the TP peers' shard is their DP index
+        assert torch.equal(by_coords[dp, 0]["kappa"], _shard_budgets(state, dp, S * B))
+    assert _disjoint_uniforms(state, [0, 1], S * B)
 
 
 # ================================================================================ recompute (one process)
@@ -686,10 +695,10 @@ REFUSALS = {
                            r"moe_router_load_balancing_type='quantile_balancing'.*use 'aux_loss'"),
     "router_fusion": (dict(moe_router_fusion=True), {}, r"moe_router_fusion=True.*moe-router-fusion off"),
     "cuda_graph_moe_preprocess": (dict(moe_token_dispatcher_type="alltoall"), "cuda_graph",
-                                  r"CUDA graph that captures the dispatcher's preprocess \(scope 'moe_preprocess'.*"
-                                  r"sampling='iid'.*remove 'moe_preprocess'"),
+                                  r"CUDA graph that captures the router \(scope 'moe_router'.*'moe_preprocess'.*"
+                                  r"κ is drawn on the host.*cuda_graph_modules=\['attn'\].*schedule='static'"),
     "cuda_graph_whole_layer": (dict(moe_token_dispatcher_type="alltoall"), "cuda_graph_whole_layer",
-                               r"CUDA graph that captures the dispatcher's preprocess.*a whole-layer scope"),
+                               r"CUDA graph that captures the router.*a whole-layer scope"),
     "inference_optimized": ({}, {"transformer_impl": "inference_optimized"},
                             r"transformer_impl='inference_optimized'.*'transformer_engine' or 'local'"),
     "group_limited_unreachable": (dict(num_moe_experts=8, moe_router_num_groups=4, moe_router_group_topk=1), {},
@@ -715,31 +724,56 @@ def test_refused_options_fail_at_router_construction_with_the_fix(name, make_con
         make_router(config)  # the point mass is stock: stock options stay allowed
 
 
+def _set_cuda_graph_scope(config, impl, names):
+    """``cuda_graph_impl`` and the scope list (``cuda_graph_modules`` in 0.19, ``cuda_graph_scope``
+    in 0.16) set after construction, as ``_cuda_graph_overrides``."""
+    from megatron.core.transformer import enums
+
+    config.cuda_graph_impl = impl
+    if hasattr(config, "cuda_graph_modules"):
+        config.cuda_graph_modules = [enums.CudaGraphModule[name] for name in names]
+    else:
+        config.cuda_graph_scope = [enums.CudaGraphScope[name] for name in names]
+
+
+#: CUDA-graph (impl, scope) that capture TopKRouter.forward: κ, drawn on the host, would replay stale
+ROUTER_CAPTURING_GRAPHS = {
+    "te_moe_router": ("transformer_engine", ["moe_router"]),
+    "te_moe_router_preprocess": ("transformer_engine", ["moe_router", "moe_preprocess"]),
+    "te_moe_layer": ("transformer_engine", ["moe"]),
+    "local_moe_router": ("local", ["moe_router"]),
+    "whole_layer": ("transformer_engine", []),
+    "attn_and_moe_router": ("transformer_engine", ["attn", "moe_router"]),
+}
+
+
 @pytest.mark.usefixtures("mcore_env")
-@pytest.mark.parametrize("variant", ["balanced", "drop_and_pad", "local_moe_router_only", "allgather"])
-def test_cuda_graph_preprocess_scope_is_allowed_where_sizes_stay_static(variant, make_config, make_router):
-    """Only iid + dropless alltoall adds a sync to the preprocess; the other combinations keep
-    stock's static sizes, so Megatron's own CUDA-graph rules apply unchanged. ``cuda_graph_impl='local'``
-    captures moe_preprocess with moe_router, so there ``moe_router`` alone is refused too."""
-    overrides = dict(moe_token_dispatcher_type="alltoall")
-    sampling = "iid"
-    if variant == "balanced":
-        sampling = "balanced"
-    elif variant == "drop_and_pad":
+@pytest.mark.parametrize("graph", list(ROUTER_CAPTURING_GRAPHS))
+@pytest.mark.parametrize("variant", ["iid", "balanced", "drop_and_pad", "allgather"])
+def test_a_cuda_graph_that_captures_the_router_is_refused_for_every_elastic_schedule(variant, graph, make_config,
+                                                                                     make_router):
+    """κ is drawn on the host and copied in at every forward, so a graph replay would reuse the κ of
+    its capture: every scope that captures the router is refused, whatever the sampling and the
+    dispatcher sizes (the point mass, stock, stays allowed)."""
+    overrides = dict(moe_token_dispatcher_type="allgather" if variant == "allgather" else "alltoall")
+    if variant == "drop_and_pad":
         overrides.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
-    elif variant == "allgather":
-        overrides.update(moe_token_dispatcher_type="allgather")
     config = make_config(**overrides)
-    for key, value in _cuda_graph_overrides().items():
-        setattr(config, key, value)
-    if variant == "local_moe_router_only":
-        config.cuda_graph_impl = "local"
-        scopes = config.cuda_graph_modules if hasattr(config, "cuda_graph_modules") else config.cuda_graph_scope
-        scopes[:] = scopes[:1]  # moe_router only
-        with mcore.patched(ElasticConfig(schedule=SCHEDULE)), pytest.raises(UnsupportedMegatronError,
-                                                                            match="moe_preprocess"):
-            make_router(config)
-        config.cuda_graph_impl = "transformer_engine"  # TE's implementation captures exactly the scope named
+    _set_cuda_graph_scope(config, *ROUTER_CAPTURING_GRAPHS[graph])
+    sampling = "balanced" if variant == "balanced" else "iid"
+    with mcore.patched(ElasticConfig(schedule=SCHEDULE, sampling=sampling)), pytest.raises(
+            UnsupportedMegatronError, match=r"CUDA graph that captures the router.*replay would reuse the κ"):
+        make_router(config)
+    with mcore.patched(ElasticConfig(schedule="static")):
+        make_router(config)
+
+
+@pytest.mark.usefixtures("mcore_env")
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+@pytest.mark.parametrize("sampling", ["iid", "balanced"])
+def test_a_cuda_graph_of_the_attention_only_is_allowed(sampling, impl, make_config, make_router):
+    config = make_config(moe_token_dispatcher_type="alltoall")
+    _set_cuda_graph_scope(config, impl, ["attn"])
     with mcore.patched(ElasticConfig(schedule=SCHEDULE, sampling=sampling)):
         make_router(config)
 

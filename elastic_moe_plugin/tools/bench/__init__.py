@@ -4,7 +4,9 @@
   host syncs, pairs) that every scenario goes through;
 - :mod:`.megatron`: Megatron-core scenarios (``router``, ``layer`` with its drop-and-pad case, ``gpt``);
 - :mod:`.hf`: transformers scenarios (``hf``): an OLMoE- and a Qwen3-MoE-shaped sparse MoE block
-  per experts implementation, with the rows the expert GEMMs multiply.
+  per experts implementation, with the rows the expert GEMMs multiply;
+- :mod:`.kappa`: the κ draw itself (``kappa``), time and memory per router call as the number of
+  token shards grows, the draw before the counter-based stream against the one now.
 
 :func:`run_suite` runs what ``only`` names; :func:`format_results` prints the Megatron table (its
 format unchanged) and then the transformers table; :func:`to_json` is ``--json``.
@@ -28,13 +30,13 @@ from elastic_moe_plugin.tools.bench.measure import (
     measure,
 )
 
-#: ``--only`` choices: the Megatron scenarios, and ``hf`` for the transformers blocks
-SCENARIOS = ("router", "layer", "gpt", "hf")
+#: ``--only`` choices: the Megatron scenarios, ``hf`` for the transformers blocks, ``kappa`` for the κ draw
+SCENARIOS = ("router", "layer", "gpt", "hf", "kappa")
 MEGATRON_SCENARIOS = ("router", "layer", "gpt")
 
 
-def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list[ScenarioResult]:
-    """The scenarios named in ``only`` (every one when None), Megatron first."""
+def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list:
+    """The scenarios named in ``only`` (every one when None), Megatron first, the κ draw last."""
     wanted = list(only or SCENARIOS)
     results: list[ScenarioResult] = []
     megatron_wanted = [name for name in MEGATRON_SCENARIOS if name in wanted]
@@ -46,7 +48,15 @@ def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list[
         from elastic_moe_plugin.tools.bench import hf
 
         results += hf.run_suite(quick, threads)
+    if "kappa" in wanted:
+        from elastic_moe_plugin.tools.bench import kappa
+
+        results += kappa.run_suite(quick, threads)
     return results
+
+
+def _is_kappa(result) -> bool:
+    return hasattr(result, "num_shards")
 
 
 def _is_block(result: ScenarioResult) -> bool:
@@ -79,6 +89,8 @@ def _header(first: str, width: int, *, dispatched: bool = False) -> str:
 def format_results(results: list[ScenarioResult]) -> str:
     """The Megatron table, then (if any) the transformers table: realised pairs there are the rows
     the expert GEMMs multiplied."""
+    draws = [result for result in results if _is_kappa(result)]
+    results = [result for result in results if not _is_kappa(result)]
     megatron = [result for result in results if not _is_block(result)]
     blocks = [result for result in results if _is_block(result)]
     lines: list[str] = []
@@ -96,6 +108,12 @@ def format_results(results: list[ScenarioResult]) -> str:
             lines += _rows(result, f"{result.scenario.removesuffix('-block')} {result.implementation}", 22)
         lines.append("pairs exp/real: T·k / rows the expert GEMMs multiplied in one forward; Σκ: what the router "
                      "dispatched in that forward (stock: T·k)")
+    if draws:
+        from elastic_moe_plugin.tools.bench import kappa
+
+        if lines:
+            lines.append("")
+        lines.append(kappa.format_table(draws))
     return "\n".join(lines)
 
 
@@ -106,7 +124,9 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def to_json(results: list[ScenarioResult]) -> dict:
+def to_json(results: list) -> dict:
+    draws = [asdict(result) for result in results if _is_kappa(result)]
+    results = [result for result in results if not _is_kappa(result)]
     report = {"torch": torch.__version__}
     if any(not _is_block(result) for result in results):
         report["megatron_core"] = importlib.metadata.version("megatron-core")
@@ -121,6 +141,8 @@ def to_json(results: list[ScenarioResult]) -> dict:
             for r in results
         ],
     })
+    if draws:
+        report["kappa_draw"] = draws
     return report
 
 

@@ -1,0 +1,175 @@
+"""κ's counter-based stream: every draw addressed by (stream seed, draw counter, token shard).
+
+One draw is one elastic router call on one rank: T budgets κ [T] for the T tokens the rank routes.
+The adapters keep the stream state, a :class:`BudgetStream` ``(seed, counter)``, where their
+framework saves and restores RNG state (a named state of Megatron's RNG tracker,
+:mod:`elastic_moe_plugin.mcore.budget_rng`; the Trainer's ``rng_state`` files,
+:mod:`elastic_moe_plugin.hf.budget_rng`), and tell it which token shard the rank holds.
+
+The draw (:meth:`BudgetStream.draw`), on the host::
+
+    key      = seed + 2^64 · shard                       (128 bits; seed, shard < 2^64)
+    block_j  = Philox4x64-10(key, counter · 2^64 + j)    (j = 1, 2, ...: four 64-bit words x each)
+    u_t      = (x_t >> 11) · 2^-53                        (t = 0..T-1, the t-th word; u_t in [0, 1))
+    κ        = BudgetSchedule.host_budgets_from_uniforms(u, sampling)
+    counter  ← counter + 1                                (whatever T, T = 0 included)
+
+Philox4x64-10 (Salmon et al., SC'11, "Parallel random numbers: as easy as 1, 2, 3") is numpy's
+``numpy.random.Philox``; ``numpy.random.Generator.random`` forms ``u`` exactly as written. What this
+gives, and what the adapters' guarantees rest on (``docs/parallelism.md#randomness``):
+
+- **O(T) on every rank.** A rank generates its own T uniforms only: time and memory do not grow
+  with the number of shards (data × context × sequence parallel size).
+- **In step whatever T.** The counter advances by 1 per draw on every rank, so ranks with
+  different T (padding-free batches, uneven context-parallel chunks, a last partial batch) keep
+  identical stream states, and one saved state restores every rank.
+- **No two draws share uniforms.** Philox is a bijection of the counter for each key: two shards
+  (different keys) or two draws (counter ranges ``[c·2^64 + 1, c·2^64 + ⌈T/4⌉]``, disjoint while
+  T < 2^66) never produce the same words from the same (key, counter) pair. Tensor-parallel peers
+  holding the same tokens pass the same shard, hence draw the same κ.
+- **Token t's uniform does not depend on T.** ``u_t`` of draw c on shard s is the same whether the
+  shard holds T = t + 1 tokens or more: iid κ_t depends on (seed, c, s, t) only.
+- **The same κ on every device type.** κ is computed on the CPU and copied to the device; a GPU
+  run and a CPU run with the same seed draw the same κ.
+
+Cost on the host at T = 8192: about 60 µs for the uniforms, 20 µs for the iid mapping, 80 µs for
+the balanced one (measured by ``elastic-moe bench --only kappa``). To a CUDA device κ travels by
+one non-blocking copy from pinned memory: no host sync, no kernel. Σκ (and per-token κ) are then
+known on the host for free: :class:`BudgetDraw` carries them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from elastic_moe_plugin.core.schedule import BudgetSchedule, SamplingMode
+
+_WORD = 1 << 64
+
+#: the router attribute holding the :class:`BudgetDraw` of its latest draw (both adapters set it)
+LATEST_DRAW_ATTR = "_elastic_budget_draw"
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetDraw:
+    """One draw's budgets, on the device and on the host.
+
+    Attributes:
+        budgets: κ [T] (int64) on the requested device (the host tensor itself on a CPU device).
+        host_budgets: κ [T] (int64, numpy) on the host; read it freely, it costs no device sync.
+        total: Σκ, a host int: the (token, expert) pairs the draw dispatches before capacity drops.
+            Known without reading the device (for sizing shapes that follow κ).
+    """
+
+    budgets: torch.Tensor
+    host_budgets: np.ndarray
+    total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetStream:
+    """The state of κ's stream: ``seed`` (< 2^64) and the ``counter`` of the next draw (>= 0).
+
+    Immutable: :meth:`draw` returns the advanced stream, so an adapter replaces its stored state
+    rather than mutating it (a recompute snapshot holding the old state then replays exactly).
+    """
+
+    seed: int
+    counter: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("seed", "counter"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _WORD:
+                raise ValueError(f"BudgetStream.{name}={value!r} is invalid: expected an integer in [0, 2^64).")
+
+    @classmethod
+    def seeded(cls, seed: int) -> "BudgetStream":
+        """A fresh stream (counter 0) for any integer seed, reduced modulo 2^64."""
+        return cls(int(seed) % _WORD, 0)
+
+    # ------------------------------------------------------------------ the draw
+    def uniforms(self, shard: int, num_tokens: int) -> np.ndarray:
+        """u [T] float64 in [0, 1) of this stream's current draw on token shard ``shard`` (the
+        module docstring's formula); the stream itself does not advance."""
+        _check_index("shard", shard)
+        _check_index("num_tokens", num_tokens)
+        bits = np.random.Philox(key=self.seed + (shard << 64), counter=self.counter << 64)
+        return np.random.Generator(bits).random(num_tokens)
+
+    def draw(self, schedule: BudgetSchedule, sampling: SamplingMode, shard: int, num_tokens: int,
+             device: torch.device | str = "cpu") -> tuple[BudgetDraw, "BudgetStream"]:
+        """κ [T] of the current draw on ``shard``, and the stream advanced by one draw.
+
+        A static schedule generates no uniforms (κ ≡ k) but advances the counter all the same, so
+        ranks stay in step. The device copy is non-blocking from pinned memory on CUDA, none on
+        the CPU (:func:`to_device`).
+        """
+        _check_index("num_tokens", num_tokens)
+        if schedule.is_static:
+            host = np.full(num_tokens, schedule.low, dtype=np.int64)
+        else:
+            host = schedule.host_budgets_from_uniforms(self.uniforms(shard, num_tokens), sampling)
+        total = num_tokens * schedule.center if sampling == "balanced" or schedule.is_static else int(host.sum())
+        advanced = BudgetStream(self.seed, (self.counter + 1) % _WORD)
+        return BudgetDraw(to_device(host, device), host, total), advanced
+
+    # ------------------------------------------------------------------ as an RNG-state tensor
+    def to_state_tensor(self) -> torch.Tensor:
+        """The stream as the 16-byte state of a CUDA Philox generator: uint8 [16] on the CPU, bytes
+        0-7 the seed, 8-15 the offset ``4 · counter`` (little-endian; CUDA generators need offsets
+        that are multiples of 4). Megatron converts its tracker states between such tensors and
+        ``torch.Generator`` objects (checkpoint load under CUDA graphs), so the stream survives
+        either form; :meth:`from_state` reads both."""
+        raw = self.seed.to_bytes(8, "little") + (4 * self.counter).to_bytes(8, "little")
+        return torch.tensor(list(raw), dtype=torch.uint8)
+
+    @classmethod
+    def from_state(cls, state: "torch.Tensor | torch.Generator") -> "BudgetStream":
+        """The stream of :meth:`to_state_tensor`'s tensor, or of a CUDA generator holding it.
+
+        Raises:
+            ValueError: ``state`` is not such a 16-byte state.
+        """
+        if isinstance(state, torch.Generator):
+            state = state.get_state()
+        raw = state.detach().cpu().numpy().tobytes() if isinstance(state, torch.Tensor) else b""
+        if len(raw) != 16:
+            raise ValueError(f"a κ stream state is a 16-byte tensor (seed, 4·counter), got {len(raw)} bytes.")
+        offset = int.from_bytes(raw[8:], "little")
+        if offset % 4:
+            raise ValueError(f"a κ stream state has an offset 4·counter, got {offset}.")
+        return cls(int.from_bytes(raw[:8], "little"), offset // 4)
+
+
+def to_device(host: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """κ [T] (int64 numpy, host) as a tensor on ``device`` without a host sync.
+
+    CPU: the host array itself (no copy). CUDA: copied from pinned memory with a non-blocking copy,
+    ordered on the current stream; the pinned block is freed to torch's caching host allocator,
+    which reuses it only once that copy has completed. Other accelerators: a plain ``.to(device)``.
+    """
+    host_tensor = torch.from_numpy(host)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host_tensor
+    if device.type == "cuda":
+        return host_tensor.pin_memory().to(device, non_blocking=True)
+    return host_tensor.to(device)
+
+
+def latest_draw(router) -> BudgetDraw | None:
+    """The :class:`BudgetDraw` of ``router``'s latest elastic draw (κ and Σκ on the host), None
+    before its first one or for a router that draws no κ (top-p mode). Not used for routing yet."""
+    return router.__dict__.get(LATEST_DRAW_ATTR)
+
+
+def _check_index(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _WORD:
+        raise ValueError(f"{name}={value!r} is invalid: expected an integer in [0, 2^64).")
+
+
+__all__ = ["LATEST_DRAW_ATTR", "BudgetDraw", "BudgetStream", "latest_draw", "to_device"]

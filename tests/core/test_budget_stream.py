@@ -1,0 +1,123 @@
+"""κ's counter-based stream (``elastic_moe_plugin.core.budget_stream``) against a hand-written
+Philox4x64-10 and the schedule's own mapping; framework-free."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_moe_plugin.core.budget_stream import BudgetStream, latest_draw, to_device
+from elastic_moe_plugin.core.schedule import BudgetSchedule
+
+SCHEDULE = BudgetSchedule.parse("6-10", center=8)
+MASK = (1 << 64) - 1
+
+
+def _philox4x64_10(counter: list[int], key: list[int]) -> list[int]:
+    """Salmon et al. (SC'11), Random123's philox4x64 with 10 rounds, in Python integers."""
+    m0, m1 = 0xD2E7470EE14C6C93, 0xCA5A826395121157
+    w0, w1 = 0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B
+    x, k = list(counter), list(key)
+    for round_index in range(10):
+        if round_index:
+            k = [(k[0] + w0) & MASK, (k[1] + w1) & MASK]
+        p0, p1 = m0 * x[0], m1 * x[2]
+        x = [(p1 >> 64) ^ x[1] ^ k[0], p1 & MASK, (p0 >> 64) ^ x[3] ^ k[1], p0 & MASK]
+    return x
+
+
+def _hand_uniforms(seed: int, counter: int, shard: int, num_tokens: int) -> list[float]:
+    """The module docstring's formula: block j = Philox(key=(seed, shard), counter=(j, c, 0, 0)),
+    j = 1, 2, ...; u = (x >> 11)·2^-53 of the words in order."""
+    words: list[int] = []
+    block = 1
+    while len(words) < num_tokens:
+        words += _philox4x64_10([block, counter, 0, 0], [seed, shard])
+        block += 1
+    return [(word >> 11) * 2.0**-53 for word in words[:num_tokens]]
+
+
+@pytest.mark.parametrize("seed, counter, shard, tokens", [(2_147_483_647 + 1234, 0, 0, 9), (5, 7, 3, 13),
+                                                          (MASK, 2**40, 1023, 6), (0, 0, 0, 0)])
+def test_uniforms_are_philox_keyed_by_seed_and_shard_at_the_draw_counter(seed, counter, shard, tokens):
+    got = BudgetStream(seed, counter).uniforms(shard, tokens)
+    assert got.dtype == np.float64 and got.shape == (tokens,)
+    assert got.tolist() == _hand_uniforms(seed, counter, shard, tokens)
+
+
+def test_a_draw_maps_the_uniforms_with_the_schedule_and_advances_the_counter_by_one():
+    stream = BudgetStream(11, 4)
+    for sampling in ("iid", "balanced"):
+        draw, advanced = stream.draw(SCHEDULE, sampling, 2, 40)
+        uniforms = torch.tensor(_hand_uniforms(11, 4, 2, 40), dtype=torch.float64)
+        assert torch.equal(draw.budgets, SCHEDULE.budgets_from_uniforms(uniforms, sampling))
+        assert advanced == BudgetStream(11, 5)
+        assert draw.total == int(draw.budgets.sum()) and draw.host_budgets.tolist() == draw.budgets.tolist()
+    assert stream.draw(SCHEDULE, "balanced", 2, 40)[0].total == 40 * 8
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 7, 4096])
+def test_the_counter_advances_by_one_whatever_t_and_for_a_static_schedule(tokens):
+    for schedule in (SCHEDULE, BudgetSchedule.static(8)):
+        draw, advanced = BudgetStream(3, 9).draw(schedule, "iid", 5, tokens)
+        assert advanced.counter == 10 and draw.budgets.shape == (tokens,)
+    assert torch.equal(BudgetStream(3, 9).draw(BudgetSchedule.static(8), "iid", 5, tokens)[0].budgets,
+                       torch.full((tokens,), 8))
+
+
+def test_token_t_gets_the_same_uniform_whatever_t():
+    long, short = BudgetStream(8, 2).uniforms(1, 37), BudgetStream(8, 2).uniforms(1, 5)
+    assert long[:5].tolist() == short.tolist()
+    iid_long = BudgetStream(8, 2).draw(SCHEDULE, "iid", 1, 37)[0].budgets
+    assert torch.equal(iid_long[:5], BudgetStream(8, 2).draw(SCHEDULE, "iid", 1, 5)[0].budgets)
+
+
+def test_no_two_shards_or_draws_share_uniforms():
+    seen = [BudgetStream(21, counter).uniforms(shard, 512) for counter in range(3) for shard in range(8)]
+    pooled = np.concatenate(seen)
+    assert np.unique(pooled).size == pooled.size
+
+
+def test_iid_budgets_follow_the_pmf():
+    budgets = BudgetStream(1).draw(SCHEDULE, "iid", 0, 40_000)[0].budgets
+    for budget, probability in zip(SCHEDULE.budgets, SCHEDULE.pmf):
+        observed = float((budgets == budget).double().mean())
+        assert abs(observed - probability) < 4 * math.sqrt(probability * (1 - probability) / budgets.numel())
+
+
+@pytest.mark.parametrize("sampling", ["iid", "balanced"])
+def test_the_host_mapping_equals_budgets_from_uniforms_ties_included(sampling):
+    generator = torch.Generator().manual_seed(0)
+    for tokens in (1, 2, 5, 64, 1000):
+        uniforms = torch.rand(tokens, dtype=torch.float64, generator=generator)
+        if tokens > 4:  # ties: balanced ranks them by token index in both mappings
+            uniforms[3] = uniforms[1] = uniforms[tokens - 1]
+        host = SCHEDULE.host_budgets_from_uniforms(uniforms.numpy(), sampling)
+        assert host.dtype == np.int64
+        assert host.tolist() == SCHEDULE.budgets_from_uniforms(uniforms, sampling).tolist(), tokens
+
+
+def test_the_state_tensor_is_a_cuda_philox_state_and_round_trips():
+    stream = BudgetStream(2**63 + 5, 123)
+    state = stream.to_state_tensor()
+    assert state.dtype == torch.uint8 and state.shape == (16,)
+    assert int.from_bytes(bytes(state.tolist()[:8]), "little") == 2**63 + 5
+    assert int.from_bytes(bytes(state.tolist()[8:]), "little") == 4 * 123  # a CUDA offset: a multiple of 4
+    assert BudgetStream.from_state(state) == stream
+    with pytest.raises(ValueError, match="16-byte"):
+        BudgetStream.from_state(torch.get_rng_state())  # a CPU generator's state is no stream
+    with pytest.raises(ValueError, match="offset 4·counter"):
+        BudgetStream.from_state(torch.tensor([0] * 8 + [2] + [0] * 7, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="counter=-1"):
+        BudgetStream(0, -1)
+
+
+def test_cpu_budgets_are_the_host_array_and_nothing_is_kept_on_a_bare_module():
+    host = np.arange(4, dtype=np.int64)
+    on_cpu = to_device(host, "cpu")
+    host[0] = 9
+    assert on_cpu[0] == 9, "a CPU device gets the host array itself, no copy"
+    assert latest_draw(torch.nn.Linear(1, 1)) is None

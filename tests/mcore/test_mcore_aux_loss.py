@@ -1,0 +1,62 @@
+"""Realised load balancing is exact where stock's is: on one sequence, the sequence-level aux loss
+equals the micro-batch aux loss, bit for bit (``elastic_moe_plugin.mcore.aux_loss``).
+
+Megatron's own ``test_seq_aux_loss`` (``tests/unit_tests/transformer/moe/test_aux_loss.py``) holds
+stock ``seq_aux_loss`` over one sequence to ``aux_loss`` exactly: both call
+``switch_load_balancing_loss_func`` on the same tensors. The realised losses replace stock's
+``topk · T`` by the realised Σκ; they must keep that equality with κ varying (the seq path used to
+divide in another order and differ by 1 ulp), while κ ≡ k stays bitwise stock.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_moe_plugin import ElasticConfig, mcore
+from elastic_moe_plugin.mcore import budget_rng
+
+pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
+
+SEQ, E, H = 64, 8, 16
+COEFF = 0.01
+LOGGED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+
+def _logged_loss(kind, logits, mask, schedule, score_function, make_config, make_router, moe_tracker):
+    """(the value the tracker logged, the logits' gradient) of one training routing call on one
+    sequence ([S, 1, E] logits), κ drawn from a stream seeded alike for every call."""
+    moe_tracker.reset()
+    config = make_config(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=COEFF, num_moe_experts=E,
+                         moe_router_score_function=score_function)
+    with mcore.patched(ElasticConfig(schedule=schedule)):
+        router = make_router(config)
+        torch.manual_seed(7)
+        budget_rng.reset()  # every call draws κ from the stream seeded with 7, counter 0
+        logits = logits.detach().clone().requires_grad_()
+        probs, routing_map = router.routing(logits, padding_mask=mask)
+        (probs * 0).sum().backward()
+    return moe_tracker.values(LOGGED[kind])[0].clone(), logits.grad, routing_map
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
+@pytest.mark.parametrize("schedule", ["1-3", "static"], ids=["variable_kappa", "stock"])
+def test_seq_aux_loss_on_one_sequence_equals_aux_loss_exactly(schedule, masked, score_function, make_config,
+                                                              make_router, moe_tracker):
+    mask = None
+    if masked:
+        mask = torch.zeros(SEQ, 1, dtype=torch.bool)
+        mask[-9:] = True  # padding at the end of the sequence
+    for seed in range(6):  # a 1-ulp difference in the op order shows up within a few draws
+        logits = torch.randn(SEQ, 1, E, generator=torch.Generator().manual_seed(seed)) * 2
+        aux, aux_grad, aux_map = _logged_loss("aux_loss", logits, mask, schedule, score_function, make_config,
+                                              make_router, moe_tracker)
+        seq, seq_grad, seq_map = _logged_loss("seq_aux_loss", logits, mask, schedule, score_function, make_config,
+                                              make_router, moe_tracker)
+        assert torch.equal(aux_map, seq_map), "the same κ and the same routing in both calls"
+        if schedule != "static":
+            assert len(set(aux_map.sum(dim=1).tolist())) > 1, "κ varies"
+        assert aux.item() > 0
+        assert torch.equal(seq, aux), f"seed {seed}: seq_aux_loss {seq.item()!r} != aux_loss {aux.item()!r}"
+        assert torch.equal(seq_grad, aux_grad), f"seed {seed}: the aux gradients differ"
