@@ -203,7 +203,8 @@ def in_rng_tracker_fork() -> bool:
     ``torch.all(cpu_rng_state == torch.get_rng_state()).item()``, a comparison of two states of the
     *CPU* generator: host tensors on a GPU too, so that read never waits for the device. Here every
     tensor is a host tensor, so a counter of device reads cannot tell it by its device and asks
-    this instead. (κ is drawn inside such a fork: :mod:`elastic_moe_plugin.mcore.budget_rng`.)
+    this instead. (Dropout in tensor-parallel regions runs inside such a fork; κ no longer does: it
+    is drawn on the host, :mod:`elastic_moe_plugin.core.budget_stream`.)
     """
     frame = sys._getframe(1)
     suffix = os.path.join("tensor_parallel", "random.py")
