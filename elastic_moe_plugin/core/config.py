@@ -650,9 +650,15 @@ class ElasticConfig:
                     moved = {}
                 candidates = [{"center": None}, {"center": None, **moved}, {"center": topk}, {"center": topk, **moved},
                               {"center": None, "schedule": AUTO_SCHEDULE}, {"center": None, "schedule": "static"}]
-                raise self._refuse("center", lambda fixes: (
-                    f"{self._spell('center')}, but the model routes to top-{topk}: the schedule's center must be the "
-                    f"model's deployment top-k. " + self._use(fixes)), candidates, model)
+                def center_message(fixes: tuple[dict, ...]) -> str:
+                    head = (f"{self._spell('center')}, but the model routes to top-{topk}: the schedule's center must "
+                            f"be the model's deployment top-k.")
+                    if not fixes:
+                        return f"{head} {self._use(fixes)}"
+                    return (f"{head} Set {self._spell_fix(fixes[0])} (the model's top-k)"
+                            + "".join(f" or {self._spell_fix(fix)}" for fix in fixes[1:]) + ".")
+
+                raise self._refuse("center", center_message, candidates, model)
             self._check_schedule_around(topk, num_experts, model)
             try:
                 schedule = self.budget_schedule(topk, num_experts)

@@ -277,9 +277,10 @@ def check_model_options(model, config: ElasticConfig, *, score_function: str, ro
                 else f"the router class {router_class} (an InferenceTopKRouter)")
         problems.append(f"{what}: InferenceTopKRouter and the inference-optimised token dispatchers exchange dense "
                         f"[T, topk] buffers with a fixed k; train with the stock TopKRouter, "
-                        f"{spell('transformer_impl', 'transformer_engine')} or {spell('transformer_impl', 'local')} "
-                        f"(elastic layers route static top-k in eval, so the checkpoint then serves on the "
-                        f"inference-optimised layers unchanged)")
+                        + ("--transformer-impl transformer_engine or local " if options.flags
+                           else "transformer_impl='transformer_engine' or 'local' ")
+                        + "(elastic layers route static top-k in eval, so the checkpoint then serves on the "
+                        "inference-optimised layers unchanged)")
     if (_captures_moe_preprocess(model) and config.sampling == "iid" and not model.moe_pad_expert_input_to_capacity
             and model.moe_token_dispatcher_type == "alltoall"):
         problems.append("a CUDA graph that captures the dispatcher's preprocess (scope 'moe_preprocess' in "

@@ -72,7 +72,7 @@ def read_checkpoint_config(checkpoint: str, trust_remote_code: bool = False) -> 
             f"{checkpoint} has no config.json: expected a transformers checkpoint folder "
             "(for a Megatron checkpoint, export it to HF format first: `swift export --to_hf true ...`)."
         )
-    if importlib.util.find_spec("transformers") is None:
+    if not _importable("transformers"):
         if not path.is_dir():
             raise EvaluationError(f"cannot read the model config of {checkpoint!r}: it is no local folder, and "
                                   "transformers (which reads hub ids) is not installed.")
@@ -131,12 +131,19 @@ def plan_harness_calls(suite: Suite, allow_code_execution: bool) -> tuple[dict[i
     return calls, skipped
 
 
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a finder that refuses it; a module left as None in sys.modules
+        return False
+
+
 def missing_task_modules(harness_tasks: list[str]) -> dict[str, list[str]]:
     """Harness task -> the modules it imports (:data:`TASK_REQUIREMENTS`) that are not installed."""
     missing = {}
     for name in harness_tasks:
         modules, _ = TASK_REQUIREMENTS.get(name, ((), ""))
-        absent = [module for module in modules if importlib.util.find_spec(module) is None]
+        absent = [module for module in modules if not _importable(module)]
         if absent:
             missing[name] = absent
     return missing
@@ -192,7 +199,7 @@ def registry_check(plan: EvaluationPlan) -> str:
     """
     from elastic_moe_plugin.tools.eval.harness import check_suite_tasks, lm_eval_version, make_task_manager
 
-    if importlib.util.find_spec("lm_eval") is None:
+    if not _importable("lm_eval"):
         return (f"lm-eval is not installed: task names and metric keys are not checked against its registry "
                 f"(install it to run: {EVAL_EXTRA_INSTALL})")
     check_suite_tasks(plan.suite, make_task_manager(plan.suite))
