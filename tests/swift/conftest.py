@@ -209,6 +209,10 @@ def with_start_up_hook(env: dict[str, str], work: Path) -> dict[str, str]:
 
 #: steps of the runs whose checkpoint infer/export read (checkpoint-<steps>)
 AUTO_STEPS = 2
+#: runs alive at once: each ms-swift process holds about 1 GB and spends most of its time importing,
+#: so a few share the CPUs well, while all of them at once would crowd memory and push runs past
+#: their timeouts (which count from their own start)
+MAX_PARALLEL = 4
 
 
 #: run name -> how to build it (assets, work dir, env, and the fixtures or runs it ``needs``) -> RunSpec
@@ -378,7 +382,8 @@ class SwiftRuns:
         self._tmp = tmp_path_factory
         self._running: dict[str, tuple[subprocess.Popen, RunSpec, float, Path]] = {}
         self._results: dict[str, RunResult] = {}
-        self._pending: list[str] = []
+        self._pending: list[str] = []  # waiting for the runs they read
+        self._queued: list[str] = []  # ready, waiting for a slot
         self._assets: TinyAssets | None = None
         self._base: dict[str, str] | None = None
 
@@ -393,7 +398,7 @@ class SwiftRuns:
 
     def _launch(self, names: list[str]) -> None:
         names = [name for name in names if name not in self._running and name not in self._results
-                 and name not in self._pending]
+                 and name not in self._pending and name not in self._queued]
         if not names:
             return
         if self._assets is None and _NEEDS_ASSETS & set(names):
@@ -408,6 +413,9 @@ class SwiftRuns:
             self._start(name)
 
     def _start(self, name: str) -> None:
+        if len(self._running) >= MAX_PARALLEL:
+            self._queued.append(name)  # started when a slot frees (see result())
+            return
         build = RUNS[name]
         work = self._tmp.mktemp(name)
         extras = {fixture: self._request.getfixturevalue(fixture) for fixture in getattr(build, "needs", ())}
@@ -420,6 +428,11 @@ class SwiftRuns:
         self._running[name] = (process, spec, time.monotonic(), log)
 
     def _start_ready(self) -> None:
+        for name in list(self._queued):
+            if len(self._running) >= MAX_PARALLEL:
+                return
+            self._queued.remove(name)
+            self._start(name)
         for name in list(self._pending):
             if all(dependency in self._results for dependency in RUNS[name].after):
                 self._pending.remove(name)
@@ -432,6 +445,16 @@ class SwiftRuns:
             self._launch(list(dict.fromkeys([*self._wanted(), *_with_dependencies([name])])))
         for dependency in getattr(RUNS[name], "after", ()):
             self.result(dependency)
+        while name not in self._running:  # queued behind MAX_PARALLEL others: collect whichever ends first
+            finished = [other for other, (process, spec, started, _) in self._running.items()
+                        if process.poll() is not None or time.monotonic() - started > spec.timeout]
+            if finished:
+                self._collect(finished[0])
+            else:
+                time.sleep(0.5)
+        return self._collect(name)
+
+    def _collect(self, name: str) -> RunResult:
         process, spec, started, log = self._running.pop(name)
         try:
             returncode = process.wait(timeout=max(1.0, spec.timeout - (time.monotonic() - started)))

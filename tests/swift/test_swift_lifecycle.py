@@ -59,7 +59,7 @@ def test_no_settings_train_elastically_with_the_schedule_of_the_model(swift_runs
     assert result.output.count(plan) == 1, result.describe()
     # the settings were checked against the model's config.json at start-up, before the model was built
     loaded = result.output.index("[INFO:elastic_moe] rank 0/1: plugin loaded")
-    assert f"schedule='auto'" in result.output[loaded:loaded + 600]
+    assert "schedule='auto'" in result.output[loaded:loaded + 600]
     assert result.output.index(f"(top-{topk} of ", loaded) < result.output.index("model_kwargs:")
     rows = result.training_rows()
     assert [row["global_step/max_steps"] for row in rows] == ["1/2", "2/2"], result.describe()
