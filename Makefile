@@ -13,7 +13,7 @@ MCORE_BRIDGE_DIR := .mcore-bridge
 PYTEST_ARGS ?=
 export TORCH_COMPILE_DISABLE := 1
 
-.PHONY: setup demo test test-fast test-mcore-low bench clean
+.PHONY: setup swift-hook demo test test-fast test-mcore-low bench clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# torch would pull a multi-GB CUDA build. The package itself asks only for torch>=2.6.
 	$(BIN)/pip install -q torch==2.13.0 numpy "packaging>=24.2"
 	$(BIN)/pip install -q -e ".[dev,plot,hf,swift,eval]" torch==2.13.0
+	$(MAKE) swift-hook VENV=$(VENV)
 	# megatron-core >=0.17 declares Requires-Python>=3.12, yet its cp311 wheel imports and runs on
 	# 3.11 (its megatron/training needs typing.override, which compat/megatron_training supplies for
 	# the tests that run Megatron-LM's training loop). With dependencies pip would
@@ -37,6 +38,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	rm -rf $(MCORE_BRIDGE_DIR)
 	$(BIN)/pip install -q --no-deps --target $(MCORE_BRIDGE_DIR) mcore-bridge==$(MCORE_BRIDGE)
 	touch $@
+
+# An editable install gets no elastic-moe-swift.pth (the wheel's start-up hook that makes
+# `swift sft --plugin elastic_moe` work; docs/swift.md): put the checkout's copy where the wheel puts
+# it, at the root of the venv's site-packages, so the README's venv runs the flag as typed.
+swift-hook:
+	$(BIN)/python -c "import shutil, sysconfig; shutil.copy('elastic-moe-swift.pth', sysconfig.get_paths()['purelib'])"
 
 demo: setup
 	$(BIN)/elastic-moe demo

@@ -18,12 +18,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from elastic_moe_plugin.core.config import ElasticConfig
+    from elastic_moe_plugin.core.config import ElasticConfig, ModelShape
     from elastic_moe_plugin.core.errors import ConfigError
     from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 __version__ = "0.1.0"
-__all__ = ["BudgetSchedule", "ConfigError", "ElasticConfig", "__version__"]
+__all__ = ["BudgetSchedule", "ConfigError", "ElasticConfig", "ModelShape", "__version__"]
 
 #: public name -> its module; imported on first access, so ``import elastic_moe_plugin`` (the CLI's
 #: ``--help``, the ms-swift launcher hook) does not import torch
@@ -31,6 +31,7 @@ _EXPORTS = {
     "BudgetSchedule": "elastic_moe_plugin.core.schedule",
     "ConfigError": "elastic_moe_plugin.core.errors",
     "ElasticConfig": "elastic_moe_plugin.core.config",
+    "ModelShape": "elastic_moe_plugin.core.config",
 }
 
 

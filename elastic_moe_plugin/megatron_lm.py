@@ -19,7 +19,11 @@ Every rank runs this module. It
    a misspelt ``--elastic-moe-...`` flag is an error here rather than an "unrecognized arguments"
    there;
 2. builds the :class:`~elastic_moe_plugin.core.config.ElasticConfig` from defaults < YAML
-   (``--elastic-moe-config`` / ``ELASTIC_MOE_CONFIG``) < ``ELASTIC_MOE_*`` < the flags;
+   (``--elastic-moe-config`` / ``ELASTIC_MOE_CONFIG``) < ``ELASTIC_MOE_*`` < the flags, checked against
+   the model Megatron's flags describe (``--moe-router-topk``, ``--num-experts``, ``--num-layers``),
+   and refuses every other option those flags already decide (``--moe-router-fusion``, sinkhorn or
+   quantile balancing, ...: :mod:`elastic_moe_plugin.mcore.megatron_args`), all before Megatron
+   initialises anything, with or without ``--cpu``;
 3. with ``--cpu``, switches the opt-in CPU runtime on before anything imports megatron
    (:func:`enable_cpu_runtime`): ``elastic_moe_plugin.cpu_runtime.enable(training=True)`` (the CUDA
    runtime calls of megatron-core and of Megatron-LM's training loop answered on the CPU, the
@@ -37,10 +41,13 @@ import argparse
 import dataclasses
 import difflib
 import os
+import shlex
 import sys
 from typing import NoReturn, Sequence
 
 from elastic_moe_plugin.core.config import ConfigError, ElasticConfig, add_cli_arguments, config_from_cli
+from elastic_moe_plugin.core.errors import UnsupportedMegatronError
+from elastic_moe_plugin.mcore import megatron_args as megatron_args_module
 from elastic_moe_plugin.mcore import megatron_lm as mcore_megatron_lm
 
 PROG = "elastic_moe_plugin.megatron_lm"
@@ -95,12 +102,7 @@ def parse_argv(argv: Sequence[str], environ=None) -> Launch:
     flags = [a.split("=", 1)[0] for a in parser._option_string_actions if a != CPU_FLAG]  # noqa: SLF001 - argparse's own table
     stray = [a for a in rest if a.startswith(FLAG_PREFIX)]
     if stray:
-        hints = []
-        for arg in stray:
-            name = arg.split("=", 1)[0]
-            close = difflib.get_close_matches(name, flags, n=1)
-            hints.append(name + (f" (did you mean {close[0]}?)" if close else ""))
-        raise ConfigError(f"unknown elastic-moe flag(s): {', '.join(hints)}. Accepted: {', '.join(sorted(flags))}.")
+        raise _unknown_flags(stray, rest, flags)
     if not rest or rest[0].startswith("-"):
         raise ConfigError(f"no training script given. Usage: {USAGE}")
     script, megatron_args = rest[0], rest[1:]
@@ -111,10 +113,34 @@ def parse_argv(argv: Sequence[str], environ=None) -> Launch:
                           f"python -m {PROG} {CPU_FLAG} {script} [megatron args]")
     log_metrics = _BOOLEANS.get(str(known.elastic_moe_log_metrics).strip().lower())
     if log_metrics is None:
-        raise ConfigError(f"{LOG_METRICS_FLAG}={known.elastic_moe_log_metrics!r} is invalid: expected true or "
-                          f"false (1/0, yes/no, on/off). Pass {LOG_METRICS_FLAG} false to keep the routing metrics "
-                          f"out of Megatron-LM's log.")
-    return Launch(config_from_cli(known, environ), script, megatron_args, log_metrics, known.cpu)
+        typed = shlex.quote(str(known.elastic_moe_log_metrics))
+        raise ConfigError(f"{LOG_METRICS_FLAG} {typed} is invalid: expected true or false (1/0, yes/no, on/off). "
+                          f"Pass {LOG_METRICS_FLAG} true for the routing metrics in Megatron-LM's log, or "
+                          f"{LOG_METRICS_FLAG} false to keep them out.", field="log_metrics",
+                          fixes=({"log_metrics": True}, {"log_metrics": False}))
+    # the model the flags decide: the config's own checks, and every fix it suggests, are against it
+    model = megatron_args_module.model_shape(megatron_args)
+    return Launch(config_from_cli(known, environ, model=model), script, megatron_args, log_metrics, known.cpu)
+
+
+def _unknown_flags(stray: list[str], rest: list[str], flags: list[str]) -> ConfigError:
+    """An unknown ``--elastic-moe-*`` flag: the closest known one and, for a field, the fix renamed."""
+    hints, fixes, renames = [], [], {}
+    for arg in stray:
+        name, sep, value = arg.partition("=")
+        if not sep:
+            after = rest.index(arg) + 1
+            value = rest[after] if after < len(rest) and not rest[after].startswith("-") else None
+        close = difflib.get_close_matches(name, flags, n=1)
+        field = close[0][len(FLAG_PREFIX):].replace("-", "_") if close else None
+        if close and value is not None and field in ElasticConfig.field_names():
+            renames[name] = close[0]
+            fixes.append({field: value})
+            hints.append(f"{name} (did you mean {close[0]}? {close[0]} {shlex.quote(value)})")
+        else:
+            hints.append(name + (f" (did you mean {close[0]}?)" if close else ""))
+    return ConfigError(f"unknown elastic-moe flag(s): {', '.join(hints)}. Accepted: {', '.join(sorted(flags))}.",
+                       fixes=tuple(fixes), renames=renames)
 
 
 def split_argv(argv: Sequence[str], environ=None) -> tuple[ElasticConfig, str, list[str]]:
@@ -168,6 +194,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(error))
     if not os.path.isfile(launch.script):
         return _fail(f"training script {launch.script!r} does not exist.")
+    # what Megatron-LM's flags already decide is refused now, before Megatron initialises anything
+    try:
+        megatron_args_module.check_megatron_args(launch.config, launch.megatron_args)
+    except (ConfigError, UnsupportedMegatronError) as error:
+        return _fail(str(error))
     if not launch.cpu:
         mcore_megatron_lm.run(launch.config, launch.script, launch.megatron_args, launch.log_metrics)
         return 0

@@ -281,6 +281,9 @@ class VersionGuard:
         override_env: setting it to 1 tries an untested version anyway, with a warning.
         error: the :class:`UnsupportedFrameworkError` subclass to raise.
         extra: the package extra that installs the framework (``pip install 'elastic-moe-plugin[extra]'``).
+        module: the package Python imports (``"megatron.core"``, ``"transformers"``), so that a refusal
+            says where the refused code comes from: an installed wheel (then ``pip install`` is the
+            fix) or a source tree on the path that shadows any wheel (then installing cannot help).
     """
 
     framework: str
@@ -289,6 +292,7 @@ class VersionGuard:
     override_env: str
     error: type[UnsupportedFrameworkError]
     extra: str
+    module: str | None = None
 
     @property
     def range(self) -> str:
@@ -321,10 +325,39 @@ class VersionGuard:
                 "elastic-moe: %s %s is outside the tested range %s; %s is set, trying anyway.",
                 self.framework, described, self.range, self.override_env)
             return found
-        raise self.error(
-            f"elastic-moe supports {self.framework} {self.range}, found {described}. Install a supported "
-            f"version (pip install '{self.framework}{self.range}'), or set {self.override_env}=1 to try anyway."
-        )
+        raise self.error(f"elastic-moe supports {self.framework} {self.range}, found {described}. {self.advice()}")
+
+    def advice(self) -> str:
+        """What to do about a refused version, for where the imported code comes from (:attr:`module`)."""
+        tree = self.source_tree()
+        if tree is None:
+            return (f"Install a supported version (pip install '{self.framework}{self.range}'), or set "
+                    f"{self.override_env}=1 to try anyway.")
+        try:
+            wheel = f", ahead of the installed {self.framework} {importlib.metadata.version(self.framework)}"
+        except importlib.metadata.PackageNotFoundError:
+            wheel = ""
+        return (f"The {self.module} Python imports is a source tree, {tree} (on sys.path through PYTHONPATH or the "
+                f"training script's folder{wheel}), so installing a wheel would not change it: check out a release "
+                f"in {self.range} there, or take the tree off the path; or set {self.override_env}=1 to try anyway.")
+
+    def source_tree(self) -> str | None:
+        """The folder of the imported :attr:`module` when it is not the installed distribution's own
+        files (a source checkout on the path), else None (an installed wheel, or not importable)."""
+        module = sys.modules.get(self.module) if self.module else None
+        origin = getattr(module, "__file__", None)
+        if origin is None:
+            return None
+        # directories, not files: a tree of symlinks to a wheel's files is still a tree on the path
+        package_dir = os.path.realpath(os.path.dirname(os.path.abspath(origin)))
+        try:
+            distribution = importlib.metadata.distribution(self.framework)
+            installed = distribution.locate_file(os.path.join(*self.module.split("."), "__init__.py"))
+            if os.path.realpath(os.path.dirname(os.path.abspath(str(installed)))) == package_dir:
+                return None
+        except importlib.metadata.PackageNotFoundError:
+            pass
+        return os.path.realpath(os.path.join(package_dir, *[".."] * len(self.module.split("."))))
 
 
 class PatchLifecycle:

@@ -104,13 +104,19 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def describe_plans(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, int], framework: str) -> str:
+#: the plan line's note when the schedule came from the model (``ElasticConfig.schedule == "auto"``)
+RESOLVED_FROM_MODEL = "schedule resolved from the model (auto: k-2..k+2 around its top-k, within its experts)"
+
+
+def describe_plans(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, int], framework: str,
+                   note: str | None = None) -> str:
     """The start-up line of a run: which MoE layers route elastically, with what, and which stay static.
 
     Args:
         plans: {0-based layer index: its training plan, None for a layer that routes stock top-k}.
         topk: {layer index: the layer's top-k} (the static layers' k, and the elastic layers' centre).
         framework: shown first, e.g. ``"transformers"`` or ``"megatron-core"``.
+        note: appended after the layers (:data:`RESOLVED_FROM_MODEL`).
 
     Example: ``elastic-moe plan (transformers, 16 MoE layers): elastic layers 3-7: 6-10 around k=8
     (σ=1.5), renormalized gate, iid sampling; static top-8 layers 0-2, 8-15``.
@@ -130,6 +136,8 @@ def describe_plans(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, i
         parts.append("static: none")
     if not any(key.startswith("elastic") for key in groups):
         parts.insert(0, "elastic: none")
+    if note:
+        parts.append(note)
     return f"elastic-moe plan ({framework}, {len(plans)} MoE layers): " + "; ".join(parts)
 
 
@@ -145,16 +153,20 @@ def log_plan_once(line: str) -> bool:
 _logged_plans: set[str] = set()
 
 
-def log_plan(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, int], framework: str) -> str | None:
+def log_plan(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, int], framework: str,
+             config=None) -> str | None:
     """Log (rank 0, once per process and line) and return :func:`describe_plans` of ``plans``
     (an adapter's ``model_plans``, :func:`elastic_moe_plugin.core.records.model_plans`); None when
-    there are no plans (no active, enabled config)."""
+    there are no plans (no active, enabled config). ``config``: the active ``ElasticConfig``; the line
+    says when its schedule was resolved from the model."""
     if not plans:
         return None
-    line = describe_plans(plans, topk, framework)
+    elastic = any(plan is not None and plan.top_p is None for plan in plans.values())
+    note = RESOLVED_FROM_MODEL if config is not None and config.schedule_from_model and elastic else None
+    line = describe_plans(plans, topk, framework, note)
     log_plan_once(line)
     return line
 
 
-__all__ = ["PLAN_CACHE_ATTR", "PLAN_GATES", "LayerPlan", "cached_plan", "describe_plans", "log_plan", "log_plan_once",
+__all__ = ["PLAN_CACHE_ATTR", "PLAN_GATES", "RESOLVED_FROM_MODEL", "LayerPlan", "cached_plan", "describe_plans", "log_plan", "log_plan_once",
            "warn_if_top1_gate_is_constant"]

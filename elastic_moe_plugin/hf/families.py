@@ -170,3 +170,65 @@ def router_layer_index(name: str, router: torch.nn.Module) -> int | None:
     """The 0-based layer index of a router: the tag set at construction, else its module path."""
     index = router.__dict__.get(LAYER_ATTR)
     return index if index is not None else layer_index_from_name(name)
+
+
+# ---------------------------------------------------------------------------------- config.json
+#: config keys that hold a MoE's top-k, and its routed-expert count (transformers' names across families)
+TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k")
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigRouters:
+    """What a checkpoint's ``config.json`` says about its routers, read before the model is built.
+
+    Attributes:
+        model_type: the config's ``model_type`` (None if it has none).
+        shape: top-k, routed experts and decoder layers where the config (or its ``text_config``)
+            holds them as plain integers, else None.
+        declares_experts: some top-k or expert count appears anywhere in the config, nested
+            configs included; False means a dense model.
+        covered: ``model_type`` is the model folder of a covered family (:data:`FAMILIES`).
+    """
+
+    model_type: str | None
+    shape: Any
+    declares_experts: bool
+    covered: bool
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _declares_experts(config: Any) -> bool:
+    if isinstance(config, dict):
+        return any(key in TOPK_CONFIG_KEYS + EXPERT_COUNT_KEYS and _positive_int(value) for key, value in config.items()) \
+            or any(_declares_experts(value) for value in config.values())
+    if isinstance(config, list):
+        return any(_declares_experts(value) for value in config)
+    return False
+
+
+def config_routers(config: dict) -> ConfigRouters:
+    """:class:`ConfigRouters` of a parsed ``config.json``."""
+    from elastic_moe_plugin.core.config import ModelShape
+
+    shape = None
+    for part in (config, config.get("text_config")):
+        if not isinstance(part, dict):
+            continue
+        topk = next((part[key] for key in TOPK_CONFIG_KEYS if _positive_int(part.get(key))), None)
+        experts = next((part[key] for key in EXPERT_COUNT_KEYS if _positive_int(part.get(key))), None)
+        if topk is not None and experts is not None:
+            layers = part.get("num_hidden_layers")
+            shape = ModelShape(topk, experts, layers if _positive_int(layers) else None)
+            break
+    model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
+    return ConfigRouters(model_type, shape, _declares_experts(config),
+                         covered=model_type in {family.module for family in FAMILIES})
+
+
+def family_names() -> str:
+    """The covered router families, for messages: ``olmoe, qwen3_moe, ...``."""
+    return ", ".join(dict.fromkeys(family.module for family in FAMILIES))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.metadata
 import inspect
 import logging
@@ -71,14 +72,36 @@ from elastic_moe_plugin.hf.routing import dispatched_slots, elastic_routing, rea
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
-def transformers_version() -> Version:
-    """The installed transformers' version."""
-    return Version(importlib.metadata.version("transformers"))
+def transformers_version() -> Version | None:
+    """The version of the ``transformers`` Python imports, i.e. of the code :func:`apply` patches.
+
+    Read from the imported package (``transformers.__version__``), not from installed package
+    metadata, as the Megatron guard does (:func:`elastic_moe_plugin.mcore.megatron_core_version`): a
+    source checkout on the path has no metadata, or metadata of another install. The metadata is read
+    only when the imported package carries no version; None when neither exists.
+
+    Raises:
+        importlib.metadata.PackageNotFoundError: ``transformers`` is not importable.
+    """
+    try:
+        module = importlib.import_module("transformers")
+    except ModuleNotFoundError as error:
+        if error.name == "transformers":
+            raise importlib.metadata.PackageNotFoundError("transformers") from None
+        raise
+    found = getattr(module, "__version__", None)
+    if found is None:
+        try:
+            found = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return Version(str(found))
 
 
 # exclusive maximum: ms-swift 4.6 caps transformers at <5.20
 VERSION_GUARD = VersionGuard("transformers", Version("5.0"), Version("5.20"),
-                             "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS", UnsupportedTransformersError, extra="hf")
+                             "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS", UnsupportedTransformersError, extra="hf",
+                             module="transformers")
 SUPPORTED_TRANSFORMERS_RANGE, ALLOW_UNSUPPORTED_ENV = VERSION_GUARD.range, VERSION_GUARD.override_env
 
 
@@ -291,7 +314,7 @@ def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], di
 def log_plan(model: torch.nn.Module) -> str | None:
     """Log (rank 0, once) and return the start-up line of :func:`~elastic_moe_plugin.core.plan.describe_plans`
     for ``model``; None when no config is active."""
-    return core_plan.log_plan(*model_plans(model), "transformers")
+    return core_plan.log_plan(*model_plans(model), "transformers", _PATCH.active_config())
 
 
 # ---------------------------------------------------------------------------------- models

@@ -51,7 +51,8 @@ from elastic_moe_plugin.mcore.routing import elastic_routing
 logger = logging.getLogger("elastic_moe_plugin.mcore")
 
 VERSION_GUARD = VersionGuard("megatron-core", Version("0.16"), Version("0.20"),
-                             "ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE", UnsupportedMegatronError, extra="megatron")
+                             "ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE", UnsupportedMegatronError, extra="megatron",
+                             module="megatron.core")
 SUPPORTED_MCORE_RANGE, ALLOW_UNSUPPORTED_ENV = VERSION_GUARD.range, VERSION_GUARD.override_env
 
 
@@ -169,8 +170,8 @@ def patched(config: ElasticConfig | None = None) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------- validation
-def _model_num_layers(config) -> int:
-    return int(config.num_layers)
+def _model_num_layers(config) -> int | None:
+    return None if getattr(config, "num_layers", None) is None else int(config.num_layers)
 
 
 def validate_router(router, config: ElasticConfig) -> None:
@@ -178,41 +179,115 @@ def validate_router(router, config: ElasticConfig) -> None:
     UnsupportedMegatronError with the option to change."""
     if not config.enabled:
         return
-    model = router.config
+    inference_router = any(cls.__name__ == "InferenceTopKRouter" for cls in type(router).__mro__)
+    schedule = check_model_options(router.config, config, score_function=router.score_function,
+                                   routing_type=router.routing_type,
+                                   router_class=type(router).__name__ if inference_router else None)
+    if schedule is not None:
+        warn_if_top1_gate_is_constant(schedule, gate_for(router, config), f"layers {config.layers or 'all MoE layers'}")
+
+
+class MegatronOptions:
+    """How a refusal names a Megatron option: as a ``TransformerConfig`` attribute (a model being built,
+    whichever front end set it) or as a Megatron-LM flag (:mod:`.megatron_args`, before the script runs)."""
+
+    def __init__(self, flags: bool = False) -> None:
+        self.flags = flags
+
+    def setting(self, attribute: str, value) -> str:
+        if not self.flags:
+            return f"{attribute}={value!r}"
+        flag = _FLAG_NAMES.get(attribute, "--" + attribute.replace("_", "-"))
+        if value is True:
+            return flag
+        return f"{flag} {' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
+
+    def turn_off(self, attribute: str) -> str:
+        """How to switch a boolean option off: a store_true flag is removed (it takes no value)."""
+        flag = _FLAG_NAMES.get(attribute, "--" + attribute.replace("_", "-"))
+        if self.flags:
+            return f"remove {flag}, a store_true flag that takes no value,"
+        return f"set {attribute}=False (Megatron-LM: remove the store_true flag {flag})"
+
+    def elastic(self, name: str, value) -> str:
+        """An ElasticConfig setting, as this front end writes it."""
+        return f"--elastic-moe-{name.replace('_', '-')} {value}" if self.flags else f"{name}={value!r}"
+
+
+#: TransformerConfig attribute -> Megatron-LM flag, where the flag is not the attribute's name
+_FLAG_NAMES = {"num_moe_experts": "--num-experts"}
+TRANSFORMER_CONFIG = MegatronOptions(flags=False)
+MEGATRON_LM_FLAGS = MegatronOptions(flags=True)
+
+
+def check_model_options(model, config: ElasticConfig, *, score_function: str, routing_type,
+                        router_class: str | None = None, options: MegatronOptions = TRANSFORMER_CONFIG,
+                        num_layers: int | None = None):
+    """The rules of :func:`validate_router` on plain values, so that the Megatron-LM entry point
+    (:func:`.megatron_args.check_megatron_args`, before Megatron starts) and the router built later
+    refuse the same things with one rule.
+
+    Args:
+        model: the model's options under ``TransformerConfig``'s attribute names (a
+            ``TransformerConfig``, or a namespace of the parsed flags).
+        score_function / routing_type: what the router routes with (``router.score_function``,
+            ``router.routing_type``: a load-balancing type, or a list of them).
+        router_class: the router's class name when it is an ``InferenceTopKRouter``.
+        options: how messages name Megatron options.
+        num_layers: the decoder layers (default ``model.num_layers``).
+
+    Returns:
+        the schedule, or None where nothing is routed elastically (``schedule="static"``).
+
+    Raises:
+        ConfigError: the schedule or layers do not fit the model.
+        UnsupportedMegatronError: every option that cannot route per-token budgets, in one message.
+    """
     schedule = config.resolve(num_experts=model.num_moe_experts, topk=model.moe_router_topk,
-                              num_layers=_model_num_layers(model))
+                              num_layers=_model_num_layers(model) if num_layers is None else num_layers)
     top_p = config.mode == "top_p"
     if schedule.is_static and not top_p:
-        return
+        return None
     width = _top_p_width(model, config) if top_p else schedule.high
+    spell = options.setting
     problems = []
-    if top_p and router.score_function != "softmax":
-        problems.append(f"mode='top_p' reads the budget off full-softmax probabilities, but the router's "
-                        f"score_function is {router.score_function!r}; use mode='elastic'")
-    if router.routing_type in ("sinkhorn", "quantile_balancing"):
-        problems.append(f"moe_router_load_balancing_type={router.routing_type!r} picks experts by its own "
-                        f"balancing algorithm with a fixed k; use 'aux_loss', 'seq_aux_loss', "
-                        f"'global_aux_loss' or 'none'")
+    if top_p and score_function != "softmax":
+        problems.append(f"mode='top_p' reads the budget off full-softmax probabilities, but the router's score "
+                        f"function is {spell('moe_router_score_function', score_function)}; use "
+                        f"{options.elastic('mode', 'elastic')}")
+    if routing_type in ("sinkhorn", "quantile_balancing") or (
+            isinstance(routing_type, (list, tuple)) and len(routing_type) == 1 and routing_type[0] in ("sinkhorn", "quantile_balancing")):
+        kind = routing_type if isinstance(routing_type, str) else routing_type[0]
+        problems.append(f"{spell('moe_router_load_balancing_type', kind)} picks experts by its own balancing "
+                        f"algorithm with a fixed k; use "
+                        + ", ".join(repr(t) if not options.flags else t for t in
+                                    ("aux_loss", "seq_aux_loss", "global_aux_loss"))
+                        + f" or {'none' if options.flags else repr('none')}"
+                        + (f" ({spell('moe_router_load_balancing_type', 'aux_loss')})" if options.flags else ""))
     if getattr(model, "moe_router_fusion", False):
-        problems.append("moe_router_fusion=True (Transformer Engine's fused top-k takes one scalar k); set "
-                        "--moe-router-fusion off for elastic training")
+        problems.append(f"{spell('moe_router_fusion', True)} (Transformer Engine's fused top-k takes one scalar k): "
+                        f"{options.turn_off('moe_router_fusion')} for elastic training")
     if getattr(model, "moe_enable_routing_replay", False):
-        problems.append("moe_enable_routing_replay=True replays [T, topk] buffers recorded with a fixed k; "
-                        "disable routing replay")
-    inference_router = any(cls.__name__ == "InferenceTopKRouter" for cls in type(router).__mro__)
-    if getattr(model, "transformer_impl", None) == "inference_optimized" or inference_router:
-        what = ("transformer_impl='inference_optimized'" if getattr(model, "transformer_impl", None) == "inference_optimized"
-                else f"the router class {type(router).__name__} (an InferenceTopKRouter)")
+        problems.append(f"{spell('moe_enable_routing_replay', True)} replays [T, topk] buffers recorded with a fixed k: "
+                        f"disable routing replay, i.e. {options.turn_off('moe_enable_routing_replay')} for elastic "
+                        f"training")
+    impl = getattr(model, "transformer_impl", None)
+    if impl == "inference_optimized" or router_class is not None:
+        what = (spell("transformer_impl", "inference_optimized") if impl == "inference_optimized"
+                else f"the router class {router_class} (an InferenceTopKRouter)")
         problems.append(f"{what}: InferenceTopKRouter and the inference-optimised token dispatchers exchange dense "
-                        f"[T, topk] buffers with a fixed k; train with the stock TopKRouter, transformer_impl="
-                        f"'transformer_engine' or 'local' (elastic layers route static top-k in eval, so the "
-                        f"checkpoint then serves on the inference-optimised layers unchanged)")
+                        f"[T, topk] buffers with a fixed k; train with the stock TopKRouter, "
+                        + ("--transformer-impl transformer_engine or local " if options.flags
+                           else "transformer_impl='transformer_engine' or 'local' ")
+                        + "(elastic layers route static top-k in eval, so the checkpoint then serves on the "
+                        "inference-optimised layers unchanged)")
     if not top_p and _captures_router(model):
         problems.append("a CUDA graph that captures the router (scope 'moe_router' or 'moe' in cuda_graph_modules, "
                         "cuda_graph_scope before megatron-core 0.19; 'moe_preprocess', which needs 'moe_router'; a "
                         "whole-layer scope; or cuda_graph_impl='full_iteration'): κ is drawn on the host and copied "
                         "in at every forward, so a graph replay would reuse the κ of its capture; capture only scopes "
-                        "without the router (e.g. cuda_graph_modules=['attn']), or use schedule='static'")
+                        "without the router (e.g. cuda_graph_modules=['attn']), or use "
+                        f"{options.elastic('schedule', 'static')}")
     elif (top_p and _captures_moe_preprocess(model) and not model.moe_pad_expert_input_to_capacity
             and model.moe_token_dispatcher_type == "alltoall"):
         problems.append("a CUDA graph that captures the dispatcher's preprocess (scope 'moe_preprocess' in "
@@ -230,13 +305,13 @@ def validate_router(router, config: ElasticConfig) -> None:
             problems.append(f"group-limited routing keeps {group_topk} of {num_groups} groups "
                             f"({reachable} experts), fewer than the upper budget {width}; "
                             + ("set top_p_max_experts to at most that" if top_p else "narrow the schedule")
-                            + " or raise moe_router_group_topk")
+                            + f" or raise {'--moe-router-group-topk' if options.flags else 'moe_router_group_topk'}")
     if problems:
         what = f"mode='top_p' (p={config.top_p})" if top_p else f"schedule {schedule.describe()}"
         raise UnsupportedMegatronError(
             f"elastic-moe cannot route {what} with this Megatron config: " + "; ".join(problems) + "."
         )
-    warn_if_top1_gate_is_constant(schedule, gate_for(router, config), f"layers {config.layers or 'all MoE layers'}")
+    return schedule
 
 
 def _top_p_width(model_config, config: ElasticConfig) -> int:
@@ -373,4 +448,4 @@ def model_plans(model) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
 def log_plan(model) -> str | None:
     """Log (rank 0, once) and return the start-up plan line for a module or model chunks; None
     without an active, enabled config."""
-    return core_plan.log_plan(*model_plans(model), "megatron-core")
+    return core_plan.log_plan(*model_plans(model), "megatron-core", _PATCH.active_config())

@@ -50,6 +50,8 @@ import os
 import sys
 from typing import NamedTuple
 
+from elastic_moe_plugin.swift.entry import TRAINING_ROUTES, SwiftEntry, argument_groups, swift_entry
+
 # Plain classes and NamedTuples, no dataclasses or regular expressions at module level: this module
 # is imported at interpreter start of ms-swift's processes, before anything else, and those imports
 # (dataclasses pulls in inspect, dis, ...) would be paid first here.
@@ -63,10 +65,6 @@ PTH_NAME = "elastic-moe-swift.pth"
 PLUGIN_FLAG = "--plugin"
 EXTERNAL_PLUGINS_FLAG = "--external_plugins"
 CALLBACKS_FLAG = "--callbacks"
-#: ms-swift routes whose arguments have ``--callbacks`` (training); the others get only the file
-TRAINING_ROUTES = frozenset({"sft", "pt", "rlhf"})
-#: files of ``swift/cli/`` that are not a route's entry script
-_NOT_ROUTES = frozenset({"main", "utils", "__init__"})
 #: where ms-swift 4.6 declares its arguments and loads plugin files: a future ``--plugin`` or
 #: plugin registry would most likely appear here (relative to the ``swift`` package directory)
 _SWIFT_PLUGIN_SOURCES = ("arguments/base_args/base_args.py", "megatron/arguments/megatron_args.py",
@@ -95,56 +93,6 @@ def known_plugins() -> dict[str, SwiftPlugin]:
     return {"elastic_moe": SwiftPlugin(
         name="elastic_moe", file=str(PLUGIN_FILE), callbacks=(CALLBACK_NAME,),
         description="Elastic Expert Routing (elastic-moe-plugin): per-token expert budgets in training")}
-
-
-class SwiftEntry(NamedTuple):
-    """An ms-swift entry-script process: its route (``sft``, ...), whether it is Megatron-SWIFT's, and
-    the directory of the ``swift`` package it runs from."""
-
-    route: str
-    megatron: bool
-    swift_dir: str
-
-
-def swift_entry(argv: list[str], orig_argv: list[str]) -> SwiftEntry | None:
-    """The ms-swift entry script this process runs, or None for any other process.
-
-    ``argv`` is ``sys.argv`` as the ``.pth`` sees it (``[script, args...]``, or ``['-m', args...]``
-    before ``-m`` has resolved its module); ``orig_argv`` is ``sys.orig_argv``.
-    """
-    if not argv:
-        return None
-    if argv[0] == "-m":
-        module = next((orig_argv[i + 1] for i, word in enumerate(orig_argv[:-1]) if word == "-m"), "")
-        parts = module.split(".")
-        if parts[:2] != ["swift", "cli"] or len(parts) not in (3, 4) or parts[-1] in _NOT_ROUTES:
-            return None
-        if len(parts) == 4 and parts[2] != "_megatron":
-            return None
-        import importlib.util
-
-        try:
-            spec = importlib.util.find_spec("swift")  # finds the package without importing it
-        except (ImportError, ValueError):
-            return None
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        return SwiftEntry(parts[-1], len(parts) == 4, os.path.abspath(list(spec.submodule_search_locations)[0]))
-    script = os.path.abspath(argv[0])
-    head, name = os.path.split(script)
-    route, ext = os.path.splitext(name)
-    if ext != ".py" or route in _NOT_ROUTES:
-        return None
-    head, folder = os.path.split(head)
-    megatron = folder == "_megatron"
-    if megatron:
-        head, folder = os.path.split(head)
-    if folder != "cli":
-        return None
-    swift_dir, package = os.path.split(head)
-    if package != "swift" or not os.path.isfile(os.path.join(head, "cli", "main.py")):
-        return None
-    return SwiftEntry(route, megatron, head)
 
 
 def swift_handles_plugins(swift_dir: str) -> str | None:
@@ -185,22 +133,6 @@ class Rewrite(NamedTuple):
         return bool(self.named)
 
 
-def _groups(argv: list[str]) -> list[tuple[str | None, list[str]]]:
-    """Split arguments into ``(flag, values)`` groups, as ms-swift's parser reads them: a flag is a
-    word starting with ``--`` (``--flag=value`` is the flag with one value); its values are the words
-    up to the next flag. Words before the first flag form a group with flag None."""
-    groups: list[tuple[str | None, list[str]]] = []
-    for word in argv:
-        if word.startswith("--") and len(word) > 2:
-            flag, sep, value = word.partition("=")
-            groups.append((flag, [value] if sep else []))
-        elif groups:
-            groups[-1][1].append(word)
-        else:
-            groups.append((None, [word]))
-    return groups
-
-
 def _unknown(name: str, known: dict[str, SwiftPlugin], how: str) -> PluginFlagError:
     listing = "; ".join(f"{plugin.name} ({plugin.description})" for plugin in known.values())
     return PluginFlagError(
@@ -220,7 +152,7 @@ def rewrite(argv: list[str], route: str, *, known: dict[str, SwiftPlugin] | None
             file nor a plugin name, names no known plugin; or ``--plugin`` has no value.
     """
     known = known_plugins() if known is None else known
-    groups = _groups(argv)
+    groups = argument_groups(argv)
     named: list[SwiftPlugin] = []
 
     def add(plugin: SwiftPlugin) -> None:
@@ -302,7 +234,7 @@ def loads_elastic_moe(argv: list[str]) -> bool:
     of a checkout, a user's own plugin)."""
     from elastic_moe_plugin.swift import PLUGIN_FILE
 
-    values = next((values for flag, values in reversed(_groups(argv)) if flag == EXTERNAL_PLUGINS_FLAG), [])
+    values = next((values for flag, values in reversed(argument_groups(argv)) if flag == EXTERNAL_PLUGINS_FLAG), [])
     ours = os.path.realpath(PLUGIN_FILE)
     for value in values:
         if os.path.realpath(value) == ours:
@@ -368,7 +300,7 @@ def activate() -> None:
     if result.changed:
         sys.argv[1:] = result.argv
         if _is_rank_zero(environ):
-            added = " ".join(word for flag, values in _groups(result.argv)
+            added = " ".join(word for flag, values in argument_groups(result.argv)
                              if flag in (EXTERNAL_PLUGINS_FLAG, CALLBACKS_FLAG) for word in [flag, *values])
             names = ", ".join(plugin.name for plugin in result.named)
             _say(f"plugin {names}: passing it to ms-swift as {added} (ms-swift has no --plugin flag; "
@@ -380,5 +312,5 @@ def activate() -> None:
              f"--callbacks elastic_moe), or unset the variables.")
 
 
-__all__ = ["OFF_SWITCH", "PTH_NAME", "hook_installed", "PluginFlagError", "Rewrite", "SwiftEntry", "SwiftPlugin", "activate", "known_plugins",
+__all__ = ["OFF_SWITCH", "PTH_NAME", "TRAINING_ROUTES", "argument_groups", "hook_installed", "PluginFlagError", "Rewrite", "SwiftEntry", "SwiftPlugin", "activate", "known_plugins",
            "loads_elastic_moe", "rewrite", "swift_entry", "swift_handles_plugins"]

@@ -33,8 +33,10 @@ def schedule_summary(schedule: BudgetSchedule, num_ranks: int | None = None) -> 
 
 def format_summary(summary: dict[str, Any]) -> str:
     """A fixed-width text table of :func:`schedule_summary`."""
+    resolved = (" (resolved from the top-k: 'auto', k-2..k+2 within the experts)"
+                if summary.get("resolved_from_model") else "")
     lines = [
-        f"schedule {summary['schedule']} around k={summary['center']} (sigma={summary['sigma']:g})",
+        f"schedule {summary['schedule']} around k={summary['center']} (sigma={summary['sigma']:g}){resolved}",
         "",
         f"{'budget':>8} {'pmf':>8}",
     ]

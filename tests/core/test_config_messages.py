@@ -1,9 +1,10 @@
 """Every fix a ConfigError suggests is accepted when fed back, in the form the user wrote the setting.
 
 Each case is a refused setting as a user meets it: variables (``ELASTIC_MOE_*``, as the ms-swift
-plugin reads them) against a model (top-k, experts, layers). The message must show every fix of
-``error.fixes`` spelled as a variable; setting that variable (the text from the message, split at
-``=``) must then give a config the same model accepts.
+plugin reads them, with the model's shape read from its config.json) against a model (top-k,
+experts, layers). The message must show every fix of ``error.fixes`` spelled as a variable; setting
+that variable (the text from the message, split at ``=``) must then give a config the same model
+accepts. ``test_fix_round_trip.py`` holds every other entry point to the same rule.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import argparse
 import pytest
 
 from elastic_moe_plugin import ConfigError, ElasticConfig
-from elastic_moe_plugin.core.config import Spelling, add_cli_arguments, config_from_cli
+from elastic_moe_plugin.core.config import ModelShape, Spelling, add_cli_arguments, config_from_cli
 
 #: (variables, model (num_experts, topk, num_layers), what the message must say, fixes it must offer)
 REFUSED = {
     "7-12 on top-8": ({"ELASTIC_MOE_SCHEDULE": "7-12"}, (64, 8, 16), "has mean",
                       [{"schedule": "6-10"}, {"allow_off_center": True}]),
     "0-16 on top-8": ({"ELASTIC_MOE_SCHEDULE": "0-16"}, (64, 8, 16), "low must be >= 1", [{"schedule": "1-15"}]),
-    "the default on top-2": ({}, (8, 2, 2), "(the default: the paper's range around top-8) does not contain",
-                             [{"schedule": "1-3"}]),
+    "the default on top-1": ({}, (8, 1, 2), "ELASTIC_MOE_SCHEDULE unset (the default, 'auto'",
+                             [{"schedule": "static"}, {"schedule": "1-3", "allow_off_center": True}]),
+    "6-10 on top-2": ({"ELASTIC_MOE_SCHEDULE": "6-10"}, (8, 2, 2), "does not contain the model's top-2",
+                      [{"schedule": "1-3"}]),
     "1-4 on top-2": ({"ELASTIC_MOE_SCHEDULE": "1-4"}, (8, 2, 2), "has mean", [{"schedule": "1-3"}, {"allow_off_center": True}]),
     "9-7 reversed": ({"ELASTIC_MOE_SCHEDULE": "9-7"}, (64, 8, 16), "low=9 > high=7", [{"schedule": "7-9"}]),
     "11-5 reversed": ({"ELASTIC_MOE_SCHEDULE": "11-5"}, (64, 8, 16), "low=11 > high=5", [{"schedule": "5-11"}]),
@@ -31,7 +34,8 @@ REFUSED = {
     "point mass off top-k": ({"ELASTIC_MOE_SCHEDULE": "9"}, (64, 8, 16), "point mass at 9", [{"schedule": "static"}]),
     "center off top-k": ({"ELASTIC_MOE_CENTER": "5", "ELASTIC_MOE_SCHEDULE": "3-7"}, (64, 8, 16), "routes to top-8",
                          [{"center": None, "schedule": "6-10"}, {"center": 8, "schedule": "6-10"}]),
-    "center outside the range": ({"ELASTIC_MOE_CENTER": "5"}, (64, 5, 16), "does not contain the model's top-5",
+    "center outside the range": ({"ELASTIC_MOE_CENTER": "5", "ELASTIC_MOE_SCHEDULE": "6-10"}, (64, 5, 16),
+                                 "does not contain the model's top-5",
                                  [{"schedule": "3-7"}]),
     "mode": ({"ELASTIC_MOE_MODE": "nucleus"}, (64, 8, 16), "not a router mode",
                 [{"mode": "elastic"}, {"mode": "top_p"}]),
@@ -51,7 +55,7 @@ REFUSED = {
 def _refusal(environ: dict[str, str], model: tuple[int, int, int]) -> ConfigError:
     num_experts, topk, num_layers = model
     with pytest.raises(ConfigError) as caught:
-        ElasticConfig.from_env(environ).resolve(num_experts=num_experts, topk=topk, num_layers=num_layers)
+        ElasticConfig.from_env(environ, model=ModelShape(topk, num_experts, num_layers))
     return caught.value
 
 
@@ -95,7 +99,26 @@ def test_python_yaml_and_flags_are_spelled_as_written(tmp_path):
 
 
 def test_a_default_schedule_is_called_the_default():
-    message = str(_refusal({}, (8, 2, 2)))
-    assert message.startswith("environment: ") or "ELASTIC_MOE_SCHEDULE=6-10 (the default" in message
-    assert "ELASTIC_MOE_SCHEDULE=6-10 (the default: the paper's range around top-8)" in message
-    assert "ELASTIC_MOE_SCHEDULE=1-3" in message
+    """The default is resolved from the model; where none exists (top-1) the message says the
+    variable is unset and names what to set."""
+    message = str(_refusal({}, (8, 1, 2)))
+    assert message.startswith("environment: ELASTIC_MOE_SCHEDULE unset (the default, 'auto': k-2..k+2 around "
+                              "the model's top-k): the model routes to top-1"), message
+    assert "ELASTIC_MOE_SCHEDULE=static" in message
+    assert "ELASTIC_MOE_SCHEDULE=1-3 and ELASTIC_MOE_ALLOW_OFF_CENTER=1" in message
+
+
+@pytest.mark.parametrize(("topk", "num_experts", "expected"), [(2, 8, "1-3"), (4, 8, "2-6"), (8, 64, "6-10"),
+                                                               (8, 9, "7-9"), (3, 4, "2-4"), (2, 2, None),
+                                                               (1, 8, None), (16, 128, "14-18")])
+def test_the_default_is_resolved_from_the_model(topk, num_experts, expected):
+    """k-2..k+2, kept symmetric and within 1..E: narrowed where k-2 < 1 or k+2 > E."""
+    config = ElasticConfig()
+    assert config.auto_range(topk, num_experts) == expected
+    if expected is None:
+        with pytest.raises(ConfigError, match="no elastic"):
+            config.resolve(num_experts=num_experts, topk=topk)
+    else:
+        low, high = map(int, expected.split("-"))
+        schedule = config.resolve(num_experts=num_experts, topk=topk)
+        assert (schedule.low, schedule.high, schedule.center) == (low, high, topk) and schedule.is_symmetric

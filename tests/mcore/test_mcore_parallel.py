@@ -693,7 +693,7 @@ REFUSALS = {
                  r"moe_router_load_balancing_type='sinkhorn'.*use 'aux_loss'"),
     "quantile_balancing": (dict(moe_router_load_balancing_type="quantile_balancing"), {},
                            r"moe_router_load_balancing_type='quantile_balancing'.*use 'aux_loss'"),
-    "router_fusion": (dict(moe_router_fusion=True), {}, r"moe_router_fusion=True.*moe-router-fusion off"),
+    "router_fusion": (dict(moe_router_fusion=True), {}, r"moe_router_fusion=True.*remove the store_true flag --moe-router-fusion"),
     "cuda_graph_moe_preprocess": (dict(moe_token_dispatcher_type="alltoall"), "cuda_graph",
                                   r"CUDA graph that captures the router \(scope 'moe_router'.*'moe_preprocess'.*"
                                   r"κ is drawn on the host.*cuda_graph_modules=\['attn'\].*schedule='static'"),

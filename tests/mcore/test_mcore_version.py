@@ -15,6 +15,7 @@ rewritten where a test needs another version.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -175,3 +176,23 @@ def test_an_unknown_version_is_refused_unless_overridden(monkeypatch):
 
 def test_a_local_version_label_counts_as_its_release():
     assert GUARD.check(lambda: Version("0.19.2+8fe19ed")) == Version("0.19.2+8fe19ed")
+
+
+@pytest.mark.slow  # a subprocess that imports megatron.core
+def test_the_advice_for_a_source_tree_is_not_to_install_a_wheel(layouts):
+    """The refused version comes from a tree on the path that shadows the installed wheel: installing
+    cannot help, and the message says so and where the tree is."""
+    _, tmp, results = layouts
+    error = results["wheel_plus_newer_tree"]["error"]
+    assert f"is a source tree, {tmp / 'newer'}" in error and "installing a wheel would not change it" in error
+    assert "ahead of the installed megatron-core" in error and "pip install" not in error
+
+
+def test_the_advice_for_an_installed_wheel_is_to_install_a_supported_one(monkeypatch):
+    guard = dataclasses.replace(GUARD, module="megatron.core")
+    if guard.source_tree() is not None:
+        pytest.skip("the imported megatron.core is a source tree here")
+    monkeypatch.delenv("ELASTIC_MOE_TEST_OVERRIDE", raising=False)
+    with pytest.raises(UnsupportedMegatronError, match=r"found 0\.21\.0\. Install a supported version \(pip install "
+                                                       r"'megatron-core>=0\.16,<0\.20'\)"):
+        guard.check(lambda: Version("0.21.0"))

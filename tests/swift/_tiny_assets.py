@@ -1,12 +1,14 @@
 """Tiny offline assets for ``swift sft`` / ``megatron sft`` smoke runs (no downloads).
 
-    python tests/swift/_tiny_assets.py DIR     # writes DIR/{olmoe,qwen3_moe,train.jsonl}, prints JSON
+    python tests/swift/_tiny_assets.py DIR     # writes DIR/{olmoe,qwen3_moe,...,train.jsonl}, prints JSON
 
 - a byte-level BPE tokenizer trained here with ``tokenizers`` (384 tokens), saved as a
   ``PreTrainedTokenizerFast`` with a ChatML chat template and the special tokens that ms-swift's
   ``olmoe`` and ``qwen3`` templates write (``|||IP_ADDRESS|||``, ``<|im_start|>``, ...);
 - tiny random OLMoE (top-2, ``norm_topk_prob=False``) and Qwen3-MoE (top-4, ``norm_topk_prob=True``)
-  checkpoints from transformers configs (2 layers, 8 experts, hidden 64), ``save_pretrained``;
+  checkpoints from transformers configs (2 layers, 8 experts, hidden 64), ``save_pretrained``; a
+  Qwen3-MoE routing to top-8 of 16 experts (``qwen3_moe_top8``, the paper's k) and a dense Qwen3
+  (``qwen3_dense``, no router at all);
 - ``train.jsonl``: 64 rows of ``{"messages": [user, assistant]}``, about 300 tokens each.
 
 Used by tests/swift/conftest.py and by scripts/gpu_check.sh.
@@ -48,6 +50,10 @@ MODELS: dict[str, tuple[str, str, str, str, dict[str, Any]]] = {
     "qwen3_moe": ("qwen3_moe", "qwen3", "qwen3_moe.Qwen3MoeConfig", "qwen3_moe.Qwen3MoeForCausalLM",
                   {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32, "head_dim": 16,
                    "norm_topk_prob": True}),  # renormalised gate
+    "qwen3_moe_top8": ("qwen3_moe", "qwen3", "qwen3_moe.Qwen3MoeConfig", "qwen3_moe.Qwen3MoeForCausalLM",
+                       {"num_experts": 16, "num_experts_per_tok": 8, "moe_intermediate_size": 16, "head_dim": 16,
+                        "norm_topk_prob": True}),  # top-8: the default schedule resolves to 6-10
+    "qwen3_dense": ("qwen3", "qwen3", "qwen3.Qwen3Config", "qwen3.Qwen3ForCausalLM", {"head_dim": 16}),  # no router
 }
 BATCH_SIZE = 8
 DATASET_ROWS = 64

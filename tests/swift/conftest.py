@@ -5,11 +5,17 @@
   tokens swift's ``olmoe`` and ``qwen3`` templates write), tiny random OLMoE (top-2) and
   Qwen3-MoE (top-4) checkpoints (2 layers, 8 experts, hidden 64) saved with ``save_pretrained``,
   and a local jsonl of ``messages``. Nothing is downloaded.
-- ``swift_runs`` (session): the subprocess runs the tests need (:data:`RUNS`: ``swift sft`` runs and
-  the plugin probes of ``_plugin_probe.py``), launched together
-  the first time any test asks for one, so their slow start-ups (about 20 s of imports each)
-  overlap. A test declares the runs it reads with ``@pytest.mark.swift_runs("name", ...)``; only
-  the runs of the selected tests are launched. ``swift_runs.result(name)`` waits for one.
+- ``swift_runs`` (session): the subprocess runs the tests need (:data:`RUNS`: ``swift sft`` runs, the
+  ``swift infer`` / ``swift export`` runs on their checkpoints, and the plugin probes of
+  ``_plugin_probe.py``), launched together the first time any test asks for one, so their slow
+  start-ups (about 20 s of imports each) overlap; a run that reads another's checkpoint starts as
+  soon as that one has finished. A test declares the runs it reads with
+  ``@pytest.mark.swift_runs("name", ...)``; only the runs of the selected tests (and the runs those
+  wait for) are launched. ``swift_runs.result(name)`` waits for one.
+- ``no_plugin_venv`` (session): an environment with ms-swift and its frameworks but without
+  elastic-moe-plugin, for ``swift infer`` on an elastic checkpoint elsewhere (:func:`no_plugin_venv`);
+  ``makefile_venv`` (session): a venv set up like the Makefile's ``.venv``, whose start-up hook the
+  Makefile's own ``swift-hook`` step installs (:func:`makefile_venv`).
 
 Every ``swift sft`` from the checkout runs from the repository root and loads the plugin in one of
 the accepted forms (:data:`PLUGIN_FORMS`: the documented fallback ``--external_plugins
@@ -87,16 +93,20 @@ PLUGIN_FORMS = {
 }
 
 
-def sft_flags(assets: TinyAssets, model: str, output_dir: Path, plugin: str = "path", steps: int = 3) -> list[str]:
-    """The ``swift sft`` flags after ``sft`` (one run: ``steps`` steps of one micro-batch of 8 rows)."""
+def sft_flags(assets: TinyAssets, model: str, output_dir: Path, plugin: str = "path", steps: int = 3,
+              save: bool = False) -> list[str]:
+    """The ``swift sft`` flags after ``sft`` (one run: ``steps`` steps of one micro-batch of 8 rows;
+    ``save``: one model-only checkpoint, ``output_dir/checkpoint-<steps>``)."""
     model_type, template = MODELS[model][:2]
+    saving = (["--save_strategy", "steps", "--save_steps", str(steps), "--save_only_model", "true"] if save
+              else ["--save_strategy", "no"])
     return [
         "--model", str(assets.model_dir(model)), "--model_type", model_type, "--template", template,
         "--dataset", str(assets.dataset), "--check_model", "false",
         *PLUGIN_FORMS[plugin],
         "--tuner_type", "full", "--max_steps", str(steps), "--logging_steps", "1", "--router_aux_loss_coef", "0.01",
         "--per_device_train_batch_size", str(BATCH_SIZE), "--gradient_accumulation_steps", "1",
-        "--max_length", "512", "--save_strategy", "no", "--report_to", "tensorboard",
+        "--max_length", "512", *saving, "--report_to", "tensorboard",
         "--dataloader_num_workers", "0", "--dataset_num_proc", "1",
         "--output_dir", str(output_dir), "--add_version", "false",
     ]
@@ -197,7 +207,15 @@ def with_start_up_hook(env: dict[str, str], work: Path) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join(path)}
 
 
-#: run name -> how to build it (assets, work dir, env) -> RunSpec
+#: steps of the runs whose checkpoint infer/export read (checkpoint-<steps>)
+AUTO_STEPS = 2
+#: runs alive at once: each ms-swift process holds about 1 GB and spends most of its time importing,
+#: so a few share the CPUs well, while all of them at once would crowd memory and push runs past
+#: their timeouts (which count from their own start)
+MAX_PARALLEL = 4
+
+
+#: run name -> how to build it (assets, work dir, env, and the fixtures or runs it ``needs``) -> RunSpec
 def _sft_run(model: str, env: dict[str, str], plugin: str = "path"):
     def build(assets: TinyAssets, work: Path, base: dict[str, str]) -> RunSpec:
         output_dir = work / "out"
@@ -231,7 +249,8 @@ def _free_port() -> int:
 def _wheel_run(model: str, env: dict[str, str], plugin: str = "--plugin", *, yaml_env: dict[str, str] | None = None,
                steps: int = 3, nproc: int | None = None):
     """``swift sft`` from the installed wheel (``wheel_venv``), run from a folder outside the checkout."""
-    def build(assets: TinyAssets, work: Path, base: dict[str, str], wheel: dict) -> RunSpec:
+    def build(assets: TinyAssets, work: Path, base: dict[str, str], wheel_venv: dict) -> RunSpec:
+        wheel = wheel_venv
         output_dir = work / "out"
         run_env = {k: v for k, v in base.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         run_env.update(env, PATH=f"{wheel['bin']}{os.pathsep}{base.get('PATH', '')}")
@@ -248,7 +267,63 @@ def _wheel_run(model: str, env: dict[str, str], plugin: str = "--plugin", *, yam
                 argv += ["--ddp_backend", "gloo"]
         return RunSpec(argv, run_env, output_dir, cwd=wheel["cwd"])
 
-    build.needs_wheel = True
+    build.needs = ("wheel_venv",)
+    return build
+
+
+def _auto_run(model: str):
+    """``swift sft ... --plugin elastic_moe`` from the checkout with no ``ELASTIC_MOE_*`` variable at all:
+    the schedule comes from the model; 2 steps, one model-only checkpoint."""
+    def build(assets: TinyAssets, work: Path, base: dict[str, str]) -> RunSpec:
+        output_dir = work / "out"
+        flags = sft_flags(assets, model, output_dir, "--plugin", steps=AUTO_STEPS, save=True)
+        return RunSpec([*swift_command(), "sft", *flags], with_start_up_hook(dict(base), work), output_dir)
+
+    return build
+
+
+def _makefile_venv_run(model: str):
+    """The same, typed in the venv the Makefile sets up (``makefile_venv``: its ``swift-hook`` step put
+    the start-up hook there), from the checkout."""
+    def build(assets: TinyAssets, work: Path, base: dict[str, str], makefile_venv: dict) -> RunSpec:
+        output_dir = work / "out"
+        flags = sft_flags(assets, model, output_dir, "--plugin", steps=AUTO_STEPS, save=True)
+        env = {**base, "PATH": f"{makefile_venv['bin']}{os.pathsep}{base.get('PATH', '')}"}
+        env.pop("VIRTUAL_ENV", None)
+        return RunSpec([str(makefile_venv["bin"] / "swift"), "sft", *flags], env, output_dir)
+
+    build.needs = ("makefile_venv",)
+    return build
+
+
+def checkpoint_of(result: RunResult) -> Path:
+    return result.output_dir / f"checkpoint-{AUTO_STEPS}"
+
+
+def _checkpoint_run(trained: str, command: str, *, plugin: bool = False, environment: str = "plugin"):
+    """``swift infer`` / ``swift export`` on the checkpoint of run ``trained``, with no ``ELASTIC_MOE_*``
+    variable: in the test venv (the plugin installed, its start-up hook active; ``plugin``: with
+    ``--plugin elastic_moe`` typed as well), or in ``no_plugin_venv`` from a folder outside the checkout."""
+    def build(assets: TinyAssets, work: Path, base: dict[str, str], results: dict, **venvs) -> RunSpec:
+        checkpoint = checkpoint_of(results[trained])
+        if command == "infer":
+            flags = ["--model", str(checkpoint), "--val_dataset", f"{assets.dataset}#2", "--max_new_tokens", "4",
+                     "--infer_backend", "transformers", "--result_path", str(work / "infer.jsonl")]
+        else:
+            flags = ["--model", str(checkpoint), "--to_ollama", "true", "--output_dir", str(work / "ollama")]
+        flags += ["--plugin", "elastic_moe"] if plugin else []
+        if environment == "no_plugin":
+            venv = venvs["no_plugin_venv"]
+            env = {k: v for k, v in base.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+            env["PATH"] = f"{venv['bin']}{os.pathsep}{base.get('PATH', '')}"
+            return RunSpec([str(venv["bin"] / "swift"), command, *flags], env, result_file=work / "infer.jsonl",
+                           cwd=venv["cwd"])
+        env = with_start_up_hook(dict(base), work)
+        return RunSpec([*swift_command(), command, *flags], env, result_file=work / (
+            "infer.jsonl" if command == "infer" else "ollama/Modelfile"))
+
+    build.after = (trained,)
+    build.needs = ("no_plugin_venv",) if environment == "no_plugin" else ()
     return build
 
 
@@ -280,6 +355,21 @@ RUNS = {
     # the plugin file in a `swift sft`-like and a `megatron sft`-like process
     "probe_hf": _probe_run("hf"),
     "probe_megatron": _probe_run("megatron"),
+    # no ELASTIC_MOE_* at all: the schedule is resolved from each model's top-k (test_swift_lifecycle.py)
+    "auto_top2": _auto_run("olmoe"),
+    "auto_top4": _auto_run("qwen3_moe"),
+    "auto_top8": _makefile_venv_run("qwen3_moe_top8"),  # typed in the Makefile's venv
+    "dense_refused": _auto_run("qwen3_dense"),
+    # inference and export on those checkpoints need no training schedule, and no plugin
+    "infer_top2": _checkpoint_run("auto_top2", "infer"),
+    "infer_top4": _checkpoint_run("auto_top4", "infer", plugin=True),
+    "infer_top8": _checkpoint_run("auto_top8", "infer"),
+    "export_top2": _checkpoint_run("auto_top2", "export", plugin=True),
+    "export_top4": _checkpoint_run("auto_top4", "export"),
+    "export_top8": _checkpoint_run("auto_top8", "export"),
+    "no_plugin_infer_top2": _checkpoint_run("auto_top2", "infer", environment="no_plugin"),
+    "no_plugin_infer_top4": _checkpoint_run("auto_top4", "infer", environment="no_plugin"),
+    "no_plugin_infer_top8": _checkpoint_run("auto_top8", "infer", environment="no_plugin"),
 }
 _NEEDS_ASSETS = {name for name in RUNS if not name.startswith("probe_")}
 
@@ -292,6 +382,10 @@ class SwiftRuns:
         self._tmp = tmp_path_factory
         self._running: dict[str, tuple[subprocess.Popen, RunSpec, float, Path]] = {}
         self._results: dict[str, RunResult] = {}
+        self._pending: list[str] = []  # waiting for the runs they read
+        self._queued: list[str] = []  # ready, waiting for a slot
+        self._assets: TinyAssets | None = None
+        self._base: dict[str, str] | None = None
 
     def _wanted(self) -> list[str]:
         names: list[str] = []
@@ -300,31 +394,67 @@ class SwiftRuns:
                 continue
             for marker in item.iter_markers("swift_runs"):
                 names += [name for name in marker.args if name not in names]
-        return names
+        return _with_dependencies(names)
 
     def _launch(self, names: list[str]) -> None:
-        names = [name for name in names if name not in self._running and name not in self._results]
+        names = [name for name in names if name not in self._running and name not in self._results
+                 and name not in self._pending and name not in self._queued]
         if not names:
             return
-        assets = self._request.getfixturevalue("tiny_assets") if _NEEDS_ASSETS & set(names) else None
-        wheel = (self._request.getfixturevalue("wheel_venv")
-                 if any(getattr(RUNS[name], "needs_wheel", False) for name in names) else None)
-        cache = self._tmp.mktemp("swift_cache")
-        base = base_env(cache)
+        if self._assets is None and _NEEDS_ASSETS & set(names):
+            self._assets = self._request.getfixturevalue("tiny_assets")
+        if self._base is None:
+            self._base = base_env(self._tmp.mktemp("swift_cache"))
         for name in names:
-            work = self._tmp.mktemp(name)
             build = RUNS[name]
-            spec = build(assets, work, base, wheel) if getattr(build, "needs_wheel", False) else build(assets, work, base)
-            log = work / "output.log"
-            with log.open("wb") as sink:
-                process = subprocess.Popen(spec.argv, cwd=spec.cwd, env=spec.env, stdout=sink, stderr=subprocess.STDOUT)
-            self._running[name] = (process, spec, time.monotonic(), log)
+            if any(dependency not in self._results for dependency in getattr(build, "after", ())):
+                self._pending.append(name)  # started once the runs it reads have finished
+                continue
+            self._start(name)
+
+    def _start(self, name: str) -> None:
+        if len(self._running) >= MAX_PARALLEL:
+            self._queued.append(name)  # started when a slot frees (see result())
+            return
+        build = RUNS[name]
+        work = self._tmp.mktemp(name)
+        extras = {fixture: self._request.getfixturevalue(fixture) for fixture in getattr(build, "needs", ())}
+        if getattr(build, "after", ()):
+            extras["results"] = {dependency: self._results[dependency] for dependency in build.after}
+        spec = build(self._assets, work, self._base, **extras)
+        log = work / "output.log"
+        with log.open("wb") as sink:
+            process = subprocess.Popen(spec.argv, cwd=spec.cwd, env=spec.env, stdout=sink, stderr=subprocess.STDOUT)
+        self._running[name] = (process, spec, time.monotonic(), log)
+
+    def _start_ready(self) -> None:
+        for name in list(self._queued):
+            if len(self._running) >= MAX_PARALLEL:
+                return
+            self._queued.remove(name)
+            self._start(name)
+        for name in list(self._pending):
+            if all(dependency in self._results for dependency in RUNS[name].after):
+                self._pending.remove(name)
+                self._start(name)
 
     def result(self, name: str) -> RunResult:
         if name in self._results:
             return self._results[name]
         if name not in self._running:
-            self._launch(list(dict.fromkeys([*self._wanted(), name])))
+            self._launch(list(dict.fromkeys([*self._wanted(), *_with_dependencies([name])])))
+        for dependency in getattr(RUNS[name], "after", ()):
+            self.result(dependency)
+        while name not in self._running:  # queued behind MAX_PARALLEL others: collect whichever ends first
+            finished = [other for other, (process, spec, started, _) in self._running.items()
+                        if process.poll() is not None or time.monotonic() - started > spec.timeout]
+            if finished:
+                self._collect(finished[0])
+            else:
+                time.sleep(0.5)
+        return self._collect(name)
+
+    def _collect(self, name: str) -> RunResult:
         process, spec, started, log = self._running.pop(name)
         try:
             returncode = process.wait(timeout=max(1.0, spec.timeout - (time.monotonic() - started)))
@@ -336,6 +466,7 @@ class SwiftRuns:
                            output=log.read_text(errors="replace"), seconds=time.monotonic() - started,
                            output_dir=spec.output_dir, result_file=spec.result_file, env=spec.env)
         self._results[name] = result
+        self._start_ready()
         return result
 
     def close(self) -> None:
@@ -344,6 +475,21 @@ class SwiftRuns:
                 process.kill()
                 process.wait()
         self._running.clear()
+
+
+def _with_dependencies(names: list[str]) -> list[str]:
+    """``names`` and every run they read the output of, dependencies first."""
+    ordered: list[str] = []
+
+    def add(name: str) -> None:
+        for dependency in getattr(RUNS[name], "after", ()):
+            add(dependency)
+        if name not in ordered:
+            ordered.append(name)
+
+    for name in names:
+        add(name)
+    return ordered
 
 
 def _skipped(item: pytest.Item) -> bool:
@@ -371,3 +517,81 @@ def pytest_collection_modifyitems(config, items):
             if unknown:
                 raise pytest.UsageError(f"{item.nodeid}: unknown swift run(s) {unknown}; known: {sorted(RUNS)}")
 
+
+
+# --------------------------------------------------------------------------- other environments
+def _venv_with_swift(root: Path, site_lines: list[str]) -> dict:
+    """A fresh venv (no pip) whose site-packages holds one ``.pth`` of ``site_lines`` and ms-swift's
+    console scripts (``swift``, ``megatron``) written for its own interpreter, as pip writes them.
+    Returns {'python', 'bin', 'site'}."""
+    import importlib.metadata
+    import venv
+
+    venv.EnvBuilder(with_pip=False).create(root)
+    python = root / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "_test_venv_packages.pth").write_text("".join(line + "\n" for line in site_lines))
+    for entry in importlib.metadata.distribution("ms-swift").entry_points:
+        if entry.group == "console_scripts":
+            script = root / "bin" / entry.name
+            script.write_text(f"#!{python}\nimport sys\nfrom {entry.module} import {entry.attr}\n"
+                              f"if __name__ == '__main__':\n    sys.exit({entry.attr}())\n")
+            script.chmod(0o755)
+    return {"python": str(python), "bin": root / "bin", "site": site}
+
+
+def _test_venv_purelib() -> str:
+    import sysconfig
+
+    return sysconfig.get_paths()["purelib"]
+
+
+@pytest.fixture(scope="session")
+def no_plugin_venv(tmp_path_factory) -> dict:
+    """{'python', 'bin', 'site', 'cwd'}: ms-swift, transformers and torch, and no elastic-moe-plugin.
+
+    A fresh venv sees the test venv's site-packages as a plain path entry: its packages import, but
+    none of its ``.pth`` files runs, so neither the editable install of the checkout (a ``.pth`` and
+    a finder) nor an ``elastic-moe-swift.pth`` start-up hook exists there; the runs clear
+    ``PYTHONPATH`` and start in a folder outside the checkout. That is an environment where ms-swift
+    is installed and elastic-moe-plugin is not, without a second copy of several GB of packages; the
+    fixture proves it by importing both.
+    """
+    work = tmp_path_factory.mktemp("no_plugin")
+    environment = _venv_with_swift(work / "venv", [_test_venv_purelib()])
+    outside = work / "elsewhere"
+    outside.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    probe = subprocess.run([environment["python"], "-c", "import swift, transformers\ntry:\n import elastic_moe_plugin\n"
+                            "except ModuleNotFoundError as error:\n print('missing', error.name)"],
+                           capture_output=True, text=True, cwd=outside, env=env)
+    assert probe.returncode == 0 and probe.stdout.strip() == "missing elastic_moe_plugin", probe.stdout + probe.stderr
+    return {**environment, "cwd": outside}
+
+
+@pytest.fixture(scope="session")
+def makefile_venv(tmp_path_factory) -> dict:
+    """{'python', 'bin', 'site'}: a venv set up as ``make setup`` sets up ``.venv``, the start-up hook
+    installed by the Makefile's own ``swift-hook`` step (``make swift-hook VENV=...``).
+
+    The test venv cannot be modified (it is shared), so a fresh venv stands in for it: its
+    site-packages sees the test venv's packages as a path entry and runs the test venv's editable-install
+    line (``__editable__.*.pth``: the checkout importable as ``make setup``'s ``pip install -e`` makes
+    it), and nothing else, so the only start-up hook it can have is the one ``make swift-hook`` puts there.
+    """
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    purelib = Path(_test_venv_purelib())
+    editable = [line for pth in sorted(purelib.glob("__editable__*elastic_moe_plugin*.pth"))
+                for line in pth.read_text().splitlines() if line.strip()]
+    environment = _venv_with_swift(tmp_path_factory.mktemp("makefile") / "venv", [str(purelib), *editable])
+    hook = environment["site"] / "elastic-moe-swift.pth"
+    assert not hook.exists()
+    step = subprocess.run(["make", "-s", "-C", str(ROOT), "swift-hook", f"VENV={environment['bin'].parent}"],
+                          capture_output=True, text=True)
+    assert step.returncode == 0, step.stdout + step.stderr
+    assert hook.read_bytes() == (ROOT / "elastic-moe-swift.pth").read_bytes()
+    return environment

@@ -167,9 +167,11 @@ def test_tensorboard_events_carry_the_routing_metrics(swift_runs):
 def test_bad_schedule_stops_swift_sft_before_training(swift_runs):
     result = swift_runs.result("bad_schedule")
     assert result.returncode != 0, result.describe()
-    # the plugin's message on its own, before ms-swift's traceback, naming the variable and the fix
+    # the plugin's message on its own, before ms-swift's traceback, naming the variable and a fix the
+    # model accepts: 5-11 (the range turned round) does not fit OLMoE's top-2 of 8 experts
     message = ("elastic-moe: configuration error: environment: ELASTIC_MOE_SCHEDULE=11-5 has low=11 > high=5: "
-               "write the range as LOW-HIGH, e.g. ELASTIC_MOE_SCHEDULE=5-11.")
+               "write the range as LOW-HIGH; 5-11 does not fit the model (top-2 of 8 experts) either. Use "
+               "ELASTIC_MOE_SCHEDULE=1-3 (the same width around its top-k).")
     assert message in result.output, result.describe()
     assert result.output.index(message) < result.output.index("Traceback")
     assert "ConfigError" in result.output

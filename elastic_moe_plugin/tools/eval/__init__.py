@@ -3,6 +3,8 @@ inference-time routing top-k (docs/evaluation.md).
 
 - :mod:`~elastic_moe_plugin.tools.eval.suite`: suite YAMLs (built-in ``avg9``, ``pretrain11``) -> :class:`Suite`;
 - :mod:`~elastic_moe_plugin.tools.eval.harness`: lm-eval's import, task-registry checks, model wrappers;
+- :mod:`~elastic_moe_plugin.tools.eval.plan`: :func:`plan_evaluation`, every check that needs neither
+  lm-eval nor the weights (``--dry-run``, ``--list-tasks``);
 - :mod:`~elastic_moe_plugin.tools.eval.checkpoint`: :func:`evaluate_checkpoint`, one run in six steps;
 - :mod:`~elastic_moe_plugin.tools.eval.summary`: scores, the suite average, ``summary.json`` / ``.csv``
   and the printed report;
@@ -25,6 +27,7 @@ from elastic_moe_plugin.tools.eval.harness import (
     make_task_manager,
     require_lm_eval,
 )
+from elastic_moe_plugin.tools.eval.plan import EvaluationPlan, format_plan, format_suite_tasks, plan_evaluation
 from elastic_moe_plugin.tools.eval.suite import (
     BUILTIN_SUITE_DIR,
     Suite,
@@ -54,6 +57,7 @@ __all__ = [
     "SUMMARY_SCHEMA",
     "TASK_REQUIREMENTS",
     "EvaluationError",
+    "EvaluationPlan",
     "MissingExtraError",
     "Suite",
     "SuiteError",
@@ -66,10 +70,13 @@ __all__ = [
     "check_task_requirements",
     "declared_metric_keys",
     "evaluate_checkpoint",
+    "format_plan",
     "format_score",
+    "format_suite_tasks",
     "format_summary",
     "lm_eval_version",
     "load_suite",
+    "plan_evaluation",
     "make_task_manager",
     "require_lm_eval",
     "resolve_suite_path",

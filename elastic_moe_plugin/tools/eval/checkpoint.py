@@ -1,14 +1,15 @@
 """Evaluate one MoE checkpoint on one suite, optionally routed to another top-k at inference.
 
-:func:`evaluate_checkpoint` runs six steps, each a function here; every check comes before any
-weights load:
+:func:`evaluate_checkpoint` runs six steps; every check comes before any weights load, and the
+cheap ones before lm-eval is imported:
 
-1. validate the suite and the arguments (:func:`_check_arguments`, :func:`_refuse_existing_summary`);
+1. :func:`~elastic_moe_plugin.tools.eval.plan.plan_evaluation`, without lm-eval: validate the suite,
+   the arguments and the output folder, read the checkpoint's config, refuse a dense model and a
+   top-k above the expert count, plan the harness calls, check the tasks' own imports (what
+   ``elastic-moe eval --dry-run`` prints);
 2. import lm-eval and check every harness task name and metric key against its task registry
    (:func:`_registered_task_manager`);
-3. read the checkpoint's config, refuse a dense model and a top-k above the expert count
-   (:func:`_checkpoint_topk`); plan the harness calls (:func:`_plan_harness_calls`) and check the
-   tasks' own imports;
+3. (nothing more to read: the plan holds the checkpoint's top-k);
 4. build the lm-eval model and its top-k override (:func:`_build_lm`);
 5. run the harness calls inside the override (:func:`_run_harness`), writing each call's raw
    results as it finishes;
@@ -32,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from elastic_moe_plugin.tools import inference_topk
-from elastic_moe_plugin.tools.inference_topk import TOPK_CONFIG_KEYS, NotAMoEError, config_num_experts, config_topk
 from elastic_moe_plugin.tools.eval.errors import EvaluationError
 from elastic_moe_plugin.tools.eval.harness import (
     build_hf_lm,
@@ -41,8 +41,10 @@ from elastic_moe_plugin.tools.eval.harness import (
     check_task_requirements,
     make_task_manager,
 )
-from elastic_moe_plugin.tools.eval.suite import Suite, load_suite
-from elastic_moe_plugin.tools.eval.summary import RAW_DIR, SAMPLES_DIR, SUMMARY_JSON, build_summary, write_summary
+# re-exported: check_moe and CODE_EXECUTION_SKIPPED moved to .plan (the checks without lm-eval)
+from elastic_moe_plugin.tools.eval.plan import CODE_EXECUTION_SKIPPED, check_moe, plan_evaluation  # noqa: F401
+from elastic_moe_plugin.tools.eval.suite import Suite
+from elastic_moe_plugin.tools.eval.summary import RAW_DIR, SAMPLES_DIR, build_summary, write_summary
 
 logger = logging.getLogger(__name__)
 
@@ -51,40 +53,13 @@ CODE_EXECUTION_WARNING = (
     "Python on this machine through lm-eval's code_eval, without a sandbox. Run them in a "
     "container or VM you can throw away."
 )
-#: Why a code-executing task did not run (``summary.json``'s ``skipped``).
-CODE_EXECUTION_SKIPPED = "executes model-written code; pass --allow-code-execution to run it"
 
 
-def _read_config(checkpoint: str, trust_remote_code: bool):
-    from transformers import AutoConfig
-
-    path = Path(checkpoint)
-    if path.exists() and not (path / "config.json").is_file():
-        raise EvaluationError(
-            f"{checkpoint} has no config.json: expected a transformers checkpoint folder "
-            "(for a Megatron checkpoint, export it to HF format first: `swift export --to_hf true ...`)."
-        )
-    try:
-        return AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise EvaluationError(f"cannot read the model config of {checkpoint!r}: {error}") from error
-
-
-def check_moe(checkpoint: str, config: Any) -> tuple[str, int]:
-    """``(top-k attribute, native top-k)`` of a MoE config.
-
-    Raises:
-        NotAMoEError: the config declares no top-k (a dense model).
-    """
-    found = config_topk(config)
-    if found is None:
-        raise NotAMoEError(
-            f"{checkpoint} is not a mixture-of-experts model: its config "
-            f"(model_type={getattr(config, 'model_type', '?')!r}) has none of {', '.join(TOPK_CONFIG_KEYS)}. "
-            "elastic-moe eval reports and overrides the routing top-k, so it takes MoE checkpoints only; "
-            "evaluate a dense model with lm-eval directly (lm-eval run --model hf ...)."
-        )
-    return found
+def _registered_task_manager(suite: Suite):
+    """lm-eval's task manager for the suite, once every harness task and metric key is known to it."""
+    task_manager = make_task_manager(suite)
+    check_suite_tasks(suite, task_manager)
+    return task_manager
 
 
 def _parse_batch_size(value: str | int) -> int | str:
@@ -99,58 +74,6 @@ def _parse_batch_size(value: str | int) -> int | str:
     if size < 1:
         raise ValueError(f"--batch-size {value!r} is invalid: expected a positive integer, 'auto' or 'auto:N'.")
     return size
-
-
-def _check_arguments(*, backend: str, topk: int | None, limit: float | None) -> None:
-    if backend not in ("hf", "vllm"):
-        raise ValueError(f"--backend {backend!r} is invalid: expected 'hf' or 'vllm'.")
-    if topk is not None and (not isinstance(topk, int) or isinstance(topk, bool) or topk < 1):
-        raise ValueError(f"--topk {topk!r} is invalid: expected an integer >= 1.")
-    if limit is not None and not limit > 0:
-        raise ValueError(f"--limit {limit!r} is invalid: expected a number of documents >= 1 or a fraction in (0, 1).")
-
-
-def _refuse_existing_summary(out_dir: Path, overwrite: bool) -> None:
-    if (out_dir / SUMMARY_JSON).exists() and not overwrite:
-        raise EvaluationError(f"{out_dir / SUMMARY_JSON} exists; pass --overwrite or choose another --out.")
-
-
-def _registered_task_manager(suite: Suite):
-    """lm-eval's task manager for the suite, once every harness task and metric key is known to it."""
-    task_manager = make_task_manager(suite)
-    check_suite_tasks(suite, task_manager)
-    return task_manager
-
-
-def _checkpoint_topk(checkpoint: str, topk: int | None, trust_remote_code: bool) -> tuple[str, int]:
-    """``(top-k config key, native top-k)`` of a MoE checkpoint whose experts can take ``topk``."""
-    config = _read_config(checkpoint, trust_remote_code)
-    topk_key, topk_native = check_moe(checkpoint, config)
-    experts = config_num_experts(config)
-    if topk is not None and experts is not None and topk > experts:
-        raise ValueError(
-            f"--topk {topk} is invalid: {checkpoint} has {experts} experts per layer (expected 1 <= k <= {experts})."
-        )
-    return topk_key, topk_native
-
-
-def _plan_harness_calls(suite: Suite, allow_code_execution: bool) -> tuple[dict[int, list[str]], dict[str, str]]:
-    """``(shots -> harness tasks of that call, skipped suite task -> reason)``, in suite order.
-
-    One call per number of shots rather than per task: lm-eval collects environment info (pip,
-    GPUs) once per call, so fewer calls are cheaper.
-    """
-    skipped: dict[str, str] = {}
-    calls: dict[int, list[str]] = {}
-    for (harness_task, shots), tasks in suite.runs().items():
-        if any(task.code_execution for task in tasks) and not allow_code_execution:
-            for task in tasks:
-                skipped[task.name] = CODE_EXECUTION_SKIPPED
-        else:
-            calls.setdefault(shots, []).append(harness_task)
-    if skipped:
-        logger.warning("skipping %s: code execution is not allowed (--allow-code-execution)", ", ".join(skipped))
-    return calls, skipped
 
 
 def _build_lm(
@@ -301,17 +224,15 @@ def evaluate_checkpoint(
         MissingExtraError, SuiteError, UnknownTaskError, NotAMoEError, EvaluationError,
         ValueError: with the reason and the fix, before any weights load where possible.
     """
-    suite = load_suite(suite)
-    checkpoint = str(checkpoint)
-    out_dir = Path(out_dir)
-    _check_arguments(backend=backend, topk=topk, limit=limit)
     batch_size = _parse_batch_size(batch_size)
-    _refuse_existing_summary(out_dir, overwrite)
-    chat = suite.apply_chat_template if apply_chat_template is None else apply_chat_template
-
+    plan = plan_evaluation(checkpoint, suite, out_dir=out_dir, topk=topk, limit=limit, backend=backend,
+                           allow_code_execution=allow_code_execution, apply_chat_template=apply_chat_template,
+                           overwrite=overwrite, trust_remote_code=trust_remote_code)
+    suite, checkpoint, out_dir, chat = plan.suite, plan.checkpoint, plan.out_dir, plan.chat
+    topk_key, topk_native, calls, skipped = plan.topk_key, plan.topk_native, plan.calls, plan.skipped
+    if plan.skipped:
+        logger.warning("skipping %s: code execution is not allowed (--allow-code-execution)", ", ".join(plan.skipped))
     task_manager = _registered_task_manager(suite)
-    topk_key, topk_native = _checkpoint_topk(checkpoint, topk, trust_remote_code)
-    calls, skipped = _plan_harness_calls(suite, allow_code_execution)
     check_task_requirements([harness_task for names in calls.values() for harness_task in names])
 
     lm, override, routers = _build_lm(
