@@ -39,9 +39,10 @@ def main(out: str, argv: list[str]) -> None:
     model.eval()
     input_ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(SEED))
     position_ids = torch.arange(LENGTH).unsqueeze(0).expand(BATCH, -1)
+    device = next(model.parameters()).device  # the CPU under the CPU runtime, a GPU otherwise
     with torch.no_grad():
-        logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
-    torch.save({"input_ids": input_ids, "logits": logits[..., :VOCAB].float().contiguous()}, out)
+        logits = model(input_ids=input_ids.to(device), position_ids=position_ids.to(device), attention_mask=None)
+    torch.save({"input_ids": input_ids, "logits": logits[..., :VOCAB].float().cpu().contiguous()}, out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,13 @@ unless said otherwise):
   elastic checkpoint; ``mg_forward``: Megatron's static forward of that checkpoint
   (``_megatron_forward.py``); ``hf``: the exported checkpoint in plain transformers, plugin
   unimportable (``_hf_logits.py``).
+
+``MEGATRON_SFT_TEST_DEVICE=cuda`` runs the same runs and assertions on GPUs with the recipe's layout
+(``scripts/gpu_check.sh`` does): Transformer Engine and grouped-GEMM experts
+(``--moe_grouped_gemm true``), no CPU runtime; float32 weights, TE's unfused attention and no
+padding-free batches, so that the exact stock/static comparison and the float32 export tolerance
+keep their meaning. The two-rank runs need two visible GPUs (else they are skipped). Not run so far:
+no GPU has been available to this project.
 """
 
 from __future__ import annotations
@@ -41,9 +48,24 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 _MISSING = [name for name in ("swift", "mcore_bridge", "megatron.core", "transformers") if importlib.util.find_spec(name) is None]
+DEVICE = os.environ.get("MEGATRON_SFT_TEST_DEVICE", "cpu")
 pytestmark = [pytest.mark.swift, pytest.mark.slow]
 if _MISSING:
     pytestmark.append(pytest.mark.skip(reason=f"megatron sft needs {', '.join(_MISSING)} (make setup installs them)"))
+if DEVICE not in ("cpu", "cuda"):
+    raise pytest.UsageError(f"MEGATRON_SFT_TEST_DEVICE={DEVICE!r}: expected cpu or cuda")
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if DEVICE == "cuda" else 0
+
+
+if DEVICE == "cuda" and not _MISSING and _gpus() < 1:
+    pytestmark.append(pytest.mark.skip(reason="MEGATRON_SFT_TEST_DEVICE=cuda but no GPU is visible"))
+TWO_RANKS = DEVICE == "cpu" or _gpus() >= 2
+needs_two_ranks = pytest.mark.skipif(not TWO_RANKS, reason="two ranks on GPUs need two visible GPUs")
 
 MODEL = "qwen3_moe_k2"
 TOPK, NUM_EXPERTS, LAYERS = 2, 8, (0, 1)
@@ -68,7 +90,14 @@ def _load(name: str):
 _jobs = _load("_jobs")
 
 
-def _cpu_flags() -> list[str]:
+#: the recipe's GPU layout (grouped-GEMM experts under Transformer Engine), in float32
+GPU_FLAGS = ["--moe_grouped_gemm", "true", "--moe_permute_fusion", "false", "--torch_dtype", "float32", "--bf16", "false",
+             "--fp16", "false", "--attention_backend", "unfused", "--padding_free", "false"]
+
+
+def _device_flags() -> list[str]:
+    if DEVICE == "cuda":
+        return list(GPU_FLAGS)
     from elastic_moe_plugin.cpu_runtime.megatron_swift import CPU_FLAGS
 
     return [word for flag, (value, _) in CPU_FLAGS.items() for word in (f"--{flag}", value)]
@@ -142,8 +171,11 @@ def _site(work: Path, hook: bool) -> Path:
 
 
 def _env(base: dict[str, str], work: Path, *, hook: bool = False, nproc: int | None = 1, **extra: str) -> dict[str, str]:
-    path = [str(BOOTSTRAP), str(_site(work, hook)), str(ROOT), *filter(None, [base.get("PYTHONPATH")])]
+    bootstrap = [str(BOOTSTRAP)] if DEVICE == "cpu" else []  # the CPU runtime, in every process of the run
+    path = [*bootstrap, str(_site(work, hook)), str(ROOT), *filter(None, [base.get("PYTHONPATH")])]
     env = {**base, "PYTHONPATH": os.pathsep.join(path), **extra}
+    if DEVICE == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(nproc or 1))
     if nproc is not None:
         env.update(NPROC_PER_NODE=str(nproc), MASTER_PORT=str(_jobs.free_port()))
     return env
@@ -164,7 +196,7 @@ def _sft(assets, work: Path, plugin: str, *, steps: int = STEPS, global_batch: i
         "--train_iters", str(steps), "--logging_steps", "1", "--lr", LR, "--min_lr", "1e-4",
         "--moe_aux_loss_coeff", "0.01", "--clip_grad", "1.0", "--moe_token_dispatcher_type", "alltoall",
         "--dataset_num_proc", "1", "--dataloader_num_workers", "0", "--save_steps", "1000",
-        "--output_dir", str(work / "out"), "--add_version", "false", *_cpu_flags(), *extra,
+        "--output_dir", str(work / "out"), "--add_version", "false", *_device_flags(), *extra,
     ]
 
 
@@ -201,11 +233,16 @@ def runs(tiny_assets, swift_base_env, tmp_path_factory) -> dict[str, Run]:
             _env(base, work["mg_forward"], nproc=None, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_jobs.free_port()), **static_env),
             ROOT, after=("elastic",)),
-        Job("ep2", _sft(tiny_assets, work["ep2"], "path", steps=2, global_batch=2 * MICRO_BATCH,
-                        extra=("--expert_model_parallel_size", "2")),
-            _env(base, work["ep2"], nproc=2, **elastic_env), ROOT, weight=2),
-        Job("pp2", _sft(tiny_assets, work["pp2"], "path", steps=2, extra=("--pipeline_model_parallel_size", "2")),
-            _env(base, work["pp2"], nproc=2, ELASTIC_MOE_LAYERS="1", **elastic_env), ROOT, weight=2),
+    ]
+    if TWO_RANKS:
+        jobs += [
+            Job("ep2", _sft(tiny_assets, work["ep2"], "path", steps=2, global_batch=2 * MICRO_BATCH,
+                            extra=("--expert_model_parallel_size", "2")),
+                _env(base, work["ep2"], nproc=2, **elastic_env), ROOT, weight=2),
+            Job("pp2", _sft(tiny_assets, work["pp2"], "path", steps=2, extra=("--pipeline_model_parallel_size", "2")),
+                _env(base, work["pp2"], nproc=2, ELASTIC_MOE_LAYERS="1", **elastic_env), ROOT, weight=2),
+        ]
+    jobs += [
         Job("hf", [sys.executable, "-I", str(HERE / "_hf_logits.py"), str(work["mg_forward"] / "logits.pt"),
                    str(work["hf"] / "logits.pt"), f"exported={work['export'] / 'hf'}",
                    f"initial={tiny_assets.model_dir(MODEL)}"],
@@ -298,6 +335,7 @@ def test_elastic_kappa_follows_the_pmf_per_layer_and_the_log_carries_plan_and_me
             assert row[f"elastic_moe/layer_{layer}/mean_kappa"] == pytest.approx(mean, abs=1e-8)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU runtime's Transformer Engine stand-in (GPU runs have TE)")
 def test_megatron_core_sees_no_transformer_engine_while_mcore_bridge_got_its_stand_ins(runs):
     report = _ok(runs, "elastic").te_report()
     assert report["have_te"], "no megatron module with HAVE_TE was loaded?"
@@ -311,6 +349,7 @@ def test_megatron_core_sees_no_transformer_engine_while_mcore_bridge_got_its_sta
     assert report["bridge_TEGroupedLinear"] == "<class 'elastic_moe_plugin.cpu_runtime.megatron_swift.TEGroupedLinear'>"
 
 
+@needs_two_ranks
 def test_two_ranks_with_expert_parallelism_route_elastically(runs):
     ep2 = _ok(runs, "ep2")
     schedule = _schedule()
@@ -332,6 +371,7 @@ def test_two_ranks_with_expert_parallelism_route_elastically(runs):
     assert all(f"elastic_moe/layer_{layer}/kappa_frac_3" in row for row in rows for layer in LAYERS)
 
 
+@needs_two_ranks
 def test_two_pipeline_stages_with_the_elastic_layer_on_the_second(runs):
     """PP=2 puts layer 0 on rank 0 and layer 1 on rank 1; ``ELASTIC_MOE_LAYERS=1`` makes only layer 1
     elastic: rank 0 routes every token to exactly 2 experts, rank 1 follows the pmf."""
