@@ -38,7 +38,9 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-addr", default=None, help="rank-0 host (default: first SLURM host/MASTER_ADDR/127.0.0.1)")
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: MASTER_PORT/recipe/29500)")
     parser.add_argument("--megatron-lm-dir", default=None,
-                        help="Megatron-LM checkout holding the recipe's script (default: $MEGATRON_LM_DIR)")
+                        help="Megatron-LM checkout holding the recipe's script (default: $MEGATRON_LM_DIR; "
+                             "--rehearse without one uses the megatron-core wheel's trainer and the repository's "
+                             "example script)")
     parser.add_argument("--set", dest="overrides", action="append", default=None, metavar="KEY=VALUE",
                         help="override a recipe key, e.g. --set args.train-data-path=[/data/fw] (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and its environment, run nothing")
