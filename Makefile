@@ -25,16 +25,25 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[dev,plot,hf,swift,eval]" torch==2.13.0
 	$(MAKE) swift-hook VENV=$(VENV)
 	# megatron-core >=0.17 declares Requires-Python>=3.12, yet its cp311 wheel imports and runs on
-	# 3.11 (its megatron/training needs typing.override, which compat/megatron_training supplies for
+	# 3.11 (its megatron/training needs typing.override, which cpu_runtime.megatron_training supplies for
 	# the tests that run Megatron-LM's training loop). With dependencies pip would
 	# try a numpy sdist that needs 3.12, so install it alone; its runtime deps (torch, numpy,
 	# packaging>=24.2) are already here.
 	$(BIN)/pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_HIGH)
 	rm -rf $(MCORE_LOW_DIR)
 	$(BIN)/pip install -q --no-deps --target $(MCORE_LOW_DIR) megatron-core==$(MCORE_LOW)
-	# mcore-bridge (Megatron-SWIFT's model layer) for tests/mcore/test_mcore_bridge_router.py, which
-	# loads its router module alone: the package itself needs Transformer Engine. --no-deps and a
-	# folder of its own: its dependencies would replace megatron-core 0.19.2.
+	# mcore-bridge (Megatron-SWIFT's model layer: ms-swift 4.6 imports it unconditionally and asks
+	# >=1.6.3) into the venv, so that `megatron sft` imports; on CPU it runs under
+	# elastic_moe_plugin.cpu_runtime.megatron_swift (docs/swift.md). After megatron-core 0.19.2 and
+	# with --no-deps: its own pins (megatron-core>=0.16,<0.20, modelscope, peft>=0.11,<0.21,
+	# safetensors, tqdm, transformers>=4.33) are all met by what is installed above, and --no-deps keeps
+	# pip from re-resolving megatron-core at all (in an environment without it, pip picks 0.16.1, the
+	# newest that declares Python 3.11 support). `pip check` then proves every requirement of the
+	# venv, mcore-bridge's included, is satisfied, megatron-core 0.19.2 still in place.
+	$(BIN)/pip install -q --no-deps mcore-bridge==$(MCORE_BRIDGE)
+	$(BIN)/pip check
+	# The same files in a folder of its own: tests/mcore/test_mcore_bridge_router.py looks there when
+	# the installed package cannot be found (it finds the venv's first now).
 	rm -rf $(MCORE_BRIDGE_DIR)
 	$(BIN)/pip install -q --no-deps --target $(MCORE_BRIDGE_DIR) mcore-bridge==$(MCORE_BRIDGE)
 	touch $@

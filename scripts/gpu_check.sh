@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device checks that need one CUDA GPU (they cannot run on the CPU-only CI machine).
+# Device checks that need a CUDA GPU (two for the megatron sft two-rank runs; they cannot run on the
+# CPU-only CI machine). Unrun so far: no GPU has been lent to this project.
 #   scripts/gpu_check.sh [WORK_DIR]        # default WORK_DIR: a fresh temporary directory
 # Run from anywhere with the environment that has elastic-moe-plugin, ms-swift and, for the
 # Megatron-SWIFT section, megatron-core + mcore-bridge + Transformer Engine installed.
@@ -33,64 +34,38 @@ mcore_checks
 # ==================================================================================================
 
 # ==================================================================================================
-# Section: megatron sft smoke run (Megatron-SWIFT, ms-swift 4.6), issue 6
-# A tiny random Qwen3-MoE (2 layers, 8 experts, top-4, hidden 64; built here, nothing downloaded)
-# trains 3 steps with EP=1, the alltoall token dispatcher (dropless: the elastic dispatcher fix
-# sizes the permutation with the realised sum of κ), the plugin file and its callback, and an
-# elastic schedule 2-6 around k=4. Passes if the run exits 0, logs 3 training steps, and every
-# logged elastic_moe/mean_kappa is within 5% of 4 (> 4 standard errors at these token counts).
+# Section: megatron sft end to end on GPUs (Megatron-SWIFT, ms-swift 4.6 + mcore-bridge), issues 6, 22
+# The CPU suite's runs and assertions (tests/swift/test_megatron_sft.py) with the recipe's GPU layout:
+# Transformer Engine, grouped-GEMM experts (--moe_grouped_gemm true), no CPU runtime; float32 weights,
+# TE's unfused attention and no padding-free batches so that the exact stock/static comparison and the
+# float32 export tolerance keep their meaning. Checked there: stock vs ELASTIC_MOE_SCHEDULE=static equal
+# loss, grad_norm and load-balancing loss on every step; 1-3 around top-2 gives per-layer κ histograms
+# within 4 standard errors of the pmf, the plan line and the κ metrics in logging.jsonl; EP=2 and PP=2
+# (with only the second stage's layer elastic) on two ranks, which need two visible GPUs (else skipped:
+# the pytest summary says so); save at step 2 and resume for steps 3-4 equal to the uninterrupted run,
+# κ token by token; megatron export --to_hf of the elastic checkpoint, loaded in plain transformers with
+# the plugin unimportable, equal to Megatron's static forward within 1e-5. Unrun: no GPU has been lent to
+# this project yet, so this section is written against the CPU runs, not observed on a GPU.
 # ==================================================================================================
-megatron_sft_smoke() {
+megatron_sft_tests() {
   local dir="$work/megatron_sft"
   mkdir -p "$dir"
-  "$python" "$repo/tests/swift/_tiny_assets.py" "$dir/assets" > "$dir/assets.json"
-  local model="$dir/assets/qwen3_moe" dataset="$dir/assets/train.jsonl" out="$dir/out"
   (
     cd "$repo"
-    export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-    export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" NPROC_PER_NODE=1 MASTER_PORT="${MASTER_PORT:-29531}"
-    export ELASTIC_MOE_SCHEDULE=2-6 ELASTIC_MOE_SAMPLING=iid
-    # moe_grouped_gemm false: SequentialMLP experts, no grouped-GEMM kernel needed for 8 tiny experts
-    megatron sft \
-      --model "$model" --model_type qwen3_moe --template qwen3 \
-      --dataset "$dataset" --split_dataset_ratio 0 --check_model false \
-      --external_plugins patches/elastic_moe.py --callbacks elastic_moe \
-      --tuner_type full --finetune true \
-      --expert_model_parallel_size 1 --moe_token_dispatcher_type alltoall \
-      --moe_grouped_gemm false --moe_permute_fusion false --moe_aux_loss_coeff 0.01 \
-      --micro_batch_size 4 --global_batch_size 4 --max_length 512 \
-      --train_iters 3 --logging_steps 1 --lr 1e-5 --min_lr 1e-6 \
-      --torch_dtype bfloat16 --bf16 true \
-      --dataset_num_proc 1 --dataloader_num_workers 0 \
-      --no_save_optim true --no_save_rng true --save_steps 1000 \
-      --output_dir "$out" --add_version false
-  ) 2>&1 | tee "$dir/megatron_sft.log"
-  "$python" - "$out/logging.jsonl" <<'PY'
-import json
-import sys
-
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-steps = [row for row in rows if "elastic_moe/mean_kappa" in row]
-for row in steps:
-    per_layer = {key.split("/")[1]: round(value, 4) for key, value in row.items()
-                 if key.startswith("elastic_moe/layer_") and key.endswith("/mean_kappa")}
-    print(f"megatron sft step {row.get('iteration')}: loss={row.get('loss')} "
-          f"elastic_moe/mean_kappa={row['elastic_moe/mean_kappa']:.4f} per layer {per_layer} "
-          f"tokens_per_expert_max_over_mean={row.get('elastic_moe/tokens_per_expert_max_over_mean')}")
-assert len(steps) >= 3, f"expected 3 logged training steps with elastic metrics, got {len(steps)}: {rows}"
-for row in steps:
-    assert abs(row["elastic_moe/mean_kappa"] - 4.0) <= 0.2, row["elastic_moe/mean_kappa"]
-print("megatron sft smoke: OK")
-PY
+    export MEGATRON_SFT_TEST_DEVICE=cuda
+    timeout 1200 "$python" -m pytest -q -s -rs -p no:cacheprovider tests/swift/test_megatron_sft.py
+  ) 2>&1 | tee "$dir/pytest.log"
+  return "${PIPESTATUS[0]}"
 }
-megatron_sft_smoke
+megatron_sft_tests
 # ==================================================================================================
-# End of section: megatron sft smoke run
+# End of section: megatron sft end to end on GPUs
 # ==================================================================================================
 
 # ==================================================================================================
 # Section: megatron sft --plugin elastic_moe (Megatron-SWIFT, the one-flag form), issue 16
-# The same tiny Qwen3-MoE, 2 steps, run from a folder outside the checkout with `--plugin
+# The tiny Qwen3-MoE (top-4), 2 steps in the recipe's layout (grouped-GEMM experts under Transformer
+# Engine, bf16), run from a folder outside the checkout with `--plugin
 # elastic_moe` (the start-up hook turns it into --external_plugins/--callbacks in the entry
 # process). Where this environment has no hook (an editable install of a checkout), a
 # sitecustomize hands the checkout's elastic-moe-swift.pth to site.addsitedir, as the tests do.
@@ -122,7 +97,7 @@ megatron_sft_plugin_flag() {
       --plugin elastic_moe \
       --tuner_type full --finetune true \
       --expert_model_parallel_size 1 --moe_token_dispatcher_type alltoall \
-      --moe_grouped_gemm false --moe_permute_fusion false --moe_aux_loss_coeff 0.01 \
+      --moe_grouped_gemm true --moe_permute_fusion false --moe_aux_loss_coeff 0.01 \
       --micro_batch_size 4 --global_batch_size 4 --max_length 512 \
       --train_iters 2 --logging_steps 1 --lr 1e-5 --min_lr 1e-6 \
       --torch_dtype bfloat16 --bf16 true \

@@ -74,6 +74,12 @@ def tiny_assets(tmp_path_factory) -> TinyAssets:
     return _assets.build(tmp_path_factory.mktemp("swift_tiny"))
 
 
+@pytest.fixture(scope="session")
+def swift_base_env(tmp_path_factory) -> dict[str, str]:
+    """:func:`base_env` with private caches, for tests that start their own subprocesses."""
+    return base_env(tmp_path_factory.mktemp("swift_cache"))
+
+
 # --------------------------------------------------------------------------- runs
 def swift_command() -> list[str]:
     """The ``swift`` console script of this interpreter's environment."""

@@ -698,3 +698,103 @@ def test_entry_point_logs_routing_metrics_unless_told_not_to():
         parse_argv(["train.py", "--elastic-moe-log-metrics", "maybe"], environ={})
     with pytest.raises(ValueError, match="did you mean --elastic-moe-log-metrics"):
         parse_argv(["train.py", "--elastic-moe-log-metric", "false"], environ={})
+
+
+# ================================================================================== the rehearsal (planning only)
+# The rehearsals themselves (the launchers running) are in tests/swift/test_rehearse.py.
+def _flag_values(argv: list[str]) -> dict[str, list[str]]:
+    """``--flag value...`` words -> {flag: [values]} (a switch maps to [])."""
+    flags: dict[str, list[str]] = {}
+    current = None
+    for word in argv:
+        if word.startswith("--"):
+            current = word[2:]
+            flags[current] = []
+        elif current is not None:
+            flags[current].append(word)
+    return flags
+
+
+#: flags the structured blocks render, replaced as "model", "cluster/parallel" or "batch.seq_length"
+_STRUCTURED = {"model", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+               "expert_model_parallel_size", "expert_tensor_parallel_size", "gradient_accumulation_steps",
+               "max_length", "num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "kv-channels",
+               "num-experts", "moe-ffn-hidden-size", "make-vocab-size-divisible-by", "seq-length",
+               "max-position-embeddings", "expert-model-parallel-size", "external_plugins", "nproc-per-node",
+               "master-port", "nnodes", "node-rank", "master-addr"}
+
+
+@pytest.mark.parametrize("name", RECIPE_IDS)
+def test_a_rehearsal_changes_only_what_it_lists(name, tmp_path, monkeypatch):
+    """Every flag of the rehearsal's command is the recipe's own (rendered for 2 x 8), unless the
+    rehearsal lists it as replaced (``args.<flag>``) or it is rendered from a replaced block; the
+    elastic environment is the recipe's, with the layer range scaled to the tiny depth."""
+    from elastic_moe_plugin.tools.recipes.rehearse import TINY_LAYERS, plan_rehearsal
+    from elastic_moe_plugin.tools.recipes.render import framework_args
+
+    for key in list(os.environ):
+        if key.startswith(CLEAN_ENV_PREFIXES) or key in CLEAN_ENV_NAMES:
+            monkeypatch.delenv(key)
+    recipe = load_recipe(name)
+    topology = resolve_topology(recipe, environ={})
+    original = _flag_values(framework_args(render(recipe, topology, megatron_lm_dir="/nonexistent")))
+    plan = plan_rehearsal(name, work_dir=tmp_path / "work", build_assets=False)
+    argv = plan.command.argv
+    entry = "elastic_moe_plugin.tools.recipes.megatron_lm_cpu"
+    rehearsed = _flag_values(argv[argv.index(entry) + 2:] if entry in argv else framework_args(plan.command))
+    listed = {item.key.removeprefix("args.") for item in plan.replacements}
+    changed = {flag for flag in original.keys() | rehearsed.keys() if original.get(flag) != rehearsed.get(flag)}
+    unexplained = changed - listed - _STRUCTURED
+    assert not unexplained, {flag: (original.get(flag), rehearsed.get(flag)) for flag in unexplained}
+    assert all(item.reason for item in plan.replacements)
+    # the overlay: schedule, sigma, gate, sampling and mode as the recipe has them
+    elastic, tiny = recipe.elastic, plan.recipe.elastic
+    assert (tiny.schedule, tiny.sigma, tiny.gate, tiny.sampling, tiny.mode) == (
+        elastic.schedule, elastic.sigma, elastic.gate, elastic.sampling, elastic.mode)
+    if elastic.layers is not None:
+        from elastic_moe_plugin.core.config import parse_layers
+
+        layers = parse_layers(tiny.layers)
+        assert layers and max(layers) < TINY_LAYERS
+        assert layers == {i * TINY_LAYERS // recipe.model.num_layers for i in parse_layers(elastic.layers)}
+    assert (plan.recipe.model.topk, plan.recipe.model.train_topk) == (recipe.model.topk, recipe.model.train_topk)
+    assert plan.command.env["CUDA_VISIBLE_DEVICES"] == "" and plan.command.env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_rehearsal_of_the_megatron_sft_recipe_runs_every_process_under_the_cpu_bootstrap(tmp_path):
+    from elastic_moe_plugin.tools.recipes.rehearse import cpu_bootstrap_dir, plan_rehearsal
+
+    plan = plan_rehearsal("qwen3_sft/6-10", work_dir=tmp_path / "work", build_assets=False)
+    assert plan.command.env["PYTHONPATH"].split(os.pathsep)[0] == str(cpu_bootstrap_dir())
+    assert (cpu_bootstrap_dir() / "sitecustomize.py").is_file()
+    assert plan.command.env["NPROC_PER_NODE"] == "4"  # PP 2 x EP 2 (x DP 2) on one node
+    assert plan.command.argv[:2] == ["megatron", "sft"]
+
+
+def test_rehearsal_layer_ranges_scale_to_the_tiny_depth():
+    from elastic_moe_plugin.tools.recipes.rehearse import _scaled_layers
+
+    assert _scaled_layers("3-7", 16) == "0-1"
+    assert _scaled_layers("8-12", 16) == "2-3"
+    assert _scaled_layers("3-7", 48) == "0"
+    assert _scaled_layers("0,15", 16) == "0,3"
+    assert _scaled_layers(None, 16) is None
+
+
+def test_rehearse_dry_run_through_the_cli(capsys, tmp_path):
+    work = tmp_path / "work"
+    assert cli.main(["launch", "olmoe_sft/6-10", "--rehearse", "--dry-run", "--rehearse-dir", str(work)]) == 0
+    out = capsys.readouterr().out
+    assert "# rehearsal of configs/olmoe_sft/6-10.yaml (swift_sft)" in out
+    assert "#   args.deepspeed: zero2 -> removed  (DeepSpeed ZeRO needs CUDA; plain data parallelism here)" in out
+    assert "swift sft" in out and "--max_steps 3" in out
+
+
+def test_rehearse_refuses_a_used_folder_and_steps_without_rehearse(tmp_path, capsys):
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "left-over").write_text("x")
+    assert cli.main(["launch", "olmoe_sft/6-10", "--rehearse", "--rehearse-dir", str(used)]) == 2
+    assert "is not empty; a rehearsal starts in a fresh folder" in capsys.readouterr().err
+    assert cli.main(["launch", "olmoe_sft/6-10", "--steps", "2", "--dry-run"]) == 2
+    assert "--steps and --rehearse-dir belong to a rehearsal: add --rehearse" in capsys.readouterr().err

@@ -4,7 +4,8 @@ Each recipe is rendered for its own 2 x 8 cluster (what ``elastic-moe launch --d
 its flags then go through ms-swift 4.6's ``HfArgumentParser`` of ``SftArguments`` /
 ``MegatronSftArguments`` (plus the checks that need no model), or Megatron-LM's own parser and
 ``validate_args`` from the megatron-core wheel. Where a framework import cannot work on this
-machine (no triton, no ``mcore_bridge``, Python 3.11) a shim stands in; every shim used is listed
+machine (no triton, no Transformer Engine for ``mcore_bridge`` or no ``mcore_bridge`` at all,
+Python 3.11) a shim stands in; every shim used is listed
 in the result. What is and is not checked: docs/recipes.md, "How the arguments were checked".
 
 ::
@@ -101,6 +102,13 @@ def install_import_shims() -> list[str]:
     if not _available("mcore_bridge"):
         sys.meta_path.insert(0, _StubFinder("mcore_bridge"))
         used.append("mcore_bridge import stub (raises if called; only dataclass definitions are used)")
+    elif not _available("transformer_engine"):
+        # the real mcore-bridge, as megatron sft imports it on CPU (Transformer Engine stand-in
+        # scoped to mcore-bridge's module bodies; megatron-core still sees no TE)
+        from elastic_moe_plugin.cpu_runtime import megatron_swift
+
+        megatron_swift.enable(force=True)
+        used.append("cpu_runtime.megatron_swift (mcore-bridge without Transformer Engine, as megatron sft on CPU)")
     import typing
 
     if not hasattr(typing, "override"):

@@ -1,0 +1,128 @@
+"""Tiny offline stand-ins for a recipe's checkpoint, tokenizer and data (no hub access).
+
+- :func:`train_tokenizer`: a byte-level BPE tokenizer trained here with ``tokenizers``, saved as a
+  ``PreTrainedTokenizerFast`` with a ChatML chat template and the special tokens ms-swift's
+  ``olmoe``/``olmoe_0924`` and ``qwen3`` templates write (``|||IP_ADDRESS|||``, ``<|im_start|>``, ...);
+- :func:`write_model`: a random MoE checkpoint of a transformers family (``OlmoeForCausalLM``,
+  ``Qwen3MoeForCausalLM``) from a config, written with ``save_pretrained`` next to the tokenizer;
+- :func:`chat_rows` / :func:`write_chat_dataset`: ``{"messages": [user, assistant]}`` rows of
+  random English words;
+- :func:`write_indexed_dataset`: Megatron's indexed dataset (``PREFIX.bin``/``PREFIX.idx``, what
+  Megatron-LM's ``tools/preprocess_data.py`` writes) of the same text, tokenized.
+
+Used by the recipe rehearsal (:mod:`elastic_moe_plugin.tools.recipes.rehearse`) and by the tests
+(``tests/swift/_tiny_assets.py``). Everything is seeded: the same calls write the same files.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = ["CHAT_TEMPLATE", "FAMILIES", "SPECIAL_TOKENS", "VOCAB", "WORDS", "chat_rows", "sentence", "train_tokenizer",
+           "write_chat_dataset", "write_indexed_dataset", "write_model"]
+
+VOCAB = 384
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "|||IP_ADDRESS|||", "<think>", "</think>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = (
+    "the", "a", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are", "with", "as",
+    "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "word", "but", "what", "some", "we",
+    "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "an", "each", "she",
+    "which", "do", "their", "time", "if", "will", "way", "about", "many", "then", "them", "write", "would", "like",
+    "so", "these", "her", "long", "make", "thing", "see", "him", "two", "has", "look", "more", "day", "could", "go",
+    "come", "did", "number", "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call", "first",
+)
+#: transformers family -> (config class, model class) under ``transformers.models``
+FAMILIES: dict[str, tuple[str, str]] = {
+    "olmoe": ("olmoe.OlmoeConfig", "olmoe.OlmoeForCausalLM"),
+    "qwen3_moe": ("qwen3_moe.Qwen3MoeConfig", "qwen3_moe.Qwen3MoeForCausalLM"),
+    "qwen3": ("qwen3.Qwen3Config", "qwen3.Qwen3ForCausalLM"),  # dense: the plugin's refusal tests
+}
+
+
+def sentence(rng: random.Random, words: int) -> str:
+    """``words`` random words, capitalised, with a full stop."""
+    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
+
+
+def train_tokenizer(rng: random.Random):
+    """A ``PreTrainedTokenizerFast`` of at most :data:`VOCAB` tokens, trained on 2000 random sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([sentence(rng, rng.randint(5, 20)) for _ in range(2000)], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>",
+                                   chat_template=CHAT_TEMPLATE)
+    assert len(fast) <= VOCAB, len(fast)
+    return fast
+
+
+def _resolve(dotted: str):
+    module_name, _, attribute = dotted.rpartition(".")
+    return getattr(importlib.import_module(f"transformers.models.{module_name}"), attribute)
+
+
+def write_model(directory: Path, family: str, tokenizer: Any, config: dict[str, Any], seed: int = 0) -> Path:
+    """A random ``family`` model of ``config`` (transformers config keys), with ``tokenizer``, saved in
+    ``directory`` (weights drawn after ``torch.manual_seed(seed)``; the global RNG is restored)."""
+    import torch
+
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r}: expected one of {', '.join(FAMILIES)}.")
+    config_path, model_path = FAMILIES[family]
+    with torch.random.fork_rng():
+        model_config = _resolve(config_path)(**config, pad_token_id=tokenizer.pad_token_id,
+                                             eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+        torch.manual_seed(seed)
+        _resolve(model_path)(model_config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
+
+
+def chat_rows(rng: random.Random, count: int, sentences: int = 3, words: tuple[int, int] = (20, 30)) -> list[dict]:
+    """``count`` rows ``{"messages": [user, assistant]}`` of ``sentences`` random sentences each."""
+    rows = []
+    for _ in range(count):
+        user = " ".join(sentence(rng, rng.randint(*words)) for _ in range(sentences))
+        assistant = " ".join(sentence(rng, rng.randint(*words)) for _ in range(sentences))
+        rows.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]})
+    return rows
+
+
+def write_chat_dataset(path: Path, rows: Iterable[dict]) -> Path:
+    """``rows`` as a jsonl file (ms-swift reads a local ``.jsonl`` given as ``--dataset``)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return Path(path)
+
+
+def write_indexed_dataset(prefix: Path, tokenizer: Any, documents: Iterable[str]) -> int:
+    """Megatron's indexed dataset of ``documents`` (each tokenized, then the EOS token appended, as
+    ``tools/preprocess_data.py --append-eod`` writes it) at ``PREFIX.bin``/``PREFIX.idx``; returns the
+    number of tokens. Needs megatron-core (``megatron.core.datasets.indexed_dataset``)."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.int32)
+    total = 0
+    for text in documents:
+        ids = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+        builder.add_document(torch.tensor(ids, dtype=torch.int32), [len(ids)])
+        total += len(ids)
+    builder.finalize(f"{prefix}.idx")
+    return total
