@@ -48,6 +48,7 @@ MEGATRON_ARGS = [
     "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
     "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-gelu-fusion", "--disable-bias-linear",
+    "--clip-grad", "0",  # the CPU runtime refuses clipping (it asserts CUDA tensors)
 ]
 
 

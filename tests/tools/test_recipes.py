@@ -473,6 +473,12 @@ def test_budget_of_the_pretraining_recipe():
         line = next(line for line in text.splitlines() if line[2:].startswith(name + " "))
         assert re.search(r"\s8\.000\s+8\.000\s", line), line
     assert "unknown" in next(line for line in text.splitlines() if "top-p0.4" in line)
+    # The header's names hold no space, so it splits into exactly its columns, one per row field.
+    header = next(line for line in text.splitlines() if line.strip().startswith("recipe "))
+    assert header.split() == ["recipe", "routing", "layers", "E[kappa]/layer", "E[kappa]/model", "worst/layer",
+                              "worst/model", "min/layer", "eval"]
+    six_ten = next(line for line in text.splitlines() if line[2:].startswith("6-10 "))
+    assert six_ten.split()[-5:] == ["8.000", "10", "10.000", "6", "top-8"]
 
 
 @pytest.mark.parametrize("setting,total,active", [("olmoe_sft", 6.92e9, 1.28e9), ("qwen3_sft", 30.5e9, 3.35e9)])

@@ -126,8 +126,9 @@ def format_budget(report: dict[str, Any]) -> str:
         lines.append(f"D: unknown (trains {t['epochs']} epochs over the dataset; {t['tokens_per_step']:,} tokens per step "
                      f"when packed), so C = M * D is unknown too; steps = epochs x ceil(packed rows / global batch)")
     lines.append("experts per token in training (E = expected, worst = every elastic layer at the top of its support):")
-    header = (f"  {'recipe':<15} {'routing':<17} {'layers':<7} {'E[kappa]/layer':>14} {'E mean':>7} {'worst/layer':>11} "
-              f"{'worst mean':>10} {'min':>4}  eval")
+    # Space-free column names, two spaces apart, so the header reads (and splits) like the rows.
+    header = (f"  {'recipe':<15}  {'routing':<17}  {'layers':<7}  {'E[kappa]/layer':>14}  {'E[kappa]/model':>14}  "
+              f"{'worst/layer':>11}  {'worst/model':>11}  {'min/layer':>9}  eval")
     lines.append(header)
     this = report["this_recipe"]["recipe"]
     for row in report["schedules"]:
@@ -135,10 +136,10 @@ def format_budget(report: dict[str, Any]) -> str:
         mean = "unknown" if row["expected_mean"] is None else f"{row['expected_mean']:.3f}"
         mark = "*" if row["recipe"] == this else " "
         lines.append(
-            f" {mark}{row['recipe']:<15} {row['kind']:<17} {row['layers']:<7} {exp:>14} {mean:>7} "
-            f"{row['worst_per_layer']:>11} {row['worst_mean']:>10.3f} {row['min_per_layer']:>4}  top-{row['eval_topk']}"
+            f" {mark}{row['recipe']:<15}  {row['kind']:<17}  {row['layers']:<7}  {exp:>14}  {mean:>14}  "
+            f"{row['worst_per_layer']:>11}  {row['worst_mean']:>11.3f}  {row['min_per_layer']:>9}  top-{row['eval_topk']}"
         )
         if row.get("note"):
-            lines.append(f"  {'':<15} {row['note']}")
-    lines.append("  (* this recipe; layer-restricted recipes average elastic and static layers in 'mean')")
+            lines.append(f"  {'':<15}  {row['note']}")
+    lines.append("  (* this recipe; layer-restricted recipes average elastic and static layers in '/model')")
     return "\n".join(lines)
