@@ -736,6 +736,18 @@ def test_training_loop_answers_device_arch_and_checks_flags_and_restores_every_b
             message = str(error)
         assert "--distributed-backend gloo (got 'nccl'" in message and "--clip-grad 0 (got 1.0" in message, message
         assert "--transformer-impl local (got" not in message, message
+        from elastic_moe_plugin.cpu_runtime import grad_clip
+
+        grad_clip.enable()  # clipping on host tensors: a recipe's own --clip-grad is then accepted
+        try:
+            training_loop.check_cpu_arguments(argparse.Namespace(**{**vars(good), "clip_grad": 1.0}))
+            try:
+                training_loop.check_cpu_arguments(bad)
+                raise AssertionError("the waiver of --clip-grad waived --distributed-backend too")
+            except cpu_runtime.MegatronCPUError as error:
+                assert "--distributed-backend gloo" in str(error) and "--clip-grad" not in str(error), error
+        finally:
+            grad_clip.disable()
         assert initialize._warmup_jit_function.__elastic_moe_patched__
         stock_warmup = initialize._warmup_jit_function.__wrapped__
         state = torch.default_generator.get_state()

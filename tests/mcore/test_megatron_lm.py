@@ -60,6 +60,7 @@ MEGATRON_ARGS = [
     "--clip-grad", "0",
 ]
 ELASTIC = ["--elastic-moe-schedule", SCHEDULE]
+POINT_MASS = ["--elastic-moe-schedule", "2-2"]  # elastic routing with κ ≡ k: no draw decides anything
 # The TP=2 comparison: a vocabulary padded to a multiple of 64·TP gives 128 rows at TP 1 and 2 alike
 # (the default 128·TP would pad TP=2 to 256, another model); 3 iterations of the 10-iteration schedule.
 SHORT = ["--exit-interval", "3", "--save-interval", "3", "--make-vocab-size-divisible-by", "64"]
@@ -117,8 +118,11 @@ def _runs(tmp: Path) -> dict[str, Run]:
         "front_door": Run([*ELASTIC, *SHORT, "--save", str(tmp / "ckpt_front_door"),
                            "--tensorboard-dir", str(tmp / "tb_front_door")], front_door=True),
         # Megatron requires CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1 on GPUs before Blackwell, and so on CPU
-        "tp2_sp": Run([*ELASTIC, *SHORT, *TP2_SP, "--save", str(tmp / "ckpt_tp2_sp")], nproc=2,
-                      env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)),
+        "tp2_sp": Run([*ELASTIC, *SHORT, *TP2_SP], nproc=2, env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)),
+        # κ ≡ 2 through the elastic router: the same κ on 1 rank and on the SP shards, so the two must train alike
+        "point_mass": Run([*POINT_MASS, *SHORT, "--save", str(tmp / "ckpt_point_mass")]),
+        "tp2_sp_point_mass": Run([*POINT_MASS, *SHORT, *TP2_SP, "--save", str(tmp / "ckpt_tp2_sp_point_mass")],
+                                 nproc=2, env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)),
     }
 
 
@@ -412,12 +416,15 @@ def _checkpoint_tensors(checkpoint: Path) -> dict:
 
 def test_tp2_with_sequence_parallel_on_two_gloo_ranks_trains_as_one_rank(runs):
     """TP=2 with sequence parallelism (the CPU runtime's sequence-parallel torch norm) equals the
-    1-rank run of the same model and data.
+    1-rank run of the same model, data and κ.
 
-    - κ: with SP each TP rank routes its own half of the sequence and draws its own slice of one
-      global budget stream (``docs/parallelism.md``), so the two ranks' κ differ, and together they
-      are the 1-rank run's κ: per forward, the two histograms sum to the elastic run's, exactly (κ does
-      not depend on the weights, so that run's first 6 forwards serve).
+    κ is the same on both sides only where no draw decides it: with SP each TP rank is its own token
+    shard and draws its own κ from its own key (``docs/parallelism.md#randomness``), so an elastic
+    1-3 run on 2 SP ranks routes other κ than on 1 rank. The exact comparison therefore runs elastic
+    routing at κ ≡ 2 (schedule 2-2: the elastic router, its dispatch and its realised aux loss, whose
+    counts are reduced over TP); :func:`test_tp2_with_sequence_parallel_draws_one_kappa_per_shard`
+    covers the elastic 1-3 run.
+
     - Parameters after 3 iterations, every tensor, max abs error <= 2e-5: fp32, and the TP=2 run sums
       its row-parallel partials and the vocab-parallel cross entropy across ranks in another order.
       Measured <= 3.6e-6 (Adam turns ~1e-7 noise on near-zero expert gradients into that); with the
@@ -426,25 +433,44 @@ def test_tp2_with_sequence_parallel_on_two_gloo_ranks_trains_as_one_rank(runs):
     - The loss lines: lm loss and load-balancing loss within rel 1e-6 (measured equal in all 7 printed
       digits; the unmarked norms move iteration 2 by 3.7e-6), the grad norm to its 3 printed decimals.
     """
-    one, two = _ok(runs, "front_door"), _ok(runs, "tp2_sp")
+    one, two = _ok(runs, "point_mass"), _ok(runs, "tp2_sp_point_mass")
     assert "tensor-model-parallel size: 2" in two.output
     assert sorted(two.lines()) == [1, 2, 3]
     for iteration in (1, 2, 3):
         for name in ("lm loss", "load_balancing_loss"):
             assert two.value(iteration, name) == pytest.approx(one.value(iteration, name), rel=1e-6), (iteration, name)
         assert two.value(iteration, "grad norm") == pytest.approx(one.value(iteration, "grad norm"), abs=1.5e-3)
-    elastic = _ok(runs, "elastic")
-    assert sorted(two.observed) == [0, 1]
-    for layer in range(LAYERS):
-        halves = [two.observed[rank][layer] for rank in (0, 1)]
-        assert len(halves[0]) == len(halves[1]) == 6
-        assert all(sum(counts) == TOKENS_PER_FORWARD // 2 for half in halves for counts in half)
-        assert halves[0] != halves[1], "the SP shards draw their own slices"
-        summed = [[a + b for a, b in zip(*pair)] for pair in zip(*halves)]
-        assert summed == elastic.observed[0][layer][:6], f"layer {layer}"
-    reference = _checkpoint_tensors(runs["tmp"] / "ckpt_front_door" / "iter_0000003")
-    tensors = _checkpoint_tensors(runs["tmp"] / "ckpt_tp2_sp" / "iter_0000003")
+    for rank in (0, 1):
+        for layer in range(LAYERS):
+            assert all(counts == [0, 0, TOKENS_PER_FORWARD // 2, 0, 0] for counts in two.observed[rank][layer])
+    reference = _checkpoint_tensors(runs["tmp"] / "ckpt_point_mass" / "iter_0000003")
+    tensors = _checkpoint_tensors(runs["tmp"] / "ckpt_tp2_sp_point_mass" / "iter_0000003")
     assert sorted(tensors) == sorted(reference) and any("layer_norm_weight" in key for key in tensors)
     for key, tensor in tensors.items():
         assert tensor.shape == reference[key].shape, key
         assert (tensor.float() - reference[key].float()).abs().max().item() <= 2e-5, key
+
+
+def test_tp2_with_sequence_parallel_draws_one_kappa_per_shard(runs):
+    """Elastic 1-3 on 2 SP ranks: each rank routes its half of the sequence with its own κ.
+
+    Per forward each rank's histogram counts its T/2 tokens, κ covers 1..3 on both ranks, and the two
+    shards' κ differ (their own Philox keys); the shards' κ are not slices of the 1-rank run's (that
+    earlier rule drew num_shards·T uniforms per rank). The closed form per shard is checked through
+    the same trainer in ``test_megatron_lm_kappa_stream.py`` and at the router in
+    ``test_mcore_parallel.py``.
+    """
+    two, one = _ok(runs, "tp2_sp"), _ok(runs, "elastic")  # the 1-rank elastic 1-3 run, observed
+    assert sorted(two.lines()) == [1, 2, 3]
+    assert all(math.isfinite(two.value(iteration, "lm loss")) for iteration in (1, 2, 3))
+    assert sorted(two.observed) == [0, 1]
+    for layer in range(LAYERS):
+        halves = [two.observed[rank][layer] for rank in (0, 1)]
+        assert len(halves[0]) == len(halves[1]) == 6
+        for half in halves:
+            assert all(sum(counts) == TOKENS_PER_FORWARD // 2 and counts[0] == 0 and sum(counts[4:]) == 0
+                       for counts in half)
+            assert all(sum(counts[budget] for counts in half) > 0 for budget in (1, 2, 3))
+        assert halves[0] != halves[1], "the SP shards draw their own κ"
+        summed = [[a + b for a, b in zip(*pair)] for pair in zip(*halves)]
+        assert summed != one.observed[0][layer][:6], "the shards' κ are their own draws, not the 1-rank run's slices"
