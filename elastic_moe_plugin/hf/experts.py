@@ -35,7 +35,8 @@ weights, and the weights' gradient) keeps the b slots, with no hidden dimension.
 
 Expert parallelism (:func:`install_expert_parallel`): transformers' token dispatch
 (``ep_dispatch_experts``) sends only the P kept pairs to their owners and adds the weighted outputs
-back per token; the masked plan (``ep_router`` + ``moe_tp_experts``) keeps the mark through the
+back per token (with a TP group, each rank's ``Shard(0)`` slice of the tokens is marked with its
+slice of κ); the masked plan (``ep_router`` + ``moe_tp_experts``) keeps the mark through the
 router's output hook, so each rank's experts compact to the P kept pairs (the other ranks' experts
 are transformers' sentinel id ``num_local_experts``, left out of the grouped GEMM by its offsets).
 
