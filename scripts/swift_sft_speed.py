@@ -1,7 +1,7 @@
 """End to end: ``swift sft`` steps/s on a tiny local OLMoE, static top-8 against elastic 6-10.
 
     python scripts/swift_sft_speed.py [--steps 20] [--rounds 2] [--work DIR] [--experts-impl IMPL]
-                                      [--hidden 256] [--ffn 256] [--layers 4]
+                                      [--hidden 256] [--ffn 256] [--layers 4] [--profile FIRST:COUNT]
 
 Builds, offline, a tiny OLMoE-shaped model (4 layers, hidden 256, 64 experts of width 256, top-8,
 ``norm_topk_prob=False``; ``--hidden``, ``--ffn`` and ``--layers`` change the size; the tokenizer
@@ -15,6 +15,10 @@ unless ``--experts-impl`` names one.
 Steps/s per run are steady-state: from swift's logged cumulative ``train_speed(s/it)`` at step
 ``--warmup`` and at the last step, (last - warmup) / (time at last - time at warmup). Prints one
 line per run, the medians, their ratio, and a JSON line.
+
+``--profile FIRST:COUNT`` instead runs each schedule once under torch.profiler (steps FIRST + 1 to
+FIRST + COUNT, host activities; ``scripts/swift_sft_profile_plugin.py``, a second plugin file) and
+prints the ops whose self CPU time differs most between 6-10 and static, summed over those steps.
 """
 
 from __future__ import annotations
@@ -67,8 +71,13 @@ def build(work: Path, model: dict) -> tuple[Path, Path]:
     return model_dir, assets.dataset
 
 
-def run(model_dir: Path, dataset: Path, schedule: str, steps: int, out: Path, experts_impl: str | None) -> list[dict]:
-    """One ``swift sft`` run; its logged training rows."""
+PROFILE_PLUGIN = ROOT / "scripts" / "swift_sft_profile_plugin.py"
+
+
+def run(model_dir: Path, dataset: Path, schedule: str, steps: int, out: Path, experts_impl: str | None,
+        profile: str | None = None) -> list[dict]:
+    """One ``swift sft`` run; its logged training rows. With ``profile`` ("first:count"), the
+    profiler's table lands in ``out / "profile.json"``."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("ELASTIC_MOE_")}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TORCH_COMPILE_DISABLE="1",
@@ -86,6 +95,11 @@ def run(model_dir: Path, dataset: Path, schedule: str, steps: int, out: Path, ex
     ]
     if experts_impl is not None:
         command += ["--experts_impl", experts_impl]
+    if profile is not None:
+        plugins = command.index("--callbacks")
+        command[plugins - 1:plugins + 2] = ["patches/elastic_moe.py", str(PROFILE_PLUGIN), "--callbacks", "elastic_moe",
+                                            "sft_profile"]
+        env.update(SWIFT_SFT_PROFILE_STEPS=profile, SWIFT_SFT_PROFILE_OUT=str(out / "profile.json"))
     log = out / "output.log"
     with log.open("wb") as sink:
         code = subprocess.call(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
@@ -103,6 +117,27 @@ def steady_steps_per_second(rows: list[dict], warmup: int) -> float:
     return (last - warmup) / (speeds[last] * last - speeds[warmup] * warmup)
 
 
+def profile_differences(model_dir: Path, dataset: Path, work: Path, steps: int, experts_impl: str | None,
+                        profile: str, top: int = 15) -> dict:
+    """One profiled run per schedule; prints and returns the largest self-CPU differences by op."""
+    tables = {}
+    for schedule in SCHEDULES:
+        out = work / f"profile_{schedule}"
+        out.mkdir(parents=True)
+        run(model_dir, dataset, schedule, steps, out, experts_impl, profile=profile)
+        tables[schedule] = json.loads((out / "profile.json").read_text())
+    static, elastic = tables["static"], tables["6-10"]
+    totals = {schedule: sum(us for us, _ in table.values()) / 1e3 for schedule, table in tables.items()}
+    rows = sorted(((elastic.get(op, [0, 0])[0] - static.get(op, [0, 0])[0]) / 1e3, op) for op in set(static) | set(elastic))
+    print(f"self CPU over steps {profile}: static {totals['static']:.0f} ms, 6-10 {totals['6-10']:.0f} ms "
+          f"({totals['6-10'] - totals['static']:+.0f} ms)")
+    print(f"{'op':42s} {'static ms':>10s} {'6-10 ms':>10s} {'diff ms':>9s} {'calls':>13s}")
+    for diff, op in sorted(rows, key=lambda row: -abs(row[0]))[:top]:
+        (s_us, s_calls), (e_us, e_calls) = static.get(op, [0, 0]), elastic.get(op, [0, 0])
+        print(f"{op:42s} {s_us / 1e3:10.1f} {e_us / 1e3:10.1f} {diff:+9.1f} {s_calls:6d}/{e_calls:<6d}")
+    return {"totals_ms": totals, "top": [(op, diff) for diff, op in sorted(rows, key=lambda row: -abs(row[0]))[:top]]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -113,10 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=MODEL["hidden_size"], help="hidden size H")
     parser.add_argument("--ffn", type=int, default=MODEL["intermediate_size"], help="expert FFN width F")
     parser.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    parser.add_argument("--profile", default=None, metavar="FIRST:COUNT",
+                        help="profile steps FIRST+1..FIRST+COUNT of one run per schedule instead of timing rounds")
     args = parser.parse_args(argv)
     model = {**MODEL, "hidden_size": args.hidden, "intermediate_size": args.ffn, "num_hidden_layers": args.layers}
     work = args.work or Path(tempfile.mkdtemp(prefix="elastic_moe_swift_speed_"))
     model_dir, dataset = build(work, model)
+    if args.profile is not None:
+        print(json.dumps(profile_differences(model_dir, dataset, work, args.steps, args.experts_impl, args.profile)))
+        return 0
     rates: dict[str, list[float]] = {schedule: [] for schedule in SCHEDULES}
     kappa: dict[str, list[float]] = {schedule: [] for schedule in SCHEDULES}
     for round_index in range(args.rounds):

@@ -2,9 +2,10 @@
 
 After every training forward an elastic router holds (in its ``__dict__``, so no parameter,
 buffer or state-dict key is added) the latest :class:`RoutingRecord` and a running κ histogram
-``LongTensor [b+1]`` (index = κ) since the last reset. Keeping them costs two small device ops
-per layer and no host sync; :mod:`~elastic_moe_plugin.core.metrics` turns them into logged
-scalars only when a logger asks.
+``LongTensor [b+1]`` (index = κ) since the last reset. Keeping them costs one small device op per
+layer (the histogram's ``scatter_add_``) and no host sync: the record holds references to the
+forward's own tensors and derives its logging tensors when read;
+:mod:`~elastic_moe_plugin.core.metrics` turns them into logged scalars only when a logger asks.
 
 The front end. An adapter only enumerates its routers, as :class:`RouterSite` rows in model order
 (transformers: the covered router classes, tagged with ``layer_idx``; Megatron: every decoder-layer
@@ -38,7 +39,6 @@ RECORD_ATTR = "_elastic_record"
 HISTOGRAM_ATTR = "_elastic_budget_histogram"
 
 
-@dataclasses.dataclass(frozen=True)
 class RoutingRecord:
     """What one elastic router did in its latest training forward (detached; the record docs/gates.md#gate-conventions asks for).
 
@@ -50,12 +50,67 @@ class RoutingRecord:
         capacity_dropped: BoolTensor [T, b], True where a selected slot of ``expert_ids`` was
             dropped by the capacity factor (Megatron's ``moe_expert_capacity_factor``); None when
             no capacity factor is set. ``expert_ids`` keep the selection before drops.
+
+    A forward stores only what it already holds (:meth:`of_forward`: κ, the candidate ids, the
+    kept mask and the gate weights, all detached references, no copy); ``expert_ids`` =
+    ``where(kept, candidate_ids, −1)`` and ``retained_weight_sums`` = ``gate_weights.sum(−1)`` are
+    computed when first read (a logging step), then kept. Read-only.
     """
 
-    budgets: torch.Tensor
-    expert_ids: torch.Tensor
-    retained_weight_sums: torch.Tensor
-    capacity_dropped: torch.Tensor | None = None
+    __slots__ = ("budgets", "capacity_dropped", "_candidate_ids", "_kept", "_gate_weights", "_expert_ids",
+                 "_retained_weight_sums")
+
+    def __init__(self, budgets: torch.Tensor, expert_ids: torch.Tensor, retained_weight_sums: torch.Tensor,
+                 capacity_dropped: torch.Tensor | None = None) -> None:
+        """A record from its read forms (tests, synthetic records); a forward uses :meth:`of_forward`."""
+        self._set(budgets=budgets, capacity_dropped=capacity_dropped, _candidate_ids=None, _kept=None,
+                  _gate_weights=None, _expert_ids=expert_ids, _retained_weight_sums=retained_weight_sums)
+
+    @classmethod
+    def of_forward(cls, budgets: torch.Tensor, candidate_ids: torch.Tensor, kept: torch.Tensor,
+                   gate_weights: torch.Tensor | None = None, *, retained_weight_sums: torch.Tensor | None = None,
+                   capacity_dropped: torch.Tensor | None = None) -> "RoutingRecord":
+        """The record of one forward, from what the forward holds (detached here, nothing computed).
+
+        Args:
+            budgets: κ [T]; candidate_ids: [T, b] by router rank; kept: [T, b] bool, j < κ_t.
+            gate_weights: [T, b] kept gate weights before any scaling factor (0 beyond κ_t), or
+                None with ``retained_weight_sums`` [T] given instead (a caller that has the sums).
+            capacity_dropped: [T, b] bool, or None without a capacity factor.
+        """
+        if (gate_weights is None) == (retained_weight_sums is None):
+            raise TypeError("RoutingRecord.of_forward takes exactly one of gate_weights [T, b] and "
+                            "retained_weight_sums [T].")
+        record = cls.__new__(cls)
+        record._set(budgets=budgets.detach(), capacity_dropped=None if capacity_dropped is None else capacity_dropped.detach(),
+                    _candidate_ids=candidate_ids.detach(), _kept=kept.detach(),
+                    _gate_weights=None if gate_weights is None else gate_weights.detach(), _expert_ids=None,
+                    _retained_weight_sums=None if retained_weight_sums is None else retained_weight_sums.detach())
+        return record
+
+    def _set(self, **values: Any) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"RoutingRecord is read-only (cannot set {name!r})")
+
+    @property
+    def expert_ids(self) -> torch.Tensor:
+        """LongTensor [T, b]: the candidate ids, −1 beyond κ_t (computed at the first read)."""
+        if self._expert_ids is None:
+            object.__setattr__(self, "_expert_ids", torch.where(self._kept, self._candidate_ids, -1))
+        return self._expert_ids
+
+    @property
+    def retained_weight_sums(self) -> torch.Tensor:
+        """Tensor [T]: Σ of the kept gate weights (computed at the first read)."""
+        if self._retained_weight_sums is None:
+            object.__setattr__(self, "_retained_weight_sums", self._gate_weights.sum(dim=-1))
+        return self._retained_weight_sums
+
+    def __repr__(self) -> str:
+        return f"RoutingRecord(tokens={self.budgets.numel()}, width={self.expert_ids.shape[-1]})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,27 +139,29 @@ def remember(
     budgets: torch.Tensor,
     candidate_ids: torch.Tensor,
     kept: torch.Tensor,
-    retained_weight_sums: torch.Tensor,
+    gate_weights: torch.Tensor | None = None,
     *,
     count: bool,
+    retained_weight_sums: torch.Tensor | None = None,
     capacity_dropped: torch.Tensor | None = None,
 ) -> None:
     """Store this forward's record on ``router``; with ``count``, add κ [T] to its histogram [b+1].
+
+    The record holds references to what the forward already has (:meth:`RoutingRecord.of_forward`);
+    the logging tensors derived from them are computed only when a logger reads them.
 
     Args:
         width: b, the candidate slots per token (the histogram has b + 1 bins).
         budgets: κ [T] (LongTensor).
         candidate_ids: [T, b] expert ids by router rank; kept: [T, b] bool, slot j kept iff j < κ_t.
-        retained_weight_sums: [T], Σ of the kept gate weights.
+        gate_weights: [T, b], the kept gate weights before any scaling factor (0 beyond κ_t); or
+            None and ``retained_weight_sums`` [T] (their per-token sums) instead.
         count: False for a forward that replays a step already counted (activation recompute).
         capacity_dropped: [T, b] bool, kept slots that a capacity factor dropped; None without one.
     """
-    router.__dict__[RECORD_ATTR] = RoutingRecord(
-        budgets=budgets.detach(),
-        expert_ids=torch.where(kept, candidate_ids, -1).detach(),
-        retained_weight_sums=retained_weight_sums.detach(),
-        capacity_dropped=None if capacity_dropped is None else capacity_dropped.detach(),
-    )
+    router.__dict__[RECORD_ATTR] = RoutingRecord.of_forward(
+        budgets, candidate_ids, kept, gate_weights, retained_weight_sums=retained_weight_sums,
+        capacity_dropped=capacity_dropped)
     if not count:
         return
     histogram = router.__dict__.get(HISTOGRAM_ATTR)

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from elastic_moe_plugin.core.budget_stream import LATEST_DRAW_ATTR, BudgetStream
+from elastic_moe_plugin.core.budget_stream import LATEST_DRAW_ATTR, BudgetDraw, BudgetStream
 from elastic_moe_plugin.core.patching import PATCH_MARKER, AttributePatches, unwrap
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
@@ -52,8 +52,6 @@ logger = logging.getLogger("elastic_moe_plugin.hf")
 
 #: the key of κ's stream state in the Trainer's rng_state files
 RNG_STATE_KEY = "elastic_moe_budget"
-#: κ [T] of a router's latest forward, reused by its recompute
-LATEST_BUDGETS_ATTR = "_elastic_latest_budgets"
 #: the tensor-parallel process group a router's tokens are shared over (set by tag_tensor_parallel)
 TP_GROUP_ATTR = "_elastic_tp_group"
 _TOKEN_SHARD_ATTR = "_elastic_token_shard"
@@ -130,18 +128,20 @@ def tag_tensor_parallel(model: torch.nn.Module) -> int:
     return tp_mesh.size()
 
 
-def draw(router: torch.nn.Module, plan: LayerPlan, num_tokens: int, device: torch.device, *, replay: bool) -> torch.Tensor:
-    """κ [T] for one router forward: a fresh draw, or with ``replay`` (a checkpoint's recompute)
-    the router's latest κ. The draw (κ and Σκ on the host) is kept on the router
+def draw(router: torch.nn.Module, plan: LayerPlan, num_tokens: int, device: torch.device, *,
+         replay: bool) -> BudgetDraw:
+    """One router forward's draw (κ [T] on ``device`` and on the host, Σκ): a fresh draw, or with
+    ``replay`` (a checkpoint's recompute) the router's latest one. The draw is kept on the router
     (``core.budget_stream.latest_draw``).
 
     Raises:
         RuntimeError: a recompute finds no κ of that token count to replay.
     """
     if replay:
-        latest = router.__dict__.get(LATEST_BUDGETS_ATTR)
-        if latest is None or latest.numel() != num_tokens or latest.device != torch.device(device):
-            found = "none" if latest is None else f"{latest.numel()} tokens on {latest.device}"
+        latest = router.__dict__.get(LATEST_DRAW_ATTR)
+        budgets = None if latest is None else latest.budgets
+        if budgets is None or budgets.numel() != num_tokens or budgets.device != torch.device(device):
+            found = "none" if budgets is None else f"{budgets.numel()} tokens on {budgets.device}"
             raise RuntimeError(
                 f"elastic-moe: a gradient-checkpointing recompute of {type(router).__name__} routes {num_tokens} tokens "
                 f"on {device}, but the router's latest forward drew κ for {found}. The recompute replays the κ of "
@@ -156,8 +156,7 @@ def draw(router: torch.nn.Module, plan: LayerPlan, num_tokens: int, device: torc
         if _STREAM[0] is stream:  # a concurrent re-seed wins
             _STREAM[0] = advanced
     router.__dict__[LATEST_DRAW_ATTR] = budget_draw
-    router.__dict__[LATEST_BUDGETS_ATTR] = budget_draw.budgets
-    return budget_draw.budgets
+    return budget_draw
 
 
 def state_dict() -> dict[str, int]:
@@ -272,5 +271,5 @@ def install(patches: AttributePatches) -> None:
         patches.set(DistributedMixin, "maybe_distribute_model", _tagging_tensor_parallel(unwrap(found.__func__)))
 
 
-__all__ = ["LATEST_BUDGETS_ATTR", "RNG_STATE_KEY", "TP_GROUP_ATTR", "current_stream", "draw", "install", "load_state_dict",
+__all__ = ["RNG_STATE_KEY", "TP_GROUP_ATTR", "current_stream", "draw", "install", "load_state_dict",
            "reseed", "reset", "state_dict", "tag_tensor_parallel", "token_shard"]

@@ -2,36 +2,54 @@
 
 An elastic router (:func:`.routing.elastic_routing`) returns b candidate slots per token (b = the
 schedule's high budget): real expert ids, and a weight of exactly 0 in every slot j >= κ_t. It marks
-its ``top_k_index`` tensor with the kept-slot mask (:func:`mark_kept_slots`). The patched
-``<Family>Experts.forward`` (:func:`experts_forward`) looks the mark up and has the active experts
-implementation multiply only the Σ_t κ_t kept (token, expert) rows:
+its ``top_k_index`` tensor with κ **on the host** (:func:`mark_kept_slots`; κ is drawn there, so
+Σκ = P is a host int that cost no device read). The patched ``<Family>Experts.forward``
+(:func:`experts_forward`) looks the mark up and compacts the call to its P kept (token, expert)
+pairs: the pair index (:meth:`KeptSlots.pairs`, built on the host, one host-to-device copy) gathers
+each pair's hidden state, expert id and weight, the active experts implementation runs on those P
+rows, and the weighted pair outputs are summed per token (:func:`_sum_per_token`). Every shape is
+known on the host, so nothing syncs:
 
-==============  ========================================================================  ===============
-implementation  what runs for a marked call                                               syncs added
-==============  ========================================================================  ===============
-``eager``       transformers' own loop, with the sentinel id E (= ``num_experts``) in     +1 (the loop's
-                the unkept slots: the loop skips expert E                                 test of E)
-``grouped_mm``  transformers' grouped GEMM over the slots sorted by expert, the unkept    0
-                ones (id E) last: ``histc(max=E-1)`` leaves them out of the offsets, both
-                GEMMs stop at ``offsets[-1]`` = Σκ, and one forward-only zeroing keeps the
-                tail rows (left uninitialised by the kernel) out of the output and of
-                every gradient (:func:`_grouped_mm`)
-``batched_mm``  compaction: the P = Σκ kept pairs become a top-1 problem of P rows for    iid: 1 (P is
-                transformers' ``batched_mm_experts_forward`` (which has no offsets and   read by
-                multiplies every row it gets); each pair's output goes back to its slot  ``nonzero``);
-                of a zero ``[T, b, H]`` buffer, summed per token as stock sums its slots balanced: 0
-                                                                                          (P = T·k)
-other           the stock implementation over every slot (the unkept ones weigh 0):       0
-                correct, b/k of the compute; logged once per implementation
-==============  ========================================================================  ===============
+==============  ============================================  ==========  =========  ===========
+implementation  what runs for a marked call                   GEMM rows   elementw.  syncs added
+                                                                          rows
+==============  ============================================  ==========  =========  ===========
+``grouped_mm``  transformers' grouped GEMM over the P pairs   P = Σκ      P          0
+                sorted by expert (``offsets[-1]`` = P: no
+                tail, nothing to mask); the weighted rows
+                are added into their tokens
+``batched_mm``  transformers' ``batched_mm_experts_forward``  P           P          0
+                on P tokens of one slot each
+``eager``       transformers' own loop on P tokens of one     P           P          0 (the loop's
+                slot each                                                            own per
+                                                                                     expert hit)
+other           the stock implementation over every slot      T·b         T·b        0
+                (the unkept ones weigh 0): correct, b/k of
+                the compute; logged once per implementation
+==============  ============================================  ==========  =========  ===========
+
+"elementw. rows": the rows of every element-wise op on activations (the gathers, the gate
+activation and its backward, the weighting, the per-token sum): P, the tokens' T for the output.
+Only [T, b]-shaped index bookkeeping of the router's own outputs (the gathers of the P ids and
+weights, and the weights' gradient) keeps the b slots, with no hidden dimension.
+
+Expert parallelism (:func:`install_expert_parallel`): transformers' token dispatch
+(``ep_dispatch_experts``) sends only the P kept pairs to their owners and adds the weighted outputs
+back per token (with a TP group, each rank's ``Shard(0)`` slice of the tokens is marked with its
+slice of κ); the masked plan (``ep_router`` + ``moe_tp_experts``) keeps the mark through the
+router's output hook, so each rank's experts compact to the P kept pairs (the other ranks' experts
+are transformers' sentinel id ``num_local_experts``, left out of the grouped GEMM by its offsets).
 
 A call without a mark (eval mode, static layers, ``schedule="static"``, a router that is not
-patched, or a block that rebuilt the index tensor) runs the stock forward untouched, bit for bit.
+patched, or a block that rebuilt the index tensor) runs the stock forward untouched, bit for bit;
+so does a marked call that keeps every slot (P = T·b, a point-mass schedule at b), since the
+per-token ``index_add`` would sum the pairs in another order than stock's slot sum.
 The implementation is read from ``experts.config._experts_implementation`` at every call, so
 ``from_pretrained(..., experts_implementation=...)``, ``model.set_experts_implementation(...)`` and
 ms-swift's ``--experts_impl`` all apply, before or after :func:`elastic_moe_plugin.hf.apply`.
 
-Shapes: T = tokens of the call, b = slots per token, H = hidden size, E = ``experts.num_experts``.
+Shapes: T = tokens of the call, b = slots per token, P = Σ_t κ_t kept pairs, H = hidden size,
+E = ``experts.num_experts`` (the local experts under expert parallelism).
 """
 
 from __future__ import annotations
@@ -41,24 +59,38 @@ import functools
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from elastic_moe_plugin.core.budget_stream import to_device
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
 
 @dataclasses.dataclass(frozen=True)
 class KeptSlots:
-    """What an elastic router dispatched in one call, attached to its ``top_k_index`` tensor.
+    """What an elastic router dispatched in one call, attached to its ``top_k_index`` [T, b] tensor.
 
     Attributes:
-        kept: ``BoolTensor[T, b]``, slot j of token t kept iff j < κ_t.
-        pair_count: Σ_t κ_t when the host knows it without a sync (``sampling="balanced"``:
-            exactly T·k), else None.
+        host_budgets: κ [T] (int64 numpy) on the host: slot j of token t is kept iff j < κ_t.
+        total: P = Σ_t κ_t, a host int.
     """
 
-    kept: torch.Tensor
-    pair_count: int | None
+    host_budgets: np.ndarray
+    total: int
+
+    def pairs(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions [P], tokens [P])`` of the kept pairs, in token-major order: pair p is
+        (t, j) with j < κ_t, at flat slot position t·b + j of the [T, b] routing tensors.
+
+        Built on the host from κ (O(T·b) integer work there) and sent to ``device`` in one copy:
+        none on a CPU device, one non-blocking copy from pinned memory on CUDA
+        (:func:`~elastic_moe_plugin.core.budget_stream.to_device`). No host sync.
+        """
+        tokens, slots = np.nonzero(np.arange(width) < self.host_budgets[:, None])
+        index = to_device(np.stack([tokens * width + slots, tokens]), device)  # [2, P] int64
+        return index[0], index[1]
 
 
 #: top_k_index tensor → its KeptSlots. Keyed by identity and weakly: the mark dies with the tensor,
@@ -67,9 +99,11 @@ _MARKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _warned_implementations: set[str] = set()
 
 
-def mark_kept_slots(top_k_index: torch.Tensor, kept: torch.Tensor, pair_count: int | None) -> None:
-    """Tell the experts that slots of ``top_k_index`` [T, b] outside ``kept`` [T, b] must not be computed."""
-    _MARKS[top_k_index] = KeptSlots(kept=kept, pair_count=pair_count)
+def mark_kept_slots(top_k_index: torch.Tensor, host_budgets: np.ndarray) -> None:
+    """Tell the experts that only slots j < κ_t of ``top_k_index`` [T, b] must be computed, κ [T]
+    given on the host."""
+    host_budgets = np.asarray(host_budgets, dtype=np.int64)
+    _MARKS[top_k_index] = KeptSlots(host_budgets=host_budgets, total=int(host_budgets.sum()))
 
 
 def kept_slots(top_k_index: torch.Tensor) -> KeptSlots | None:
@@ -90,6 +124,10 @@ def experts_forward(original: Callable) -> Callable:
         slots = kept_slots(top_k_index) if not (args or kwargs) else None
         if slots is None:
             return original(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        if slots.total == top_k_index.numel():
+            # Every slot kept (a point-mass schedule at b): the stock forward is the same compute,
+            # and bit for bit stock's summation order, which the per-token index_add is not.
+            return original(self, hidden_states, top_k_index, top_k_weights)
         compute = _kappa_compute(self)
         if compute is None:
             return original(self, hidden_states, top_k_index, top_k_weights)
@@ -104,7 +142,7 @@ def _kappa_compute(experts: torch.nn.Module) -> Callable | None:
 
     implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
     # Dispatch on the function transformers would run, not on the name: a library may register its
-    # own "grouped_mm" in the ExpertsInterface, and that one need not honour the sentinel.
+    # own "grouped_mm" in the ExpertsInterface, and that one need not take P rows for T·b.
     registered = moe.ALL_EXPERTS_FUNCTIONS.get(implementation) if implementation is not None else None
     if implementation in ("eager", None) and registered is None:
         return _eager  # None: an experts module outside a model, which transformers runs eagerly
@@ -122,52 +160,87 @@ def _kappa_compute(experts: torch.nn.Module) -> Callable | None:
     return None
 
 
-def _with_sentinels(experts: torch.nn.Module, top_k_index: torch.Tensor, slots: KeptSlots) -> torch.Tensor:
-    """``top_k_index`` [T, b] with the sentinel id E (``num_experts``) in every unkept slot."""
-    return torch.where(slots.kept, top_k_index, int(experts.num_experts))
+# ------------------------------------------------------------------------------ pairs in, tokens out
+def _kept_pairs(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, slots: KeptSlots, device: torch.device):
+    """``(tokens [P], expert ids [P], weights [P], positions [P])`` of the kept pairs (token-major)."""
+    positions, tokens = slots.pairs(top_k_index.shape[-1], device)
+    return tokens, top_k_index.reshape(-1)[positions], top_k_weights.reshape(-1)[positions], positions
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16/fp16 activations (as stock's slot sum accumulates), else the dtype itself."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _sum_per_token(pair_values: torch.Tensor, tokens: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """Σ_{p: token(p) = t} pair_values[p]: ``[P, H]`` → ``[T, H]`` in ``dtype``.
+
+    Added in the accumulation dtype (fp32 for bf16/fp16 values, as stock's reshape-and-sum over the
+    slots accumulates), cast once at the end. ``index_add_`` adds in pair order on the CPU, and is
+    deterministic on CUDA under ``torch.use_deterministic_algorithms(True)``, as everything else.
+    Its backward is one gather of the [T, H] gradient to the P pairs.
+    """
+    accumulate = _accumulation_dtype(pair_values.dtype)
+    summed = pair_values.new_zeros((num_tokens, pair_values.shape[-1]), dtype=accumulate)
+    return summed.index_add_(0, tokens, pair_values.to(accumulate)).to(dtype)
 
 
 def _eager(experts, original, hidden_states, top_k_index, top_k_weights, slots) -> torch.Tensor:
-    # The stock loop one-hot encodes E + 1 classes and skips class E: sentinel slots cost nothing.
-    return original(experts, hidden_states, _with_sentinels(experts, top_k_index, slots), top_k_weights)
+    """transformers' eager loop on the P kept pairs, as P tokens of one slot each, summed per token."""
+    tokens, ids, weights, _ = _kept_pairs(top_k_index, top_k_weights, slots, hidden_states.device)
+    pair_outputs = original(experts, hidden_states[tokens], ids.unsqueeze(-1), weights.unsqueeze(-1))  # [P, H]
+    return _sum_per_token(pair_outputs, tokens, hidden_states.shape[0], hidden_states.dtype)
+
+
+def _batched_mm(experts, original, hidden_states, top_k_index, top_k_weights, slots) -> torch.Tensor:
+    """transformers' ``batched_mm_experts_forward`` on the P kept pairs (one batched GEMM row per
+    pair: x_t, its expert's weights, its weight), summed per token."""
+    from transformers.integrations import moe
+
+    tokens, ids, weights, _ = _kept_pairs(top_k_index, top_k_weights, slots, hidden_states.device)
+    pair_outputs = moe.batched_mm_experts_forward(experts, hidden_states[tokens], ids.unsqueeze(-1),
+                                                  weights.unsqueeze(-1))  # [P, H]
+    return _sum_per_token(pair_outputs, tokens, hidden_states.shape[0], hidden_states.dtype)
 
 
 def _grouped_mm(experts, original, hidden_states, top_k_index, top_k_weights, slots) -> torch.Tensor:
-    """Σ_{j<κ_t} w_tj · expert_{e_tj}(x_t) through transformers' grouped GEMM, multiplying Σκ rows.
+    """Σ_{j<κ_t} w_tj · expert_{e_tj}(x_t) through transformers' grouped GEMM over the P kept pairs.
 
-    The S = T·b slots are sorted by expert id, the unkept ones (id E) last; ``histc`` over
-    [0, E-1] leaves them out of the offsets, so both grouped GEMMs stop at ``offsets[-1]`` = Σκ
-    and the tail costs no GEMM work. No shape depends on κ, so nothing syncs. The kernel leaves the
-    tail rows of its output, and of its input gradient, uninitialised; they reach nothing:
+    The pairs are sorted by expert; ``histc`` over [0, E-1] gives the offsets, so ``offsets[-1]``
+    = P: every row the GEMMs are given is a kept pair, and every element-wise op (the gather of the
+    hidden states, the gate activation, the weighting, their backward) runs over P rows. The
+    weighted rows are added into their tokens in expert order (:func:`_sum_per_token`), which saves
+    stock's inverse permutation.
 
-    - forward: the tail rows of the first GEMM's output pass the (row-wise) gate activation and are
-      then read by nobody (the second GEMM reads rows below ``offsets[-1]`` only); those of the
-      second are set to 0 before they are weighed and summed per token;
-    - backward: the tail's weights are 0, so the gradient entering the second GEMM's tail is 0;
-      what the kernels leave in the tail of their input gradients is read by no GEMM, and the
-      first one's lands on a zero row appended to the hidden states for the tail to gather, whose
-      gradient is dropped.
-
-    This is transformers' own expert-parallel sentinel scheme (``grouped_mm_experts_forward``) with
-    one forward-only zeroing of the tail where it has three masking passes over all S rows, each
-    with its backward (a pre-mask of the gathered input, two out-of-place post-masks): at OLMoE's
-    width those cost 5.4% of a block's forward + backward on CPU, this path 0.5%
-    (``docs/performance.md``).
+    Under transformers' masked expert parallelism (``experts._is_expert_parallel``: ``ep_router``
+    marks the pairs of other ranks' experts with the sentinel id E), the sentinel pairs sort last
+    and ``histc`` leaves them out of the offsets, as in ``grouped_mm_experts_forward``: the GEMMs
+    stop at the local pairs, the tail gathers an appended zero row (whose gradient is dropped), and
+    one forward-only zeroing keeps the rows the kernel leaves uninitialised out of the output; the
+    tail's weights are 0, so nothing reaches a gradient.
     """
     from transformers.integrations import moe
 
-    num_tokens, width = top_k_index.shape
+    num_tokens = hidden_states.shape[0]
     num_experts = int(experts.num_experts)
-    ids = _with_sentinels(experts, top_k_index, slots).reshape(-1)  # [S]
-    sorted_ids, order = torch.sort(ids)  # [S]: slots grouped by expert, the tail (id E) last
-    tail = sorted_ids == num_experts
-    padded = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[-1])])  # [T+1, H]
-    selected = padded[torch.where(tail, num_tokens, order // width)]  # [S, H]; the tail reads the zero row
+    tokens, ids, weights, _ = _kept_pairs(top_k_index, top_k_weights, slots, hidden_states.device)
+    sorted_ids, order = torch.sort(ids)  # [P]: pairs grouped by expert
+    sorted_tokens = tokens[order]
+    weights = weights[order]
+    tail = None
+    if experts._is_expert_parallel:
+        tail = sorted_ids >= num_experts  # [P]: pairs of another rank's experts, sorted last
+        padded = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[-1])])  # [T+1, H]
+        selected = padded[torch.where(tail, num_tokens, sorted_tokens)]  # [P, H]
+        weights = torch.where(tail, 0.0, weights)  # 0 already (ep_router masks them); keeps NaN·0 out
+        bias_ids = sorted_ids.clamp(max=num_experts - 1)  # keeps a bias gather in bounds; tail rows unused
+    else:
+        selected = hidden_states[sorted_tokens]  # [P, H]
+        bias_ids = sorted_ids
     # histc, not bincount, as transformers does (CUDA graphs); CPU histc wants a float input
     histc_input = sorted_ids.float() if sorted_ids.device.type in ("cpu", "mps") else sorted_ids.int()
     offsets = torch.cumsum(torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1), 0,
                            dtype=torch.int32)
-    bias_ids = sorted_ids.clamp(max=num_experts - 1)  # keeps a bias gather in bounds; tail rows are unused
     if experts.has_gate:
         up_weight, up_bias = experts.gate_up_proj, experts.gate_up_proj_bias[bias_ids] if experts.has_bias else None
     else:
@@ -176,43 +249,110 @@ def _grouped_mm(experts, original, hidden_states, top_k_index, top_k_weights, sl
     projected = experts._apply_gate(projected) if experts.has_gate else experts.act_fn(projected)
     down_bias = experts.down_proj_bias[bias_ids] if experts.has_bias else None
     out = moe._grouped_linear(projected, experts.down_proj, offsets, bias=down_bias,
-                              is_transposed=experts.is_transposed)  # [S, H]
-    with torch.no_grad():
-        # What the kernel left in the tail is no value: zero it for the forward only (in place;
-        # the GEMM's backward does not read its output). The gradient needs no mask: the tail's
-        # weights are 0, so d out = w · d weighted is 0 there, and d w = out · d weighted reads
-        # the zeroed rows.
-        out.masked_fill_(tail.unsqueeze(-1), 0.0)
-    weights = torch.where(tail, 0.0, top_k_weights.reshape(-1)[order])  # [S]; 0 beyond κ by construction too
-    weighted = out * weights.unsqueeze(-1)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    # Summed over the b slots in slot order, unkept slots exactly 0, as stock sums its k slots.
-    return weighted[inverse].view(num_tokens, width, -1).sum(dim=1).to(hidden_states.dtype)
+                              is_transposed=experts.is_transposed)  # [P, H]
+    if tail is not None:
+        with torch.no_grad():
+            # The kernel leaves the tail rows uninitialised: zero them for the forward (in place;
+            # the GEMM's backward does not read its output). d out = w · d weighted is 0 there.
+            out.masked_fill_(tail.unsqueeze(-1), 0.0)
+    # The product in the accumulation dtype (fp32 for bf16), as stock's slot sum accumulates it.
+    weighted = out * weights.to(_accumulation_dtype(out.dtype)).unsqueeze(-1)  # [P, H]
+    return _sum_per_token(weighted, sorted_tokens, num_tokens, hidden_states.dtype)
 
 
-def _batched_mm(experts, original, hidden_states, top_k_index, top_k_weights, slots) -> torch.Tensor:
-    """Σ_{j<κ_t} w_tj · expert_{e_tj}(x_t) with one batched GEMM row per kept pair.
-
-    With P = Σκ kept pairs, ``pairs`` [P] holds their flat slot positions t·b + j, in slot order.
-    transformers' batched_mm then runs on P tokens with one slot each (x_t repeated per pair, the
-    pair's expert id and weight) and returns the weighted pair outputs [P, H].
-    """
-    from transformers.integrations import moe
-
-    num_tokens, width = top_k_index.shape
-    kept = slots.kept.reshape(-1)
-    if slots.pair_count is None:
-        pairs = kept.nonzero().squeeze(1)  # the one host sync: P = Σκ is random under iid sampling
-    else:
-        pairs = torch.nonzero_static(kept, size=slots.pair_count).squeeze(1)  # P known: no sync
-    pair_outputs = moe.batched_mm_experts_forward(
-        experts, hidden_states[pairs // width], top_k_index.reshape(-1)[pairs, None],
-        top_k_weights.reshape(-1)[pairs, None],
-    )  # [P, H]
-    per_slot = pair_outputs.new_zeros(num_tokens * width, pair_outputs.shape[-1]).index_copy(0, pairs, pair_outputs)
-    # Summed over the b slots in slot order, unkept slots exactly 0, as stock sums its k slots.
-    return per_slot.view(num_tokens, width, -1).sum(dim=1).to(hidden_states.dtype)
+# ------------------------------------------------------------------------------ expert parallelism
+#: the ``order`` tensor of a compacted token dispatch → (flat positions [P], tokens [P], T)
+_COMPACTED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-__all__ = ["KeptSlots", "experts_forward", "kept_slots", "mark_kept_slots"]
+def _dispatch_kept_pairs(original: Callable) -> Callable:
+    """``EpDispatchExpertsParallel._dispatch_tokens`` sending only the P kept pairs of a marked call
+    (as P tokens of one slot each); the all-to-all split sizes it reads are then P's."""
+
+    @functools.wraps(original)
+    def _dispatch_tokens(self, hidden_states, top_k_index, num_local_experts, ep_group, ep_size):
+        slots = kept_slots(top_k_index)
+        if slots is None or slots.total == top_k_index.numel():  # unmarked, or every slot kept: stock
+            return original(self, hidden_states, top_k_index, num_local_experts, ep_group, ep_size)
+        positions, tokens = slots.pairs(top_k_index.shape[-1], hidden_states.device)
+        dispatched = original(self, hidden_states[tokens], top_k_index.reshape(-1)[positions].unsqueeze(-1),
+                              num_local_experts, ep_group, ep_size)
+        _COMPACTED[dispatched[2]] = (positions, tokens, hidden_states.shape[0])
+        return dispatched
+
+    return _dispatch_tokens
+
+
+def _tp_slice_keeps_the_mark(original: Callable) -> Callable:
+    """``EpDispatchExpertsParallel.transform_inputs_pre_forward``: with a TP group (the ranks that
+    hold the same batch), each rank keeps its ``Shard(0)`` slice of the tokens before dispatching;
+    the sliced index tensor is marked with the same slice of κ, so the dispatch still sends only
+    the kept pairs."""
+
+    @functools.wraps(original)
+    def transform_inputs_pre_forward(self, module, args, kwargs, mesh, *, tp_mesh=None):
+        transformed, kwargs = original(self, module, args, kwargs, mesh, tp_mesh=tp_mesh)
+        slots = kept_slots(args[1])
+        if slots is not None and transformed[1] is not args[1]:
+            # Shard(0) splits the rows as torch.chunk does: ceil(T / n) per rank, the last ones short.
+            rows = len(slots.host_budgets)
+            chunk = -(-rows // tp_mesh.size())
+            start = min(rows, tp_mesh.get_local_rank() * chunk)
+            local = slots.host_budgets[start:start + chunk]
+            if len(local) == transformed[1].shape[0]:
+                mark_kept_slots(transformed[1], local)
+        return transformed, kwargs
+
+    return transform_inputs_pre_forward
+
+
+def _combine_kept_pairs(original: Callable) -> Callable:
+    """``EpDispatchExpertsParallel._combine_tokens`` for a compacted dispatch: the returned pair
+    outputs weighted by their pair's weight, then summed per token (:func:`_sum_per_token`)."""
+
+    @functools.wraps(original)
+    def _combine_tokens(self, expert_output, top_k_weights, order, send_sizes, recv_sizes, ep_group):
+        compacted = _COMPACTED.get(order)
+        if compacted is None:
+            return original(self, expert_output, top_k_weights, order, send_sizes, recv_sizes, ep_group)
+        positions, tokens, num_tokens = compacted
+        pair_outputs = original(self, expert_output, top_k_weights.reshape(-1)[positions].unsqueeze(-1), order,
+                                send_sizes, recv_sizes, ep_group)  # [P, H]
+        return _sum_per_token(pair_outputs, tokens, num_tokens, pair_outputs.dtype)
+
+    return _combine_tokens
+
+
+def _router_output_keeps_the_mark(original: Callable) -> Callable:
+    """``EpRouterParallel.transform_output_post_forward`` (the masked plan's router hook, which
+    rebuilds the index tensor for the local experts) carrying the router's mark to the new index."""
+
+    @functools.wraps(original)
+    def transform_output_post_forward(self, module, output, mesh, *args, **kwargs):
+        transformed = original(self, module, output, mesh, *args, **kwargs)
+        slots = kept_slots(output[2]) if isinstance(output, tuple) and len(output) >= 3 else None
+        if slots is not None:
+            _MARKS[transformed[2]] = slots  # elementwise remap: the same slots are kept
+        return transformed
+
+    return transform_output_post_forward
+
+
+def install_expert_parallel(patches) -> None:
+    """Part of ``hf.apply``: transformers' expert-parallel styles follow κ (module docstring).
+    Nothing to do on a transformers without them (``torch.distributed`` unavailable)."""
+    try:
+        from transformers.distributed import tensor_parallel
+    except ImportError:
+        return
+    dispatch = getattr(tensor_parallel, "EpDispatchExpertsParallel", None)
+    if dispatch is not None:
+        patches.wrap(dispatch, "_dispatch_tokens", _dispatch_kept_pairs)
+        patches.wrap(dispatch, "_combine_tokens", _combine_kept_pairs)
+        patches.wrap(dispatch, "transform_inputs_pre_forward", _tp_slice_keeps_the_mark)
+    router = getattr(tensor_parallel, "EpRouterParallel", None)
+    if router is not None:
+        patches.wrap(router, "transform_output_post_forward", _router_output_keeps_the_mark)
+
+
+__all__ = ["KeptSlots", "experts_forward", "install_expert_parallel", "kept_slots", "mark_kept_slots"]

@@ -57,7 +57,7 @@ from elastic_moe_plugin.core import records as core_records
 from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.hf import budget_rng
-from elastic_moe_plugin.hf.experts import experts_forward
+from elastic_moe_plugin.hf.experts import experts_forward, install_expert_parallel
 from elastic_moe_plugin.hf.families import (
     FAMILIES,
     LAYER_ATTR,
@@ -139,6 +139,7 @@ def _install(config: ElasticConfig, patches: AttributePatches) -> None:
         if callable(module.__dict__.get("load_balancing_loss_func")) and id(module) not in loss_patched:
             loss_patched.add(id(module))  # families sharing a modeling module share one loss function
             patches.wrap(module, "load_balancing_loss_func", _load_balancing_loss)
+    install_expert_parallel(patches)  # transformers' expert-parallel styles dispatch only the kept pairs
     budget_rng.install(patches)  # κ's stream: the Trainer's rng_state files, the re-seed, TP tagging
 
 

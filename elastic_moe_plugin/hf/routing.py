@@ -4,19 +4,21 @@ One MoE layer in training (paper §3.2, Eq. 4-5; the gate weights follow ``docs/
 
     (1) z [T, E] = x W^T                                  (the stock router logits)
     (2) κ [T] ~ q on {a..b}                              (one draw of κ's counter-based stream,
-                                                           hf.budget_rng: this process's token
-                                                           shard, saved by the Trainer, replayed
-                                                           by gradient checkpointing)
+                                                           on the host, hf.budget_rng: this
+                                                           process's token shard, saved by the
+                                                           Trainer, replayed by gradient
+                                                           checkpointing)
     (3) p = softmax(z) in fp32; the top-b candidates by p, sorted by rank
     (4) slot j (0-based) is kept iff j < κ_t; weights by core.gates.weigh_candidates:
             full_softmax  w = p_e                          (norm_topk_prob=False, OLMoE)
             renormalized  w = p_e / Σ_kept p               (norm_topk_prob=True, Qwen3, Mixtral)
     (5) return (z, w [T, b], ids [T, b]): real candidate ids, and weight exactly 0 in every slot
-        beyond κ_t; ids is marked with the kept mask, so the patched experts multiply only the Σκ
-        kept rows in every experts implementation (:mod:`.experts`)
+        beyond κ_t; ids is marked with κ on the host, so the patched experts compact the call to
+        its Σκ kept pairs in every experts implementation, with shapes known on the host and no
+        host sync (:mod:`.experts`). Top-p mode computes κ on the device and reads it once.
     (6) remember the realised routing (ids, kept mask), weakly keyed by the z tensor transformers'
-        output recorder collects, for ``load_balancing_loss_func``; plus a routing record and a
-        bounded κ histogram per router
+        output recorder collects, for ``load_balancing_loss_func``; plus a routing record (references
+        to ids, kept mask and weights; nothing computed) and a bounded κ histogram per router
 
 The experts and the MoE blocks read the routing width from ``top_k_index.size(-1)``, never from
 ``config.num_experts_per_tok``, so a width b ≠ k needs no further patch (checked for 5.19).
@@ -58,23 +60,25 @@ def elastic_routing(
         ``router_logits [T, E]`` (the logits' dtype), ``top_k_weights [T, b]`` (the logits' dtype, or
         fp32 where ``plan.cast_weights_to_logits`` is False), ``top_k_index LongTensor[T, b]``: the
         stock contract with width b; slots j >= κ_t have weight exactly 0, and ``top_k_index``
-        carries the kept mask for the experts (:func:`.experts.mark_kept_slots`).
+        carries κ on the host for the experts (:func:`.experts.mark_kept_slots`).
     """
     hidden = hidden_states.reshape(-1, router.hidden_dim)
     router_logits = F.linear(hidden, router.weight)  # (1) exactly as the stock router
     num_tokens = router_logits.shape[0]
     width = plan.width
-    # Balanced draws sum to exactly T·k (validate_router keeps the schedule symmetric): the experts
-    # can size their work from this host int instead of reading Σκ back from the device.
-    balanced = budgets is None and plan.top_p is None and plan.sampling == "balanced"
-    pair_count = num_tokens * plan.schedule.center if balanced else None
     recompute = _in_backward()
-    if budgets is None and plan.top_p is None:  # (2) κ's own stream; a checkpoint's recompute replays
-        budgets = budget_rng.draw(router, plan, num_tokens, router_logits.device, replay=recompute)
+    host_budgets = None
+    if budgets is None and plan.top_p is None:  # (2) κ's own stream, on the host; a checkpoint's recompute replays
+        draw = budget_rng.draw(router, plan, num_tokens, router_logits.device, replay=recompute)
+        budgets, host_budgets = draw.budgets, draw.host_budgets
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (3) as stock: fp32 softmax
     candidates, candidate_ids = torch.topk(probs, width, dim=-1)  # sorted by rank, like stock top-k
     if budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass
         budgets = top_p_budgets(candidates.detach(), plan.top_p)
+    if host_budgets is None:
+        # κ was computed on the device (top-p mode) or given (tests): the experts size their work
+        # from κ on the host, so read it once (a host sync on an accelerator, none on the CPU).
+        host_budgets = budgets.cpu().numpy()
     kept = budget_mask(budgets, width)  # (4)
     if plan.gate == "renormalized":
         # The gradient reaches the kept logits only (w_i = softmax over the kept z), so a κ = 1 token
@@ -83,13 +87,13 @@ def elastic_routing(
         weights = weigh_candidates("renormalized", candidates, kept, selected_logits=selected_logits)
     else:
         weights = weigh_candidates(plan.gate, candidates, kept)
-    retained_weight_sums = weights.detach().sum(dim=-1)
+    # (6) A checkpoint's recompute replays the same κ; the step was counted in its first forward.
+    # The record keeps references; its logging tensors are derived when a logger reads them.
+    records.remember(router, width, budgets, candidate_ids, kept, weights, count=not recompute)
     if plan.cast_weights_to_logits:
         weights = weights.to(router_logits.dtype)
     _DISPATCHED[router_logits] = (candidate_ids.detach(), kept)  # (6)
-    # A checkpoint's recompute replays the same κ; the step was counted in its first forward.
-    records.remember(router, width, budgets, candidate_ids, kept, retained_weight_sums, count=not recompute)
-    mark_kept_slots(candidate_ids, kept, pair_count)  # (5)
+    mark_kept_slots(candidate_ids, host_budgets)  # (5)
     return router_logits, weights, candidate_ids  # (5)
 
 

@@ -293,7 +293,7 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
 
     router._apply_expert_bias(routing_map, padding_mask=padding_mask)
     # Counted once per real step: recompute's first pass runs without grad (as stock expert-bias counting).
-    records.remember(router, plan.width, budgets, candidate_ids, kept, retained_weight_sums,
+    records.remember(router, plan.width, budgets, candidate_ids, kept, retained_weight_sums=retained_weight_sums,
                      count=torch.is_grad_enabled(), capacity_dropped=capacity_dropped)
     # Dispatchers size buffers from k unless told otherwise (see mcore.dispatch).
     return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced")

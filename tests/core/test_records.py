@@ -25,7 +25,8 @@ def _elastic(router, budgets):
     width = SCHEDULE.high
     ids = torch.arange(width).repeat(len(budgets), 1)
     kept = torch.arange(width).unsqueeze(0) < torch.tensor(budgets).unsqueeze(1)
-    records.remember(router, width, torch.tensor(budgets), ids, kept, torch.ones(len(budgets)), count=True)
+    records.remember(router, width, torch.tensor(budgets), ids, kept, kept.float() / torch.tensor(budgets)[:, None],
+                     count=True)
 
 
 def _static(router):

@@ -77,8 +77,13 @@ def _all_patch_points():
         points += [(loaded.router, "forward"), (loaded.decoder_layer, "__init__"), (loaded.experts, "forward"),
                    (loaded.module, "load_balancing_loss_func")]
     from transformers.distributed.mixin import DistributedMixin
+    from transformers.distributed.tensor_parallel import EpDispatchExpertsParallel, EpRouterParallel
     from transformers.trainer import Trainer
 
+    # expert parallelism follows κ (hf.experts.install_expert_parallel)
+    points += [(EpDispatchExpertsParallel, "_dispatch_tokens"), (EpDispatchExpertsParallel, "_combine_tokens"),
+               (EpDispatchExpertsParallel, "transform_inputs_pre_forward"),
+               (EpRouterParallel, "transform_output_post_forward")]
     # κ's stream: the Trainer's rng_state files, the re-seed, tensor-parallel tagging (hf.budget_rng)
     return points + [(Trainer, "_save_rng_state"), (Trainer, "_load_rng_state"), (torch, "manual_seed"),
                      (torch.random, "manual_seed"), (DistributedMixin, "maybe_distribute_model")]
@@ -378,8 +383,8 @@ def test_moe_block_equals_dense_reference_for_every_experts_implementation(tiny,
 @pytest.mark.parametrize("impl", IMPLS)
 def test_router_returns_real_candidates_and_marks_the_kept_slots(tiny, impl):
     """Whatever the experts implementation, the router returns the real rank-j candidate in every
-    slot (weight exactly 0 beyond κ) and marks its index tensor with the kept mask; the experts
-    decide what to skip (tests/hf/test_hf_experts.py)."""
+    slot (weight exactly 0 beyond κ) and marks its index tensor with κ on the host (the kept mask,
+    Σκ); the experts decide what to skip (tests/hf/test_hf_experts.py)."""
     from elastic_moe_plugin.hf import experts as hf_experts
 
     hf.apply(ElasticConfig(schedule="1-3"))
@@ -393,7 +398,8 @@ def test_router_returns_real_candidates_and_marks_the_kept_slots(tiny, impl):
     assert torch.all((ids >= 0) & (ids < E)) and torch.all(ids.sort(-1).values.diff(dim=-1) != 0)
     assert torch.all(weights[~kept] == 0.0)
     mark = hf_experts.kept_slots(ids)
-    assert mark is not None and torch.equal(mark.kept, kept) and mark.pair_count is None
+    assert mark is not None and torch.equal(torch.arange(3) < torch.from_numpy(mark.host_budgets)[:, None], kept)
+    assert mark.total == int(kept.sum())
     assert hf_experts.kept_slots(ids.clone()) is None  # a rebuilt tensor is unmarked: stock compute
 
 

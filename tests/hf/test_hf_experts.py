@@ -81,6 +81,44 @@ def test_rows_multiplied_equal_sum_of_budgets_in_every_implementation(tiny, expe
         assert set(counted.rows.values()) == {TOKENS * K}
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_call_that_keeps_every_slot_is_bitwise_stock(tiny, impl):
+    """κ_t = b for every token (P = T·b, what a point mass at b dispatches): the marked call runs the
+    stock forward, so its output and gradients equal the unmarked call's bit for bit (the per-token
+    index_add would add the pairs in another order than stock's slot sum). One slot fewer and the
+    call is compacted (and checked to agree to fp32 rounding, not bitwise)."""
+    hf.apply(ElasticConfig(schedule=SCHEDULE))
+    experts = tiny.model("olmoe", experts_implementation=impl).model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=generator)
+    ids = torch.stack([torch.randperm(8, generator=generator)[:WIDTH] for _ in range(TOKENS)])
+    weights = torch.rand(TOKENS, WIDTH, generator=generator)
+
+    def call(budgets):
+        experts.zero_grad(set_to_none=True)
+        x = hidden.clone().requires_grad_()
+        index = ids.clone()
+        if budgets is not None:
+            hf_experts.mark_kept_slots(index, budgets)
+        kept = weights if budgets is None else weights * (torch.arange(WIDTH) < torch.as_tensor(budgets)[:, None])
+        out = experts(x, index, kept)
+        out.square().sum().backward()
+        return out.detach(), x.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()
+
+    stock = call(None)
+    every_slot = call([WIDTH] * TOKENS)
+    assert all(torch.equal(a, b) for a, b in zip(stock, every_slot))
+    one_fewer = [WIDTH] * (TOKENS - 1) + [WIDTH - 1]
+    compacted = call(one_fewer)
+    experts.zero_grad(set_to_none=True)
+    dropped = weights * (torch.arange(WIDTH) < torch.tensor(one_fewer)[:, None])
+    x = hidden.clone().requires_grad_()
+    out = experts(x, ids.clone(), dropped)  # unmarked: all slots, the dropped one at weight 0
+    out.square().sum().backward()
+    for a, b in zip(compacted, (out.detach(), x.grad, experts.gate_up_proj.grad, experts.down_proj.grad)):
+        torch.testing.assert_close(a, b, **FP32)
+
+
 def test_every_grouped_gemm_stops_at_sum_of_budgets_forward_and_backward(tiny, expert_rows):
     """Both expert GEMMs and both of their gradient GEMMs see offsets[-1] = Σκ, never T·b."""
     hf.apply(ElasticConfig(schedule=SCHEDULE))
@@ -174,31 +212,186 @@ def test_outputs_and_gradients_match_the_eager_loop_on_the_same_budgets(tiny, im
 
 # ------------------------------------------------------------------------------- host syncs
 class _Syncs(TorchDispatchMode):
-    """Counts the ops that force a device-to-host sync: ``.item()``-like reads and ``nonzero``."""
+    """Counts the ops that make the host wait for the device, as tests/mcore/test_mcore_dispatch.py
+    counts them: explicit reads (``_local_scalar_dense``: ``.item()``, ``int(t)``, ``.tolist()``)
+    and ops whose output size is data (``nonzero``, ``masked_select``)."""
+
+    EXPLICIT = (torch.ops.aten._local_scalar_dense.default,)
+    IMPLICIT = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default)
 
     def __init__(self):
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero"):
+        if func in self.EXPLICIT or func in self.IMPLICIT:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("impl,sampling,added", [
-    ("grouped_mm", "iid", 0), ("grouped_mm", "balanced", 0),
-    ("batched_mm", "iid", 1), ("batched_mm", "balanced", 0),  # iid reads P = Σκ once per layer
-])
-def test_syncs_added_per_layer(tiny, impl, sampling, added):
+def _eager_loop_syncs(expert_ids_per_layer) -> int:
+    """The syncs of transformers' eager experts loop (5.19) over layers that hit h experts each:
+    3 + 5·h per layer. Per layer: ``one_hot``'s two range checks (``.item()`` of its min and max)
+    and the ``nonzero`` of the hit experts; per hit expert: the ``expert_idx == num_experts`` test,
+    three indexings by the 0-d ``expert_idx`` (the mask, ``gate_up_proj``, ``down_proj``) and the
+    ``torch.where`` of its slots (``nonzero``)."""
+    return sum(3 + 5 * len(set(ids.reshape(-1).tolist())) for ids in expert_ids_per_layer)
+
+
+@pytest.mark.parametrize("sampling", ["iid", "balanced"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_syncs_added_per_layer(tiny, impl, sampling):
+    """Σκ is a host int (κ is drawn on the host), so no implementation reads it from the device.
+    eager's own loop syncs per layer and per expert it hits, stock and elastic alike: both counts are checked against that closed form, from the experts each run really hit.
+    (Before κ was drawn on the host, batched_mm under iid sampling read Σκ once per layer.)"""
     stock_model = tiny.model("olmoe", experts_implementation=impl)
+    stock_ids = []
+    hooks = [layer.mlp.experts.register_forward_pre_hook(lambda module, args: stock_ids.append(args[1].detach()))
+             for layer in stock_model.model.layers]
     with _Syncs() as stock, torch.no_grad():
         stock_model(**tiny.inputs("olmoe"))
+    for hook in hooks:
+        hook.remove()
     hf.apply(ElasticConfig(schedule=SCHEDULE, sampling=sampling))
     model = tiny.model("olmoe", experts_implementation=impl)
     with _Syncs() as elastic, torch.no_grad():
         model(**tiny.inputs("olmoe"))
-    assert elastic.count - stock.count == added * len(model.model.layers)
+    # Outside the experts the model syncs once per forward (the causal mask's packed-sequence test).
+    stock_loop = _eager_loop_syncs(stock_ids) if impl == "eager" else 0
+    assert stock.count - stock_loop == 1
+    if impl == "eager":
+        kept_ids = [record.expert_ids[record.expert_ids >= 0] for record in hf.routing_records(model).values()]
+        assert len(kept_ids) == len(model.model.layers)
+        assert elastic.count == 1 + _eager_loop_syncs(kept_ids)
+    else:
+        assert elastic.count == stock.count == 1
+
+
+# ------------------------------------------------------------------------------- rows and slots = Σκ
+class _ActivationRows(TorchDispatchMode):
+    """What one experts block does, op by op, counted at the ops that run (forward and backward):
+
+    - ``rows``: (op, rows) for every tensor an op writes that holds activations: 2-D with a last
+      dimension of H, F or 2F, leaving out the weight shapes (a parameter's, one expert's slice of
+      it, and their transposes) and ops that write no element (views);
+    - ``gemm_rows``: the rows of every expert GEMM, forward and backward: ``offs[-1]`` of each
+      ``_grouped_mm``, the batch of each ``bmm``, and for an ``mm`` with one expert's weight
+      matrix (eager) the rows of its activation output (weight gradients left out);
+    - ``syncs``: as :class:`_Syncs`.
+    """
+
+    VIEWS = {"view", "_unsafe_view", "reshape", "expand", "t", "transpose", "permute", "unsqueeze", "squeeze",
+             "select", "slice", "split", "split_with_sizes", "chunk", "as_strided", "alias", "detach", "unbind"}
+
+    def __init__(self, block: torch.nn.Module, hidden: int, ffn: int):
+        super().__init__()
+        self.widths = {hidden, ffn, 2 * ffn}
+        shapes, expert_shapes = set(), set()
+        for parameter in block.parameters():
+            for shape in (tuple(parameter.shape), tuple(parameter.shape[1:])):
+                if len(shape) == 2:
+                    shapes |= {shape, shape[::-1]}
+            if parameter.dim() == 3:  # [E, ., .]: one expert's matrix is a [., .] slice
+                expert_shapes |= {tuple(parameter.shape[1:]), tuple(parameter.shape[1:])[::-1]}
+        self.weight_shapes, self.expert_shapes = shapes, expert_shapes
+        self.rows: list[tuple[str, int]] = []
+        self.gemm_rows: list[tuple[str, int]] = []
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if func in _Syncs.EXPLICIT or func in _Syncs.IMPLICIT:
+            self.syncs += 1
+        if name == "_grouped_mm":
+            self.gemm_rows.append((name, int(kwargs.get("offs", args[2] if len(args) > 2 else None)[-1])))
+        elif name == "bmm":
+            self.gemm_rows.append((name, args[0].shape[0]))
+        out = func(*args, **kwargs)
+        if name == "mm" and any(tuple(a.shape) in self.expert_shapes for a in args[:2]) \
+                and tuple(out.shape) not in self.weight_shapes:
+            self.gemm_rows.append((name, out.shape[0]))
+        if name not in self.VIEWS:
+            for tensor in torch.utils._pytree.tree_leaves(out):
+                if (isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[-1] in self.widths
+                        and tuple(tensor.shape) not in self.weight_shapes):
+                    self.rows.append((name, tensor.shape[0]))
+        return out
+
+
+# A standalone OLMoE block whose sizes no count can be mistaken for: T = 16 tokens, b = 3 slots,
+# H = 24, F = 40 (2F = 80), E = 8; Σκ lies strictly between T and T·b.
+BLOCK_TOKENS, BLOCK_HIDDEN, BLOCK_FFN = 16, 24, 40
+
+
+def _counted_block_step(impl: str, schedule: str | None, sampling: str = "iid", seed: int = 3):
+    """Forward + backward of one OLMoE block under :class:`_ActivationRows`; (counts, Σκ or None)."""
+    from transformers.models.olmoe.modeling_olmoe import OlmoeConfig, OlmoeSparseMoeBlock
+
+    config = OlmoeConfig(hidden_size=BLOCK_HIDDEN, intermediate_size=BLOCK_FFN, num_experts=8, num_experts_per_tok=K)
+    config._experts_implementation = impl
+    torch.manual_seed(0)
+    block = OlmoeSparseMoeBlock(config).train()
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0.0, 0.1)
+    hf.remove()
+    if schedule is not None:
+        hf.apply(ElasticConfig(schedule=schedule, sampling=sampling))
+    x = torch.randn(1, BLOCK_TOKENS, BLOCK_HIDDEN, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch.manual_seed(seed)
+    budget_rng.reset()
+    with _ActivationRows(block, BLOCK_HIDDEN, BLOCK_FFN) as counted:
+        block(x).square().sum().backward()
+    record = block.gate.__dict__.get("_elastic_record")
+    counted.expert_ids = None if record is None else record.expert_ids[record.expert_ids >= 0]  # the kept pairs' experts
+    return counted, None if record is None else int(record.budgets.sum())
+
+
+@pytest.mark.parametrize("sampling", ["iid", "balanced"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rows_multiplied_and_elementwise_slots_processed_equal_sum_of_budgets(impl, sampling):
+    """Every expert GEMM multiplies Σκ rows (per expert in eager: Σ_e rows = Σκ), and every
+    element-wise op on activations (gathers, the gate activation, the weighting, the per-token sum,
+    and all their gradients) writes Σκ rows, or T for the token-shaped input and output: nothing is
+    shaped by the b candidate slots. And no host sync beyond what stock pays."""
+    counted, total = _counted_block_step(impl, SCHEDULE, sampling)
+    stock, _ = _counted_block_step(impl, None)
+    tokens, slots = BLOCK_TOKENS, BLOCK_TOKENS * WIDTH
+    assert tokens < total < slots
+    if sampling == "balanced":
+        assert total == tokens * K
+    pair_rows = [rows for _, rows in counted.rows if rows != tokens]
+    if impl == "eager":  # per expert: rows of that expert, Σ over the experts = Σκ
+        assert max(pair_rows) <= total
+        assert sum(rows for op, rows in counted.rows if op == "silu") == total
+        assert sum(rows for op, rows in counted.gemm_rows) == 4 * total  # gate_up, down; their input gradients
+        # the loop's own syncs (forward and backward), the same when both runs hit every expert
+        assert set(counted.expert_ids.tolist()) == set(range(8)) and counted.syncs == stock.syncs
+    else:
+        assert set(pair_rows) == {total}
+        assert {op for op, rows in counted.rows if rows == total} >= {"silu", "silu_backward", "mul", "index"}
+        gemms = {"grouped_mm": 6, "batched_mm": 6}[impl]  # 2 forward, 2 × 2 backward (input and weight)
+        assert counted.gemm_rows == [(op, total) for op, _ in counted.gemm_rows] and len(counted.gemm_rows) == gemms
+        assert counted.syncs == stock.syncs == 0
+    # the same count on stock top-k: T·k pair rows (the count sees the slots a call computes)
+    if impl == "eager":
+        assert sum(rows for op, rows in stock.rows if op == "silu") == tokens * K
+    else:
+        assert max(rows for _, rows in stock.rows) == tokens * K
+
+
+def test_the_slot_count_sees_b_slot_shapes():
+    """Control for the test above: an implementation the adapter cannot cut to κ computes every
+    candidate slot, and the count shows T·b rows."""
+    moe.ALL_EXPERTS_FUNCTIONS["library_grouped_mm"] = lambda *args: moe.grouped_mm_experts_forward(*args)
+    try:
+        counted, total = _counted_block_step("library_grouped_mm", SCHEDULE)
+    finally:
+        del moe.ALL_EXPERTS_FUNCTIONS["library_grouped_mm"]
+        hf_experts._warned_implementations.discard("library_grouped_mm")
+    assert total < BLOCK_TOKENS * WIDTH
+    assert {rows for op, rows in counted.rows if op == "silu"} == {BLOCK_TOKENS * WIDTH}
 
 
 # ------------------------------------------------------------------------------- whoever chooses, whenever
