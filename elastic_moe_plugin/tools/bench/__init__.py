@@ -174,8 +174,9 @@ def to_json(results: list) -> dict:
     if launchers:
         from elastic_moe_plugin.tools.bench import e2e
 
-        report["ms_swift"] = _version("ms-swift")
-        report["e2e"] = e2e.to_json(launchers)
+        report.update(e2e_versions={name: _version(name) for name in ("ms-swift", "megatron-core", "transformers",
+                                                                       "mcore-bridge")},
+                      e2e=e2e.to_json(launchers))
     return report
 
 

@@ -23,7 +23,8 @@ with one torch thread (``OMP_NUM_THREADS=1``), offline, without a GPU. Per run:
 - peak RSS: ``ru_maxrss`` of ``os.wait4`` on the launcher's process, which Linux reports as the
   largest resident set of that process and of every descendant it waited for (the trainer
   processes of ``swift sft``, of ``megatron sft`` and of torchrun): the largest single process, not
-  a sum over ranks;
+  a sum over ranks. The launcher is started by a bare interpreter (:data:`_RSS_PARENT`) rather than
+  by this process, whose own size Linux would otherwise count as the launcher's starting peak;
 - host syncs per step: the aten ops that read a device value on the host (``.item()``, ``int(t)``,
   ``.tolist()``, data-dependent shapes: :class:`~.measure.SyncCounter`, which on a CPU-only machine
   counts each read as the device read it would be on a GPU) during training step ``warmup``, the
@@ -33,7 +34,8 @@ with one torch thread (``OMP_NUM_THREADS=1``), offline, without a GPU. Per run:
   rank 0. The whole step counts: the trainer's own reads (loss logging, gradient clipping, ...)
   as well as the router's and the dispatcher's, static and elastic alike;
 - mean κ: the realised experts per token the launcher logged (``elastic_moe/mean_kappa``), averaged
-  over the run's logged steps; static runs log none.
+  over the run's logged steps (static: exactly k where the launcher logs it, ms-swift and
+  Megatron-SWIFT; Megatron-LM's static run logs no routing metrics).
 
 The ratio of a round is its elastic steps/s over its static steps/s; the row gives the median of the
 rounds' ratios and their spread (min-max). ``--quick`` (CI) runs one round of a few steps with the
@@ -215,15 +217,31 @@ def console_script(name: str) -> str:
     return str(script)
 
 
+#: the launcher's parent: a bare interpreter (``-I -S``: no site, no sitecustomize) that starts the
+#: launcher, waits for it with ``os.wait4`` and writes its ``ru_maxrss`` (KiB) to ``argv[1]``. Linux
+#: starts a process's peak RSS at that of the process that forked it (exec records the old address
+#: space's high-water mark), so the launcher's own parent must be small: forked from this bench's
+#: process (hundreds of MiB of frameworks), the launcher would report at least that.
+_RSS_PARENT = (
+    "import os, subprocess, sys\n"
+    "child = subprocess.Popen(sys.argv[2:])\n"
+    "_, status, usage = os.wait4(child.pid, 0)\n"
+    "child.returncode = 0\n"
+    "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+    "code = os.waitstatus_to_exitcode(status)\n"
+    "sys.exit(code if code >= 0 else 128 - code)\n"
+)
+
+
 def _run_child(command: Command, log: Path) -> tuple[int, int, float]:
-    """Run ``command`` with its output in ``log``; (exit status, ru_maxrss in bytes, seconds)."""
+    """Run ``command`` with its output in ``log``; (exit status, peak RSS in bytes, seconds)."""
     start = time.perf_counter()
+    rss_file = log.with_name("max_rss_kib")
     with log.open("wb") as sink:
-        process = subprocess.Popen(command.argv, env=command.env, cwd=command.cwd, stdout=sink,
-                                   stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(process.pid, 0)
-        process.returncode = os.waitstatus_to_exitcode(status)
-    return process.returncode, usage.ru_maxrss * 1024, time.perf_counter() - start  # Linux: KiB
+        code = subprocess.call([sys.executable, "-I", "-S", "-c", _RSS_PARENT, str(rss_file), *command.argv],
+                               env=command.env, cwd=command.cwd, stdout=sink, stderr=subprocess.STDOUT)
+    peak = int(rss_file.read_text()) * 1024 if rss_file.exists() else 0  # Linux: ru_maxrss in KiB
+    return code, peak, time.perf_counter() - start
 
 
 def _one_run(launcher: Launcher, schedule: str, round_index: int, steps: int, warmup: int, work: Path) -> E2ERun:
