@@ -46,7 +46,6 @@ reports every column.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import statistics
 import subprocess
 import sys
@@ -56,11 +55,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from elastic_moe_plugin.tools.bench.e2e_child import Command, RunReading
+
 #: ``--launchers`` choices, in the order the rows are printed
 LAUNCHERS = ("swift_sft", "megatron_sft", "megatron_lm")
 DEFAULT_ROUNDS = 3
 QUICK_STEPS, QUICK_WARMUP = 4, 2
-SYNC_STEP_ENV, SYNC_OUT_ENV, SYNC_TARGET_ENV = "E2E_BENCH_SYNC_STEP", "E2E_BENCH_SYNC_OUT", "E2E_BENCH_SYNC_TARGET"
 
 
 @dataclass(frozen=True)
@@ -91,24 +91,6 @@ class E2EOptions:
         if self.hidden is not None and (self.hidden < 8 or self.hidden % 4):
             raise ValueError(f"--hidden {self.hidden}: a multiple of 4 (the tiny model's 4 heads), at least 8, "
                              f"e.g. --hidden 256.")
-
-
-@dataclass
-class Command:
-    """One run of a launcher: its command line, environment and working folder."""
-
-    argv: list[str]
-    env: dict[str, str]
-    cwd: Path
-
-
-@dataclass
-class RunReading:
-    """What a finished run's logs say."""
-
-    steps_per_second: float
-    mean_kappa: float | None
-    logged_steps: int
 
 
 class Launcher(Protocol):
@@ -187,36 +169,6 @@ class E2EResult:
 
 
 # ------------------------------------------------------------------------------------ children
-def child_env(**extra: str) -> dict[str, str]:
-    """This environment for a launcher's child: offline, CPU-only, one torch thread, this package
-    first on ``PYTHONPATH``, and nothing of a surrounding run (``ELASTIC_MOE_*``, torchrun's
-    variables) that would change what the child does."""
-    drop = ("ELASTIC_MOE_", "MASTER_", "TORCHELASTIC_", "PET_", "E2E_BENCH_")
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(drop) and key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                       "NPROC_PER_NODE", "NNODES", "SWIFT_CONFIG_FILE")}
-    package_root = str(Path(__file__).resolve().parents[3])
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
-               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TORCH_COMPILE_DISABLE="1",
-               PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    env.update(extra)
-    return env
-
-
-def sync_probe_dir() -> Path:
-    """The folder whose ``sitecustomize`` counts a Megatron trainer's host syncs (env-gated)."""
-    return Path(__file__).resolve().parent / "sync_probe"
-
-
-def console_script(name: str) -> str:
-    """``swift`` / ``megatron`` of this interpreter's environment."""
-    script = Path(sys.executable).with_name(name)
-    if not script.exists():
-        raise RuntimeError(f"'{script}' does not exist; install ms-swift (pip install 'ms-swift>=4.6,<4.7').")
-    return str(script)
-
-
 #: the launcher's parent: a bare interpreter (``-I -S``: no site, no sitecustomize) that starts the
 #: launcher, waits for it with ``os.wait4`` and writes its ``ru_maxrss`` (KiB) to ``argv[1]``. Linux
 #: starts a process's peak RSS at that of the process that forked it (exec records the old address
@@ -348,5 +300,5 @@ def to_json(results: list[E2EResult]) -> list[dict]:
              **r.summary()} for r in results]
 
 
-__all__ = ["COLUMNS", "DEFAULT_ROUNDS", "LAUNCHERS", "Command", "E2EOptions", "E2EResult", "E2ERun", "Launcher",
-           "RunReading", "child_env", "console_script", "format_table", "run_e2e", "sync_probe_dir", "to_json"]
+__all__ = ["COLUMNS", "DEFAULT_ROUNDS", "LAUNCHERS", "E2EOptions", "E2EResult", "E2ERun", "Launcher", "format_table",
+           "run_e2e", "to_json"]

@@ -25,7 +25,7 @@ import socket
 import sys
 from pathlib import Path
 
-from elastic_moe_plugin.tools.bench.e2e import (
+from elastic_moe_plugin.tools.bench.e2e_child import (
     SYNC_OUT_ENV,
     SYNC_STEP_ENV,
     SYNC_TARGET_ENV,

@@ -23,7 +23,7 @@ import os
 import random
 from pathlib import Path
 
-from elastic_moe_plugin.tools.bench.e2e import Command, RunReading, child_env, console_script
+from elastic_moe_plugin.tools.bench.e2e_child import Command, RunReading, child_env, console_script
 
 #: OLMoE-shaped routing (64 experts, top-8, full-softmax gate), tiny width and depth
 MODEL = {
@@ -66,7 +66,7 @@ def command(model_dir: Path, dataset: Path, schedule: str, steps: int, out: Path
         env.update(SWIFT_SFT_PROFILE_STEPS=profile, SWIFT_SFT_PROFILE_OUT=str(out / "profile.json"))
     if sync_step is not None:
         callbacks.append("sft_syncs")
-        from elastic_moe_plugin.tools.bench.e2e import SYNC_OUT_ENV, SYNC_STEP_ENV
+        from elastic_moe_plugin.tools.bench.e2e_child import SYNC_OUT_ENV, SYNC_STEP_ENV
 
         env.update({SYNC_STEP_ENV: str(sync_step), SYNC_OUT_ENV: str(out / "syncs.json")})
     if len(callbacks) > 1:

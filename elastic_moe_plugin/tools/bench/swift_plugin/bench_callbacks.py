@@ -52,7 +52,7 @@ class StepSyncs(TrainerCallback):
     """Host syncs of step ``$E2E_BENCH_SYNC_STEP`` (1-based), written to ``$E2E_BENCH_SYNC_OUT``."""
 
     def __init__(self, args, trainer):
-        from elastic_moe_plugin.tools.bench.e2e import SYNC_OUT_ENV, SYNC_STEP_ENV
+        from elastic_moe_plugin.tools.bench.e2e_child import SYNC_OUT_ENV, SYNC_STEP_ENV
 
         self.step = int(os.environ[SYNC_STEP_ENV])
         self.out = os.environ[SYNC_OUT_ENV]
