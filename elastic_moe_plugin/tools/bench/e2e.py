@@ -295,9 +295,11 @@ def format_table(results: list[E2EResult]) -> str:
 
 
 def to_json(results: list[E2EResult]) -> list[dict]:
-    return [{"launcher": r.launcher, "label": r.label, "model": r.model, "static": r.static, "elastic": r.elastic,
-             "steps": r.steps, "warmup": r.warmup, "timing": r.timing, "runs": [asdict(run) for run in r.runs],
-             **r.summary()} for r in results]
+    """Per launcher: its settings, ``schedules`` (``static`` and ``elastic``: the schedule names),
+    every run, and the summary (``static`` / ``elastic``: the columns of the table's two rows)."""
+    return [{"launcher": r.launcher, "label": r.label, "model": r.model,
+             "schedules": {"static": r.static, "elastic": r.elastic}, "steps": r.steps, "warmup": r.warmup,
+             "timing": r.timing, "runs": [asdict(run) for run in r.runs], **r.summary()} for r in results]
 
 
 __all__ = ["COLUMNS", "DEFAULT_ROUNDS", "LAUNCHERS", "E2EOptions", "E2EResult", "E2ERun", "Launcher", "format_table",
