@@ -44,9 +44,11 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command(
         "elastic_moe_plugin.cli.bench",
-        "benchmark elastic against stock Megatron: router, MoE layer, training step",
+        "benchmark elastic against stock: router, MoE layer, training step; --only e2e: each launcher end to end",
         "Time forward+backward of stock, elastic iid and elastic balanced routing, interleaved in one process; "
-        "report median ratios, peak memory, device-to-host syncs and dispatched pairs.",
+        "report median ratios, peak memory, device-to-host syncs and dispatched pairs. --only e2e trains with "
+        "swift sft, megatron sft and Megatron-LM's trainer, static against elastic in alternating rounds, and "
+        "reports steps/s, their ratio, peak RSS, host syncs per step and the realised mean κ.",
     ),
     "demo": Command(
         "elastic_moe_plugin.cli.demo",

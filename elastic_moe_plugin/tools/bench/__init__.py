@@ -6,10 +6,14 @@
 - :mod:`.hf`: transformers scenarios (``hf``): an OLMoE- and a Qwen3-MoE-shaped sparse MoE block
   per experts implementation, with the rows the expert GEMMs multiply;
 - :mod:`.kappa`: the κ draw itself (``kappa``), time and memory per router call as the number of
-  token shards grows, the draw before the counter-based stream against the one now.
+  token shards grows, the draw before the counter-based stream against the one now;
+- :mod:`.e2e`: training end to end (``e2e``), one row per launcher (``swift sft``, ``megatron sft``,
+  Megatron-LM's trainer), each a child process per run, static against elastic in alternating rounds
+  (:mod:`.e2e_swift`, :mod:`.e2e_megatron`). It runs only when ``only`` names it.
 
 :func:`run_suite` runs what ``only`` names; :func:`format_results` prints the Megatron table (its
-format unchanged) and then the transformers table; :func:`to_json` is ``--json``.
+format unchanged), then the transformers table, the κ draw's and the end-to-end table;
+:func:`to_json` is ``--json``.
 """
 
 from __future__ import annotations
@@ -30,14 +34,24 @@ from elastic_moe_plugin.tools.bench.measure import (
     measure,
 )
 
-#: ``--only`` choices: the Megatron scenarios, ``hf`` for the transformers blocks, ``kappa`` for the κ draw
-SCENARIOS = ("router", "layer", "gpt", "hf", "kappa")
+#: ``--only`` choices: the Megatron scenarios, ``hf`` for the transformers blocks, ``kappa`` for the κ
+#: draw, ``e2e`` for the launchers end to end
+SCENARIOS = ("router", "layer", "gpt", "hf", "kappa", "e2e")
+#: what runs without ``--only``: every in-process scenario (``e2e`` trains with each launcher: minutes)
+DEFAULT_SCENARIOS = ("router", "layer", "gpt", "hf", "kappa")
 MEGATRON_SCENARIOS = ("router", "layer", "gpt")
 
 
-def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list:
-    """The scenarios named in ``only`` (every one when None), Megatron first, the κ draw last."""
-    wanted = list(only or SCENARIOS)
+def run_suite(quick: bool, threads: int, only: list[str] | None = None, e2e_options=None) -> list:
+    """The scenarios named in ``only`` (:data:`DEFAULT_SCENARIOS` when None), Megatron first, then
+    transformers, the κ draw and the launchers end to end (with ``e2e_options``, an
+    :class:`~.e2e.E2EOptions`; its defaults when None)."""
+    wanted = list(only or DEFAULT_SCENARIOS)
+    if "e2e" in wanted:  # bad options fail before anything runs
+        from elastic_moe_plugin.tools.bench import e2e
+
+        e2e_options = e2e_options or e2e.E2EOptions()
+        e2e_options.check()
     results: list[ScenarioResult] = []
     megatron_wanted = [name for name in MEGATRON_SCENARIOS if name in wanted]
     if megatron_wanted:
@@ -52,11 +66,17 @@ def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list:
         from elastic_moe_plugin.tools.bench import kappa
 
         results += kappa.run_suite(quick, threads)
+    if "e2e" in wanted:
+        results += e2e.run_e2e(e2e_options, quick)
     return results
 
 
 def _is_kappa(result) -> bool:
     return hasattr(result, "num_shards")
+
+
+def _is_e2e(result) -> bool:
+    return hasattr(result, "launcher")
 
 
 def _is_block(result: ScenarioResult) -> bool:
@@ -90,7 +110,8 @@ def format_results(results: list[ScenarioResult]) -> str:
     """The Megatron table, then (if any) the transformers table: realised pairs there are the rows
     the expert GEMMs multiplied."""
     draws = [result for result in results if _is_kappa(result)]
-    results = [result for result in results if not _is_kappa(result)]
+    launchers = [result for result in results if _is_e2e(result)]
+    results = [result for result in results if not _is_kappa(result) and not _is_e2e(result)]
     megatron = [result for result in results if not _is_block(result)]
     blocks = [result for result in results if _is_block(result)]
     lines: list[str] = []
@@ -114,6 +135,12 @@ def format_results(results: list[ScenarioResult]) -> str:
         if lines:
             lines.append("")
         lines.append(kappa.format_table(draws))
+    if launchers:
+        from elastic_moe_plugin.tools.bench import e2e
+
+        if lines:
+            lines.append("")
+        lines.append(e2e.format_table(launchers))
     return "\n".join(lines)
 
 
@@ -126,7 +153,8 @@ def _version(distribution: str) -> str | None:
 
 def to_json(results: list) -> dict:
     draws = [asdict(result) for result in results if _is_kappa(result)]
-    results = [result for result in results if not _is_kappa(result)]
+    launchers = [result for result in results if _is_e2e(result)]
+    results = [result for result in results if not _is_kappa(result) and not _is_e2e(result)]
     report = {"torch": torch.__version__}
     if any(not _is_block(result) for result in results):
         report["megatron_core"] = importlib.metadata.version("megatron-core")
@@ -143,10 +171,16 @@ def to_json(results: list) -> dict:
     })
     if draws:
         report["kappa_draw"] = draws
+    if launchers:
+        from elastic_moe_plugin.tools.bench import e2e
+
+        report.update(e2e_versions={name: _version(name) for name in ("ms-swift", "megatron-core", "transformers",
+                                                                       "mcore-bridge")},
+                      e2e=e2e.to_json(launchers))
     return report
 
 
 __all__ = [
-    "MEGATRON_SCENARIOS", "SCENARIOS", "SYNC_OPS", "VARIANTS", "LiveBytes", "ScenarioResult", "Step", "SyncCounter",
+    "DEFAULT_SCENARIOS", "MEGATRON_SCENARIOS", "SCENARIOS", "SYNC_OPS", "VARIANTS", "LiveBytes", "ScenarioResult", "Step", "SyncCounter",
     "VariantResult", "format_results", "measure", "run_suite", "to_json",
 ]

@@ -1,0 +1,306 @@
+"""``elastic-moe bench --only e2e``: training steps per second of each launcher, static against elastic.
+
+One row per launcher, each run as a user runs it, as a child process of this one, for a fixed
+number of steps on a tiny model of the launcher's family (built offline here):
+
+- ``swift_sft``: ``swift sft`` (ms-swift's transformers trainer) on an OLMoE-shaped model, static
+  top-8 against elastic ``6-10`` (:mod:`.e2e_swift`);
+- ``megatron_sft``: ``megatron sft`` (Megatron-SWIFT with mcore-bridge, under the CPU runtime's
+  start-up bootstrap) on a Qwen3-MoE of 16 experts, top-8, static against ``6-10``
+  (:mod:`.e2e_megatron`);
+- ``megatron_lm``: Megatron-LM's trainer (``examples/megatron_lm/pretrain_gpt_moe.py`` through
+  ``python -m elastic_moe_plugin.megatron_lm --cpu``) on a GPT of 16 experts, top-8, static against
+  ``6-10`` (:mod:`.e2e_megatron`).
+
+Per launcher, ``rounds`` rounds of one static and one elastic run each, alternating which goes first
+(static, elastic; elastic, static; ...) so that load on the machine hits both alike. Every child runs
+with one torch thread (``OMP_NUM_THREADS=1``), offline, without a GPU. Per run:
+
+- steps/s, steady state: the steps after ``warmup`` over the time they took, from the launcher's
+  own logged timings (ms-swift and Megatron-SWIFT: the cumulative ``train_speed(s/it)`` of
+  ``logging.jsonl`` at step ``warmup`` and at the last step; Megatron-LM: the sum of its
+  ``elapsed time per iteration (ms)`` over iterations ``warmup + 1`` to the last);
+- peak RSS: ``ru_maxrss`` of ``os.wait4`` on the launcher's process, which Linux reports as the
+  largest resident set of that process and of every descendant it waited for (the trainer
+  processes of ``swift sft``, of ``megatron sft`` and of torchrun): the largest single process, not
+  a sum over ranks. The launcher is started by a bare interpreter (:data:`_RSS_PARENT`) rather than
+  by this process, whose own size Linux would otherwise count as the launcher's starting peak;
+- host syncs per step: the aten ops that read a device value on the host (``.item()``, ``int(t)``,
+  ``.tolist()``, data-dependent shapes: :class:`~.measure.SyncCounter`, which on a CPU-only machine
+  counts each read as the device read it would be on a GPU) during training step ``warmup``, the
+  last warm-up step, so the counter's own cost stays out of the timed steps; counted by a second
+  plugin file for ``swift sft`` (:mod:`.e2e_swift_plugin`) and by a start-up module that wraps the
+  trainer's ``train_step`` for the two Megatron launchers (``sync_probe/sitecustomize.py``), on
+  rank 0. The whole step counts: the trainer's own reads (loss logging, gradient clipping, ...)
+  as well as the router's and the dispatcher's, static and elastic alike;
+- mean κ: the realised experts per token the launcher logged (``elastic_moe/mean_kappa``), averaged
+  over the run's logged steps (static: exactly k where the launcher logs it, ms-swift and
+  Megatron-SWIFT; Megatron-LM's static run logs no routing metrics).
+
+The ratio of a round is its elastic steps/s over its static steps/s; the row gives the median of the
+rounds' ratios and their spread (min-max). ``--quick`` (CI) runs one round of a few steps with the
+runs of each launcher two at a time, so its times say nothing; it shows that every launcher runs and
+reports every column.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from elastic_moe_plugin.tools.bench.e2e_child import Command, RunReading
+
+#: ``--launchers`` choices, in the order the rows are printed
+LAUNCHERS = ("swift_sft", "megatron_sft", "megatron_lm")
+DEFAULT_ROUNDS = 3
+QUICK_STEPS, QUICK_WARMUP = 4, 2
+
+
+@dataclass(frozen=True)
+class E2EOptions:
+    """What ``--only e2e`` runs: ``steps`` and ``warmup`` per run (None: each launcher's default),
+    ``hidden``: ``swift sft``'s hidden size H (and its experts' width, H as well; None: 256)."""
+
+    rounds: int = DEFAULT_ROUNDS
+    steps: int | None = None
+    warmup: int | None = None
+    launchers: tuple[str, ...] = LAUNCHERS
+    hidden: int | None = None
+    work: Path | None = None
+
+    def check(self) -> None:
+        """Raises ValueError naming the flag, the value, what is accepted and a fix."""
+        if self.rounds < 1:
+            raise ValueError(f"--rounds {self.rounds}: at least 1 round, e.g. --rounds {DEFAULT_ROUNDS}.")
+        unknown = [name for name in self.launchers if name not in LAUNCHERS]
+        if unknown:
+            raise ValueError(f"--launchers {' '.join(unknown)}: expected some of {', '.join(LAUNCHERS)}, "
+                             f"e.g. --launchers {LAUNCHERS[0]}.")
+        if self.steps is not None and self.warmup is not None and not 1 <= self.warmup < self.steps:
+            raise ValueError(f"--steps {self.steps} --warmup {self.warmup}: the warm-up must leave timed steps "
+                             f"(1 <= warmup < steps), e.g. --steps {self.warmup + 8} --warmup {self.warmup}.")
+        if self.steps is not None and self.steps < 2:
+            raise ValueError(f"--steps {self.steps}: at least 2 (1 warm-up step and 1 timed one), e.g. --steps 20.")
+        if self.hidden is not None and (self.hidden < 8 or self.hidden % 4):
+            raise ValueError(f"--hidden {self.hidden}: a multiple of 4 (the tiny model's 4 heads), at least 8, "
+                             f"e.g. --hidden 256.")
+
+
+class Launcher(Protocol):
+    """One row of the table. ``prepare`` builds the tiny model and data (for runs of ``steps``) once;
+    ``command`` is one run;
+    ``read`` parses its logs (raises RuntimeError when they lack what the row needs)."""
+
+    key: str
+    label: str
+    static: str
+    elastic: str
+    default_steps: int
+    default_warmup: int
+    timing: str
+
+    def describe(self) -> str: ...
+
+    def prepare(self, work: Path, steps: int) -> None: ...
+
+    def command(self, schedule: str, steps: int, out: Path, sync_step: int) -> Command: ...
+
+    def read(self, out: Path, output: str, warmup: int) -> RunReading: ...
+
+    def syncs(self, out: Path) -> int | None: ...
+
+
+@dataclass
+class E2ERun:
+    schedule: str
+    round: int
+    steps_per_second: float
+    peak_rss_bytes: int
+    syncs_per_step: int | None
+    mean_kappa: float | None
+    wall_s: float
+
+
+@dataclass
+class E2EResult:
+    """One launcher's row: its runs and what the table derives from them."""
+
+    launcher: str
+    label: str
+    model: str
+    static: str
+    elastic: str
+    steps: int
+    warmup: int
+    timing: str
+    runs: list[E2ERun] = field(default_factory=list)
+
+    def of(self, schedule: str) -> list[E2ERun]:
+        return sorted((run for run in self.runs if run.schedule == schedule), key=lambda run: run.round)
+
+    def round_ratios(self) -> list[float]:
+        static = {run.round: run.steps_per_second for run in self.of(self.static)}
+        return [run.steps_per_second / static[run.round] for run in self.of(self.elastic) if run.round in static]
+
+    def summary(self) -> dict:
+        ratios = self.round_ratios()
+
+        def column(schedule: str) -> dict:
+            runs = self.of(schedule)
+            kappas = [run.mean_kappa for run in runs if run.mean_kappa is not None]
+            syncs = [run.syncs_per_step for run in runs if run.syncs_per_step is not None]
+            return {
+                "median_steps_per_second": statistics.median(run.steps_per_second for run in runs),
+                "peak_rss_bytes": max(run.peak_rss_bytes for run in runs),
+                "syncs_per_step": max(syncs) if syncs else None,
+                "mean_kappa": statistics.fmean(kappas) if kappas else None,
+            }
+
+        return {"static": column(self.static), "elastic": column(self.elastic),
+                "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                "rounds": len(ratios)}
+
+
+# ------------------------------------------------------------------------------------ children
+#: the launcher's parent: a bare interpreter (``-I -S``: no site, no sitecustomize) that starts the
+#: launcher, waits for it with ``os.wait4`` and writes its ``ru_maxrss`` (KiB) to ``argv[1]``. Linux
+#: starts a process's peak RSS at that of the process that forked it (exec records the old address
+#: space's high-water mark), so the launcher's own parent must be small: forked from this bench's
+#: process (hundreds of MiB of frameworks), the launcher would report at least that.
+_RSS_PARENT = (
+    "import os, subprocess, sys\n"
+    "child = subprocess.Popen(sys.argv[2:])\n"
+    "_, status, usage = os.wait4(child.pid, 0)\n"
+    "child.returncode = 0\n"
+    "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+    "code = os.waitstatus_to_exitcode(status)\n"
+    "sys.exit(code if code >= 0 else 128 - code)\n"
+)
+
+
+def _run_child(command: Command, log: Path) -> tuple[int, int, float]:
+    """Run ``command`` with its output in ``log``; (exit status, peak RSS in bytes, seconds)."""
+    start = time.perf_counter()
+    rss_file = log.with_name("max_rss_kib")
+    with log.open("wb") as sink:
+        code = subprocess.call([sys.executable, "-I", "-S", "-c", _RSS_PARENT, str(rss_file), *command.argv],
+                               env=command.env, cwd=command.cwd, stdout=sink, stderr=subprocess.STDOUT)
+    peak = int(rss_file.read_text()) * 1024 if rss_file.exists() else 0  # Linux: ru_maxrss in KiB
+    return code, peak, time.perf_counter() - start
+
+
+def _one_run(launcher: Launcher, schedule: str, round_index: int, steps: int, warmup: int, work: Path) -> E2ERun:
+    out = work / launcher.key / f"{schedule}_{round_index}"
+    out.mkdir(parents=True)
+    command = launcher.command(schedule, steps, out, sync_step=warmup)
+    log = out / "output.log"
+    code, peak, seconds = _run_child(command, log)
+    output = log.read_text(errors="replace")
+    if code != 0:
+        raise RuntimeError(f"{launcher.label} ({schedule}) exited {code}; its log: {log}\n{output[-3000:]}")
+    reading = launcher.read(out, output, warmup)
+    return E2ERun(schedule=schedule, round=round_index, steps_per_second=reading.steps_per_second,
+                  peak_rss_bytes=peak, syncs_per_step=launcher.syncs(out), mean_kappa=reading.mean_kappa,
+                  wall_s=seconds)
+
+
+def _launchers(options: E2EOptions) -> list[Launcher]:
+    from elastic_moe_plugin.tools.bench import e2e_megatron, e2e_swift
+
+    make = {
+        "swift_sft": lambda: e2e_swift.SwiftSft(hidden=options.hidden),
+        "megatron_sft": e2e_megatron.MegatronSft,
+        "megatron_lm": e2e_megatron.MegatronLM,
+    }
+    return [make[key]() for key in LAUNCHERS if key in options.launchers]
+
+
+def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None = None) -> list[E2EResult]:
+    """Every launcher of ``options``: ``rounds`` alternating rounds (``quick``: one round of
+    :data:`QUICK_STEPS` steps, the two runs side by side)."""
+    options.check()
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    rounds = 1 if quick else options.rounds
+    work = options.work or Path(tempfile.mkdtemp(prefix="elastic_moe_bench_e2e_"))
+    results = []
+    for launcher in _launchers(options):
+        steps = options.steps or (QUICK_STEPS if quick else launcher.default_steps)
+        warmup = options.warmup or (QUICK_WARMUP if quick else min(launcher.default_warmup, steps - 1))
+        if not 1 <= warmup < steps:
+            raise ValueError(f"--steps {steps}: {launcher.label} warms up {warmup} steps; pass --warmup "
+                             f"{max(1, steps // 4)} or more --steps.")
+        started = time.perf_counter()
+        launcher.prepare(work / launcher.key / "assets", steps)
+        result = E2EResult(launcher.key, launcher.label, launcher.describe(), launcher.static, launcher.elastic,
+                           steps, warmup, launcher.timing)
+        for round_index in range(rounds):
+            order = (launcher.static, launcher.elastic)[:: 1 if round_index % 2 == 0 else -1]
+            if quick:
+                with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+                    runs = list(pool.map(lambda schedule: _one_run(launcher, schedule, round_index, steps, warmup,
+                                                                   work), order))
+            else:
+                runs = [_one_run(launcher, schedule, round_index, steps, warmup, work) for schedule in order]
+            for run in runs:
+                result.runs.append(run)
+                kappa = f"{run.mean_kappa:.3f}" if run.mean_kappa is not None else "-"
+                log(f"e2e {launcher.label} round {round_index} {run.schedule}: {run.steps_per_second:.4f} steps/s, "
+                    f"peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB, syncs/step {_or_na(run.syncs_per_step)}, "
+                    f"mean κ {kappa}, {run.wall_s:.0f} s")
+        log(f"e2e {launcher.label}: {time.perf_counter() - started:.0f} s in all (work folder {work / launcher.key})")
+        results.append(result)
+    return results
+
+
+def _or_na(value) -> str:
+    return "n/a" if value is None else str(value)
+
+
+# ------------------------------------------------------------------------------------ output
+COLUMNS = ("launcher", "schedule", "steps/s", "x static", "min-max x", "peak RSS MiB", "syncs/step", "mean κ")
+
+
+def format_table(results: list[E2EResult]) -> str:
+    """One row per launcher and schedule; the ratio columns on the elastic row."""
+    widths = (13, 8, 8, 8, 13, 12, 10, 7)
+    header = " ".join(f"{name:{width}s}" if i < 2 else f"{name:>{width}s}"
+                      for i, (name, width) in enumerate(zip(COLUMNS, widths)))
+    lines = [header]
+    for result in results:
+        summary = result.summary()
+        lines.append(f"-- {result.label}: {result.model}; {result.steps} steps, {result.warmup} warm-up, "
+                     f"{summary['rounds']} round(s); steps/s {result.timing}")
+        for schedule, column in ((result.static, summary["static"]), (result.elastic, summary["elastic"])):
+            elastic = schedule == result.elastic
+            cells = [
+                f"{result.label:13s}", f"{schedule:8s}", f"{column['median_steps_per_second']:8.4f}",
+                f"{summary['ratio_median']:8.3f}" if elastic else f"{'1':>8s}",
+                (f"{summary['ratio_min']:6.3f}-{summary['ratio_max']:6.3f}" if elastic else f"{'':13s}"),
+                f"{column['peak_rss_bytes'] / 2**20:12.0f}", f"{_or_na(column['syncs_per_step']):>10s}",
+                f"{column['mean_kappa']:7.3f}" if column["mean_kappa"] is not None else f"{'-':>7s}",
+            ]
+            lines.append(" ".join(cells))
+    lines.append("steps/s: median over rounds, steady state (after the warm-up steps), from the launcher's own "
+                 "timings; x static: median of the rounds' elastic/static ratios, min-max across rounds; peak RSS: "
+                 "largest process of the run (ru_maxrss); syncs/step: host reads of device values in one training "
+                 "step (step = warm-up's last); mean κ: the realised experts per token the run logged")
+    return "\n".join(lines)
+
+
+def to_json(results: list[E2EResult]) -> list[dict]:
+    """Per launcher: its settings, ``schedules`` (``static`` and ``elastic``: the schedule names),
+    every run, and the summary (``static`` / ``elastic``: the columns of the table's two rows)."""
+    return [{"launcher": r.launcher, "label": r.label, "model": r.model,
+             "schedules": {"static": r.static, "elastic": r.elastic}, "steps": r.steps, "warmup": r.warmup,
+             "timing": r.timing, "runs": [asdict(run) for run in r.runs], **r.summary()} for r in results]
+
+
+__all__ = ["COLUMNS", "DEFAULT_ROUNDS", "LAUNCHERS", "E2EOptions", "E2EResult", "E2ERun", "Launcher", "format_table",
+           "run_e2e", "to_json"]

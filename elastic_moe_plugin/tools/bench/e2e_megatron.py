@@ -1,0 +1,195 @@
+"""The ``megatron sft`` and Megatron-LM rows of ``elastic-moe bench --only e2e``.
+
+- :class:`MegatronSft`: real ``megatron sft`` (Megatron-SWIFT, mcore-bridge) on one CPU process, as
+  ``tests/swift/test_megatron_sft.py`` and ``elastic-moe launch RECIPE --rehearse`` run it: the CPU
+  runtime's start-up bootstrap first on ``PYTHONPATH`` (:func:`~elastic_moe_plugin.tools.recipes.rehearse.cpu_bootstrap_dir`),
+  its :data:`~elastic_moe_plugin.cpu_runtime.megatron_swift.CPU_FLAGS`, the plugin file with
+  ``--callbacks elastic_moe``; a tiny Qwen3-MoE (2 layers, hidden 64, 16 experts of width 16,
+  top-8, renormalised gate) built with the recipes' tiny-asset builders; micro-batch 2 of at most 192
+  tokens; ``ELASTIC_MOE_SCHEDULE=static`` against ``6-10``. Steps/s from Megatron-SWIFT's logged
+  cumulative ``train_speed(s/it)``, as for ``swift sft``.
+- :class:`MegatronLM`: Megatron-LM's trainer (``megatron.training.pretrain``) through the front door
+  ``python -m elastic_moe_plugin.megatron_lm --cpu examples/megatron_lm/pretrain_gpt_moe.py`` under
+  torchrun (one gloo rank), as ``tests/mcore/test_megatron_lm.py`` runs it: a tiny GPT (2 layers,
+  hidden 64, 16 experts of width 32, top-8, alltoall dispatcher, aux loss), mock data, 2 micro-batches
+  of 4 x 64 tokens per step, ``--elastic-moe-schedule static`` against ``6-10``. Steps/s from
+  Megatron-LM's own ``elapsed time per iteration (ms)`` (log interval 1), summed over the steps after
+  the warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+from pathlib import Path
+
+from elastic_moe_plugin.tools.bench.e2e_child import (
+    SYNC_OUT_ENV,
+    SYNC_STEP_ENV,
+    SYNC_TARGET_ENV,
+    Command,
+    RunReading,
+    child_env,
+    console_script,
+    sync_probe_dir,
+)
+from elastic_moe_plugin.tools.bench.e2e_swift import logged_mean_kappa, read_syncs, steady_steps_per_second
+
+SCHEDULES = ("static", "6-10")
+REPO = Path(__file__).resolve().parents[3]
+MEGATRON_LM_SCRIPT = REPO / "examples" / "megatron_lm" / "pretrain_gpt_moe.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _sync_env(out: Path, step: int, target: str) -> dict[str, str]:
+    return {SYNC_STEP_ENV: str(step), SYNC_OUT_ENV: str(out / "syncs.json"), SYNC_TARGET_ENV: target}
+
+
+class MegatronSft:
+    """``megatron sft`` on a tiny Qwen3-MoE, top-8 of 16 experts: static against elastic 6-10."""
+
+    key, label = "megatron_sft", "megatron sft"
+    static, elastic = SCHEDULES
+    default_steps, default_warmup = 20, 4
+    timing = "from Megatron-SWIFT's logged cumulative train_speed(s/it)"
+    MODEL = {
+        "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512, "router_aux_loss_coef": 0.01,
+        "tie_word_embeddings": False, "num_experts": 16, "num_experts_per_tok": 8, "moe_intermediate_size": 16,
+        "norm_topk_prob": True,
+    }
+    MICRO_BATCH, MAX_LENGTH = 2, 192
+
+    def __init__(self) -> None:
+        self.model_dir: Path | None = None
+        self.dataset: Path | None = None
+
+    def describe(self) -> str:
+        m = self.MODEL
+        return (f"Qwen3-MoE, {m['num_hidden_layers']} layers, H={m['hidden_size']}, {m['num_experts']} experts of "
+                f"width {m['moe_intermediate_size']}, top-{m['num_experts_per_tok']}, micro-batch {self.MICRO_BATCH} "
+                f"x {self.MAX_LENGTH} tokens, 1 CPU rank")
+
+    def prepare(self, work: Path, steps: int) -> None:
+        import random
+
+        from elastic_moe_plugin.tools.recipes import tiny_assets
+
+        rng = random.Random(0)
+        tokenizer = tiny_assets.train_tokenizer(rng)
+        self.model_dir = tiny_assets.write_model(work / "qwen3_moe_e16_k8", "qwen3_moe", tokenizer,
+                                                 {**self.MODEL, "vocab_size": tiny_assets.VOCAB})
+        rows = tiny_assets.chat_rows(rng, max(64, self.MICRO_BATCH * (steps + 2)))
+        self.dataset = tiny_assets.write_chat_dataset(work / "train.jsonl", rows)
+
+    def command(self, schedule: str, steps: int, out: Path, sync_step: int) -> Command:
+        from elastic_moe_plugin.cpu_runtime.megatron_swift import CPU_FLAGS
+        from elastic_moe_plugin.swift import plugin_path
+        from elastic_moe_plugin.tools.recipes.rehearse import cpu_bootstrap_dir
+
+        base = child_env()
+        path = [str(cpu_bootstrap_dir()), str(sync_probe_dir()), base["PYTHONPATH"]]
+        env = child_env(PYTHONPATH=":".join(path), NPROC_PER_NODE="1", MASTER_PORT=str(_free_port()),
+                        HF_DATASETS_CACHE=str(out / "hf_datasets"), MODELSCOPE_CACHE=str(out / "modelscope"),
+                        ELASTIC_MOE_SCHEDULE=schedule, **_sync_env(out, sync_step, "megatron_swift"))
+        argv = [
+            console_script("megatron"), "sft", "--model", str(self.model_dir), "--model_type", "qwen3_moe",
+            "--template", "qwen3", "--dataset", str(self.dataset), "--split_dataset_ratio", "0",
+            "--check_model", "false", "--external_plugins", str(plugin_path()), "--callbacks", "elastic_moe",
+            "--tuner_type", "full", "--finetune", "true", "--micro_batch_size", str(self.MICRO_BATCH),
+            "--global_batch_size", str(self.MICRO_BATCH), "--max_length", str(self.MAX_LENGTH),
+            "--truncation_strategy", "left", "--train_iters", str(steps), "--logging_steps", "1", "--lr", "1e-4",
+            "--moe_aux_loss_coeff", "0.01", "--clip_grad", "1.0", "--moe_token_dispatcher_type", "alltoall",
+            "--dataset_num_proc", "1", "--dataloader_num_workers", "0", "--save_steps", str(10 * steps),
+            "--output_dir", str(out / "out"), "--add_version", "false",
+            *[word for flag, (value, _) in CPU_FLAGS.items() for word in (f"--{flag}", value)],
+        ]
+        return Command(argv, env, out)
+
+    def read(self, out: Path, output: str, warmup: int) -> RunReading:
+        path = out / "out" / "logging.jsonl"
+        if not path.exists():
+            raise RuntimeError(f"{path} is missing: megatron sft logged no training step")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [row for row in rows if "loss" in row and "iteration" in row and "train_speed(s/it)" in row]
+        return RunReading(steady_steps_per_second(rows, warmup, "iteration"), logged_mean_kappa(rows), len(rows))
+
+    def syncs(self, out: Path) -> int | None:
+        return read_syncs(out / "syncs.json")
+
+
+class MegatronLM:
+    """Megatron-LM's trainer on a tiny MoE GPT, top-8 of 16 experts: static against elastic 6-10."""
+
+    key, label = "megatron_lm", "Megatron-LM"
+    static, elastic = SCHEDULES
+    default_steps, default_warmup = 30, 5
+    timing = "from Megatron-LM's logged elapsed time per iteration (ms)"
+    LAYERS, HIDDEN, EXPERTS, TOPK, EXPERT_FFN, SEQ, MICRO_BATCH, GLOBAL_BATCH = 2, 64, 16, 8, 32, 64, 4, 8
+
+    def describe(self) -> str:
+        return (f"GPT, {self.LAYERS} layers, H={self.HIDDEN}, {self.EXPERTS} experts of width {self.EXPERT_FFN}, "
+                f"top-{self.TOPK}, alltoall, {self.GLOBAL_BATCH // self.MICRO_BATCH} micro-batches of "
+                f"{self.MICRO_BATCH} x {self.SEQ} tokens, 1 gloo rank")
+
+    def prepare(self, work: Path, steps: int) -> None:
+        if not MEGATRON_LM_SCRIPT.is_file():
+            raise RuntimeError(f"{MEGATRON_LM_SCRIPT} is missing: the Megatron-LM row runs the repository's example "
+                               f"trainer; run the bench from a checkout of elastic-moe-plugin, or pass --launchers "
+                               f"swift_sft megatron_sft.")
+        work.mkdir(parents=True, exist_ok=True)
+
+    def megatron_args(self, steps: int) -> list[str]:
+        return [
+            "--num-layers", str(self.LAYERS), "--hidden-size", str(self.HIDDEN), "--num-attention-heads", "4",
+            "--ffn-hidden-size", str(2 * self.HIDDEN), "--num-experts", str(self.EXPERTS),
+            "--moe-router-topk", str(self.TOPK), "--moe-ffn-hidden-size", str(self.EXPERT_FFN),
+            "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+            "--moe-aux-loss-coeff", "0.01", "--seq-length", str(self.SEQ), "--max-position-embeddings", str(self.SEQ),
+            "--micro-batch-size", str(self.MICRO_BATCH), "--global-batch-size", str(self.GLOBAL_BATCH),
+            "--train-iters", str(steps), "--lr", "1e-4", "--seed", "1234", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--log-interval", "1", "--eval-iters", "0",
+            "--eval-interval", str(10 * steps), "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+            # CPU: gloo, no fused kernels or Transformer Engine; --clip-grad 0 as the tests run --cpu
+            "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+            "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-gelu-fusion",
+            "--disable-bias-linear", "--clip-grad", "0",
+        ]
+
+    def command(self, schedule: str, steps: int, out: Path, sync_step: int) -> Command:
+        base = child_env()
+        env = child_env(PYTHONPATH=":".join([str(sync_probe_dir()), base["PYTHONPATH"]]), NO_VCS_VERSION="1",
+                        **_sync_env(out, sync_step, "megatron_lm"))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                "-m", "elastic_moe_plugin.megatron_lm", "--cpu", str(MEGATRON_LM_SCRIPT), *self.megatron_args(steps),
+                "--elastic-moe-schedule", schedule]
+        return Command(argv, env, out)
+
+    def read(self, out: Path, output: str, warmup: int) -> RunReading:
+        elapsed, kappas = {}, []
+        for line in output.splitlines():
+            match = re.search(r"\biteration\s+(\d+)/\s*\d+ \|(.*)$", line)
+            if not match:
+                continue
+            iteration, fields = int(match.group(1)), match.group(2)
+            elapsed[iteration] = float(re.search(r"elapsed time per iteration \(ms\): ([\d.]+)", fields).group(1))
+            kappa = re.search(r" elastic_moe/mean_kappa: ([^ |]+) \|", fields)
+            if kappa:
+                kappas.append(float(kappa.group(1)))
+        timed = [ms for iteration, ms in elapsed.items() if iteration > warmup]
+        if not timed:
+            raise RuntimeError(f"Megatron-LM logged iterations {sorted(elapsed)}: none after the warm-up's {warmup}")
+        return RunReading(len(timed) / (sum(timed) / 1e3), sum(kappas) / len(kappas) if kappas else None, len(elapsed))
+
+    def syncs(self, out: Path) -> int | None:
+        return read_syncs(out / "syncs.json")
+
+
+__all__ = ["MEGATRON_LM_SCRIPT", "MegatronLM", "MegatronSft"]

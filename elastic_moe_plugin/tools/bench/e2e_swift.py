@@ -1,0 +1,194 @@
+"""The ``swift sft`` row of ``elastic-moe bench --only e2e``, and ``scripts/swift_sft_speed.py``.
+
+A tiny OLMoE-shaped model (4 layers, hidden 256, 64 experts of width 256, top-8,
+``norm_topk_prob=False``, the full-softmax gate), built offline with the recipes' tiny-asset builders
+(:mod:`elastic_moe_plugin.tools.recipes.tiny_assets`: the byte-level BPE tokenizer and the 64-row
+chat dataset the ms-swift tests use), trained by real ``swift sft``: full fine-tuning, the plugin
+file with ``--callbacks elastic_moe`` (the documented fallback form), batch 8, transformers' default
+experts implementation (``grouped_mm``) unless ``experts_impl`` names one, gradient checkpointing as
+ms-swift defaults, ``ELASTIC_MOE_SCHEDULE=static`` against ``6-10``.
+
+Steps/s are steady-state, from ms-swift's logged cumulative ``train_speed(s/it)`` (seconds since the
+first step began over steps done): ``(last - warmup) / (last·s_last - warmup·s_warmup)``.
+
+:func:`profile_differences` (``scripts/swift_sft_speed.py --profile FIRST:COUNT``) runs each schedule
+once under torch.profiler (a second plugin file, :data:`CALLBACKS_PLUGIN`) and prints the ops whose
+self CPU time differs most between the two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+from elastic_moe_plugin.tools.bench.e2e_child import Command, RunReading, child_env, console_script
+
+#: OLMoE-shaped routing (64 experts, top-8, full-softmax gate), tiny width and depth
+MODEL = {
+    "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
+    "vocab_size": None, "max_position_embeddings": 512, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+}
+SCHEDULES = ("static", "6-10")
+DATASET_ROWS, BATCH_SIZE = 64, 8
+#: the bench's callbacks (profiler, sync counter), alone in its folder: ms-swift puts a plugin's
+#: folder first on sys.path, and this package's modules would shadow top-level ones there
+CALLBACKS_PLUGIN = Path(__file__).resolve().parent / "swift_plugin" / "bench_callbacks.py"
+
+
+def build(work: Path, model: dict) -> tuple[Path, Path]:
+    """The OLMoE-shaped model directory and the chat dataset, under ``work`` (seeded: the same
+    tokenizer and rows as ``tests/swift/_tiny_assets.py``, weights from ``torch.manual_seed(0)``)."""
+    from elastic_moe_plugin.tools.recipes import tiny_assets
+
+    rng = random.Random(0)
+    tokenizer = tiny_assets.train_tokenizer(rng)
+    config = {**model, "vocab_size": model["vocab_size"] or tiny_assets.VOCAB}
+    model_dir = tiny_assets.write_model(work / f"olmoe_e{model['num_experts']}_k{model['num_experts_per_tok']}",
+                                        "olmoe", tokenizer, config)
+    dataset = tiny_assets.write_chat_dataset(work / "train.jsonl", tiny_assets.chat_rows(rng, DATASET_ROWS))
+    return model_dir, dataset
+
+
+def command(model_dir: Path, dataset: Path, schedule: str, steps: int, out: Path, experts_impl: str | None = None, *,
+            profile: str | None = None, sync_step: int | None = None) -> Command:
+    """One ``swift sft`` run writing under ``out``. ``profile`` ("first:count"): the profiler's table in
+    ``out / "profile.json"``; ``sync_step``: the host syncs of that step in ``out / "syncs.json"``."""
+    from elastic_moe_plugin.swift import plugin_path
+
+    env = child_env(HF_DATASETS_CACHE=str(out / "hf_datasets"), MODELSCOPE_CACHE=str(out / "modelscope"),
+                    ELASTIC_MOE_SCHEDULE=schedule)
+    plugins, callbacks = [str(plugin_path())], ["elastic_moe"]
+    if profile is not None:
+        callbacks.append("sft_profile")
+        env.update(SWIFT_SFT_PROFILE_STEPS=profile, SWIFT_SFT_PROFILE_OUT=str(out / "profile.json"))
+    if sync_step is not None:
+        callbacks.append("sft_syncs")
+        from elastic_moe_plugin.tools.bench.e2e_child import SYNC_OUT_ENV, SYNC_STEP_ENV
+
+        env.update({SYNC_STEP_ENV: str(sync_step), SYNC_OUT_ENV: str(out / "syncs.json")})
+    if len(callbacks) > 1:
+        plugins.append(str(CALLBACKS_PLUGIN))
+    argv = [
+        console_script("swift"), "sft", "--model", str(model_dir), "--model_type", "olmoe", "--template", "olmoe",
+        "--dataset", str(dataset), "--check_model", "false",
+        "--external_plugins", *plugins, "--callbacks", *callbacks,
+        "--tuner_type", "full", "--max_steps", str(steps), "--logging_steps", "1", "--router_aux_loss_coef", "0.01",
+        "--per_device_train_batch_size", str(BATCH_SIZE), "--gradient_accumulation_steps", "1", "--max_length", "512",
+        "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0", "--dataset_num_proc", "1",
+        "--output_dir", str(out / "run"), "--add_version", "false",
+    ]
+    if experts_impl is not None:
+        argv += ["--experts_impl", experts_impl]
+    return Command(argv, env, out)
+
+
+def logged_rows(out: Path) -> list[dict]:
+    """ms-swift's ``logging.jsonl`` rows of training steps."""
+    path = out / "run" / "logging.jsonl"
+    if not path.exists():
+        raise RuntimeError(f"{path} is missing: swift sft logged no training step")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for row in rows if "loss" in row and "train_speed(s/it)" in row]
+
+
+def steady_steps_per_second(rows: list[dict], warmup: int, step_key: str = "global_step/max_steps") -> float:
+    """(last - warmup) steps over the time between them, from the cumulative ``train_speed(s/it)``
+    (``elapsed / steps done``, ms-swift's and Megatron-SWIFT's) of steps ``warmup`` and last."""
+    speeds = {int(str(row[step_key]).split("/")[0]): row["train_speed(s/it)"] for row in rows}
+    last = max(speeds)
+    if warmup not in speeds or last <= warmup:
+        raise RuntimeError(f"steps logged {sorted(speeds)}: need step {warmup} (the warm-up's last) and a later one")
+    return (last - warmup) / (speeds[last] * last - speeds[warmup] * warmup)
+
+
+def logged_mean_kappa(rows: list[dict]) -> float | None:
+    """The mean of the runs' logged ``elastic_moe/mean_kappa`` (else of the per-layer means), None
+    when the run logged none (static)."""
+    means = []
+    for row in rows:
+        if "elastic_moe/mean_kappa" in row:
+            means.append(row["elastic_moe/mean_kappa"])
+        else:
+            layers = [value for key, value in row.items()
+                      if key.startswith("elastic_moe/layer_") and key.endswith("/mean_kappa")]
+            if layers:
+                means.append(sum(layers) / len(layers))
+    return sum(means) / len(means) if means else None
+
+
+def read_syncs(path: Path) -> int | None:
+    """The sync count a probe wrote (``{"syncs": n}``), None if it wrote none."""
+    return json.loads(path.read_text())["syncs"] if path.exists() else None
+
+
+class SwiftSft:
+    """``swift sft`` on the OLMoE-shaped model: static top-8 against elastic 6-10."""
+
+    key, label = "swift_sft", "swift sft"
+    static, elastic = SCHEDULES
+    default_steps, default_warmup = 20, 4
+    timing = "from ms-swift's logged cumulative train_speed(s/it)"
+
+    def __init__(self, hidden: int | None = None, experts_impl: str | None = None) -> None:
+        self.model = dict(MODEL)
+        if hidden is not None:
+            self.model.update(hidden_size=hidden, intermediate_size=hidden)
+        self.experts_impl = experts_impl
+        self.model_dir: Path | None = None
+        self.dataset: Path | None = None
+
+    def describe(self) -> str:
+        m = self.model
+        return (f"OLMoE-shaped, {m['num_hidden_layers']} layers, H={m['hidden_size']}, {m['num_experts']} experts of "
+                f"width {m['intermediate_size']}, top-{m['num_experts_per_tok']}, batch {BATCH_SIZE}, "
+                f"experts {self.experts_impl or 'grouped_mm (default)'}")
+
+    def prepare(self, work: Path, steps: int) -> None:
+        self.model_dir, self.dataset = build(work, self.model)
+
+    def command(self, schedule: str, steps: int, out: Path, sync_step: int) -> Command:
+        return command(self.model_dir, self.dataset, schedule, steps, out, self.experts_impl, sync_step=sync_step)
+
+    def read(self, out: Path, output: str, warmup: int) -> RunReading:
+        rows = logged_rows(out)
+        return RunReading(steady_steps_per_second(rows, warmup), logged_mean_kappa(rows), len(rows))
+
+    def syncs(self, out: Path) -> int | None:
+        return read_syncs(out / "syncs.json")
+
+
+def run_once(cmd: Command, log: Path) -> None:
+    import subprocess
+
+    with log.open("wb") as sink:
+        code = subprocess.call(cmd.argv, cwd=cmd.cwd, env=cmd.env, stdout=sink, stderr=subprocess.STDOUT)
+    if code != 0:
+        raise RuntimeError(f"swift sft exited {code}; see {log}")
+
+
+def profile_differences(model_dir: Path, dataset: Path, work: Path, steps: int, experts_impl: str | None,
+                        profile: str, top: int = 15) -> dict:
+    """One profiled run per schedule; prints and returns the largest self-CPU differences by op."""
+    tables = {}
+    for schedule in SCHEDULES:
+        out = work / f"profile_{schedule}"
+        out.mkdir(parents=True)
+        run_once(command(model_dir, dataset, schedule, steps, out, experts_impl, profile=profile), out / "output.log")
+        tables[schedule] = json.loads((out / "profile.json").read_text())
+    static, elastic = tables["static"], tables["6-10"]
+    totals = {schedule: sum(us for us, _ in table.values()) / 1e3 for schedule, table in tables.items()}
+    rows = sorted(((elastic.get(op, [0, 0])[0] - static.get(op, [0, 0])[0]) / 1e3, op) for op in set(static) | set(elastic))
+    print(f"self CPU over steps {profile}: static {totals['static']:.0f} ms, 6-10 {totals['6-10']:.0f} ms "
+          f"({totals['6-10'] - totals['static']:+.0f} ms)")
+    print(f"{'op':42s} {'static ms':>10s} {'6-10 ms':>10s} {'diff ms':>9s} {'calls':>13s}")
+    for diff, op in sorted(rows, key=lambda row: -abs(row[0]))[:top]:
+        (s_us, s_calls), (e_us, e_calls) = static.get(op, [0, 0]), elastic.get(op, [0, 0])
+        print(f"{op:42s} {s_us / 1e3:10.1f} {e_us / 1e3:10.1f} {diff:+9.1f} {s_calls:6d}/{e_calls:<6d}")
+    return {"totals_ms": totals, "top": [(op, diff) for diff, op in sorted(rows, key=lambda row: -abs(row[0]))[:top]]}
+
+
+__all__ = ["CALLBACKS_PLUGIN", "MODEL", "SCHEDULES", "SwiftSft", "build", "command", "logged_mean_kappa", "logged_rows",
+           "profile_differences", "read_syncs", "run_once", "steady_steps_per_second"]
