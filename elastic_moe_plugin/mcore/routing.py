@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from elastic_moe_plugin.core import records
-from elastic_moe_plugin.core.budget_stream import LATEST_DRAW_ATTR
+from elastic_moe_plugin.core.budget_stream import LATEST_DRAW_ATTR, latest_draw
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
 from elastic_moe_plugin.core.plan import LayerPlan
@@ -67,6 +67,13 @@ def draw_budgets(router, plan: LayerPlan, num_tokens: int, device: torch.device)
     draw = budget_rng.draw(plan.schedule, plan.sampling, cached[1], num_tokens, device)
     router.__dict__[LATEST_DRAW_ATTR] = draw
     return draw.budgets
+
+
+def _host_total(router, budgets: torch.Tensor) -> int | None:
+    """Σκ of ``budgets`` [T] known on the host: the total of the router's latest draw when
+    ``budgets`` is that draw's κ (not, e.g., budgets a caller substituted for the draw), else None."""
+    draw = latest_draw(router)
+    return draw.total if draw is not None and draw.budgets is budgets else None
 
 
 def select_candidates(
@@ -256,10 +263,12 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
     )
     if plan.top_p is None:
         budgets = draw_budgets(router, plan, num_tokens, logits.device)
+        host_total = _host_total(router, budgets)
     else:  # the smallest top-ranked set whose full-softmax mass reaches p (paper's top-p control)
         with torch.no_grad():
             sorted_probs = torch.softmax(logits.float(), dim=-1).gather(1, candidate_ids)
         budgets = top_p_budgets(sorted_probs, plan.top_p)
+        host_total = None  # κ came from the device's probabilities
     kept = budget_mask(budgets, plan.width)  # [T, b]
     weights = _prefix_weights(rule, candidate_values, kept)
     retained_weight_sums = weights.detach().sum(dim=-1)
@@ -293,7 +302,10 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
 
     router._apply_expert_bias(routing_map, padding_mask=padding_mask)
     # Counted once per real step: recompute's first pass runs without grad (as stock expert-bias counting).
-    records.remember(router, plan.width, budgets, candidate_ids, kept, retained_weight_sums,
+    records.remember(router, plan.width, budgets, candidate_ids, kept, retained_weight_sums=retained_weight_sums,
                      count=torch.is_grad_enabled(), capacity_dropped=capacity_dropped)
-    # Dispatchers size buffers from k unless told otherwise (see mcore.dispatch).
-    return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced")
+    # Dispatchers size buffers from k unless told otherwise (see mcore.dispatch); capacity drops
+    # leave the map with fewer entries than Σκ, which only the device counts.
+    if capacity_dropped is not None:
+        host_total = None
+    return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced", total=host_total)
