@@ -127,14 +127,13 @@ def host_total(routing_map: torch.Tensor, topk: int) -> int | None:
     return total
 
 
-def _check_host_total(routing_map: torch.Tensor, total: int, topk: int) -> None:
+def _check_host_total(routing_map: torch.Tensor, total: int) -> None:
     """``ELASTIC_MOE_DEBUG=1``: the host's Σκ must be the map's count on the device (one read)."""
     realised = int(routing_map.sum())
     if realised == total:
         return
     if getattr(routing_map, BALANCED_ATTR, False):
-        raise AssertionError(f"balanced elastic routing dispatched {realised} pairs, expected T·k = "
-                             f"{routing_map.size(0) * topk}")
+        raise AssertionError(f"balanced elastic routing dispatched {realised} pairs, expected T·k = {total}")
     raise AssertionError(f"elastic routing dispatched {realised} pairs, but the κ drawn on the host sum to "
                          f"Σκ = {total}")
 
@@ -159,7 +158,7 @@ def _alltoall_preprocess(original: Callable) -> Callable:
                 self._maybe_update_cuda_sync_point("before_permutation_1")
             else:
                 if os.environ.get(DEBUG_ENV, "") == "1":
-                    _check_host_total(routing_map, total, self.config.moe_router_topk)
+                    _check_host_total(routing_map, total)
                 self.num_out_tokens = total  # a host int, as stock's T·k: stock's sync point stays
         return tokens_per_expert
 
