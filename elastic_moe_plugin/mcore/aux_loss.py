@@ -24,6 +24,7 @@ import inspect
 
 import torch
 
+from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.plan import LayerPlan
 
 
@@ -48,23 +49,60 @@ class RealisedAssignments:
 
 
 def realised_assignments(router, plan: LayerPlan, logits: torch.Tensor, realised_map: torch.Tensor,
-                         padding_mask: torch.Tensor | None, seq_length: int, bsz: int) -> RealisedAssignments:
-    """Scores and the valid realised map (``logits`` [T, E], ``realised_map`` [T, E] before capacity drops)."""
-    from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+                         padding_mask: torch.Tensor | None, seq_length: int, bsz: int,
+                         probabilities: torch.Tensor | None = None) -> RealisedAssignments:
+    """Scores and the valid realised map (``logits`` [T, E], ``realised_map`` [T, E] before capacity drops).
 
-    # Full-distribution scores exactly as stock computes them. For softmax the same two ops as
-    # compute_routing_scores_for_aux_loss, without the static top-k map it would also build (a
-    # top-k over [T, E] is the costliest op of a CPU router); other score functions call it.
-    if router.score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        if padding_mask is not None:
-            scores = scores * (~padding_mask).unsqueeze(-1)
-    else:
-        _, scores = compute_routing_scores_for_aux_loss(logits, 1, router.score_function, fused=False,
-                                                        padding_mask=padding_mask)
+    ``probabilities``: ``torch.softmax(logits, dim=-1, dtype=torch.float32)`` [T, E] when the caller
+    has computed it already (top-p mode) and nothing else backpropagates through it; else None.
+    """
+    scores = aux_loss_scores(logits, router.score_function, padding_mask, probabilities)
     valid_map = realised_map if padding_mask is None else realised_map & (~padding_mask).unsqueeze(-1)
     host_topk = plan.fixed_budget
     return RealisedAssignments(scores, valid_map, padding_mask, host_topk, seq_length, bsz)
+
+
+def aux_loss_scores(logits: torch.Tensor, score_function: str, padding_mask: torch.Tensor | None = None,
+                    probabilities: torch.Tensor | None = None) -> torch.Tensor:
+    """The full-distribution scores s [T, E] of the aux losses, bit for bit what Megatron's
+    ``compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=False, padding_mask)``
+    returns as its scores, without the static top-k map it also builds (a top-k and a scatter over
+    [T, E] that realised load balancing never reads)::
+
+        softmax                  s = softmax(z)                          (fp32)
+        sigmoid / sqrtsoftplus   s = g(z) / (Σ_e g(z)_e + 1e-20),  g = sigmoid or sqrt(softplus)
+        padding rows (padding_mask True) are zeroed
+
+    sigmoid and sqrtsoftplus compute in the dtype stock computes them in (fp32 in megatron-core
+    0.19, the logits' own dtype in 0.16: :func:`_stock_score_dtype`).
+    """
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32) if probabilities is None else probabilities
+    else:
+        dtype = _stock_score_dtype(score_function, logits.dtype)
+        if score_function == "sigmoid":
+            raw = torch.sigmoid(logits.to(dtype))
+        elif score_function == "sqrtsoftplus":
+            raw = torch.nn.functional.softplus(logits.to(dtype)).sqrt()
+        else:
+            raise UnsupportedMegatronError(f"moe_router_score_function={score_function!r} is not supported.")
+        scores = raw / (raw.sum(dim=-1, keepdim=True) + 1e-20)
+    if padding_mask is not None:
+        scores = scores * (~padding_mask).unsqueeze(-1)
+    return scores
+
+
+@functools.lru_cache(maxsize=16)
+def _stock_score_dtype(score_function: str, logits_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the installed megatron-core computes ``score_function``'s aux-loss scores in for
+    logits of ``logits_dtype``: read once from stock's own function on a [1, 2] input (megatron-core
+    0.16 applies the sigmoid to the logits as they are, 0.19 to ``logits.float()``). Stock raises
+    for a score function it does not know (0.16: sqrtsoftplus), as it would on the real input."""
+    from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+
+    _, scores = compute_routing_scores_for_aux_loss(torch.zeros(1, 2, dtype=logits_dtype), 1, score_function,
+                                                    fused=False)
+    return scores.dtype
 
 
 def apply_realised_aux_losses(router, assignments: RealisedAssignments, probs: torch.Tensor) -> torch.Tensor:
@@ -205,4 +243,4 @@ def _attach_flag(method) -> str | None:
     return next((name for name in ("needs_dp_avg", "reduce_group_has_dp") if name in parameters), None)
 
 
-__all__ = ["RealisedAssignments", "apply_realised_aux_losses", "realised_assignments"]
+__all__ = ["RealisedAssignments", "apply_realised_aux_losses", "aux_loss_scores", "realised_assignments"]

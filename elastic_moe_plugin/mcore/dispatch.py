@@ -9,21 +9,39 @@ place (stock)                               with an elastic map
 ==========================================  =======================================================
 alltoall ``preprocess``, dropless           stock sizes the permuted output as T·k, and the unfused
                                             permute keeps ``argsort(...)[:T·k]``, dropping or
-                                            inventing rows. ``iid``: use the realised count
-                                            Σκ = routing_map.sum(), scheduled on Megatron's own DtoH
-                                            stream at ``before_permutation_1`` (one sync per layer,
-                                            the same one stock pays with a capacity factor).
-                                            ``balanced``: Σκ = T·k by construction; keep the static
-                                            size, no sync. ``ELASTIC_MOE_DEBUG=1`` asserts it.
+                                            inventing rows. The size becomes the map's Σκ, taken
+                                            from the tag: the host Σκ of the router's κ draw (``iid``
+                                            and ``balanced`` alike; under ``balanced`` it is T·k),
+                                            so no host sync and stock's sync point. Only a map whose
+                                            Σκ the host does not know (``mode="top_p"``: κ comes from
+                                            the device's probabilities) reads it from the device, on
+                                            Megatron's own DtoH stream at ``before_permutation_1``
+                                            (one sync per layer, the one stock pays with a capacity
+                                            factor). ``ELASTIC_MOE_DEBUG=1`` asserts the host Σκ
+                                            against the device's count (one read per layer).
+alltoall ``preprocess``, EP/TP > 1 and      no fix: the split sizes and the per-local-expert counts
+several local experts                       that stock moves to the host at ``before_ep_alltoall``
+                                            / ``before_permutation_2`` / ``before_finish`` depend on
+                                            which experts each token picked, which only the device
+                                            knows; stock pays the same syncs at the same points.
+alltoall with a capacity factor or          no fix: stock reads the dropped / padded count from the
+``moe_router_padding_for_quantization``     device (one sync), as it does for a static map.
 alltoall / HybridEP drop-and-pad, HybridEP  no fix: stock sizes the expert capacity (and HybridEP's
 rank budget                                 rank budget) from T·k, and the elastic router masks to
                                             that same capacity (E[κ] = k; ``docs/parallelism.md``).
+allgather ``dispatch_postprocess``          no fix: stock counts the (gathered) map's rows per local
+                                            expert and copies them to the host (``.cpu()``, one
+                                            sync), then sizes the permute from that host copy; an
+                                            elastic map costs the same.
 flex DeepEP / NCCL-EP ``setup_metadata``    stock rebuilds indices with ``topk(probs, k)``: tokens
                                             with κ < k get phantom zero-weight experts and κ > k is
                                             truncated. Indices are rebuilt from the routing map with
                                             width b, the worst case; unrouted slots are −1. NCCL-EP
                                             sizes its receive buffer from that width (an overflow
-                                            traps, so it must hold the worst case).
+                                            traps, so it must hold the worst case). The received
+                                            counts these managers read with ``.item()`` come back
+                                            from the dispatch (other ranks' tokens): stock's sync,
+                                            unchanged.
 flex ``dispatch_preprocess``                ``_initialize_metadata`` expands the map over TP×EP into a
                                             new tensor, which drops the tag before ``setup_metadata``
                                             runs; the tag is handed to the manager instead (outside
@@ -31,9 +49,12 @@ flex ``dispatch_preprocess``                ``_initialize_metadata`` expands the
 ==========================================  =======================================================
 
 The router in front of these adds no sync of its own: κ is drawn on the host from its counter-based
-stream and reaches the device by one non-blocking copy from pinned memory (:mod:`.budget_rng`). Σκ
-is then known on the host (``core.budget_stream.latest_draw(router).total``); the fixes above do not
-use it yet, so the counts stay as listed (``docs/performance.md``).
+stream and reaches the device by one non-blocking copy from pinned memory (:mod:`.budget_rng`), so
+Σκ is known on the host (``core.budget_stream.BudgetDraw.total``) and travels on the map's tag
+(:func:`mark_elastic`). Device reads per dropless alltoall layer at EP = 1, beyond the copy of the
+per-expert counts that stock makes at its own sync point (counted by
+``tests/mcore/test_mcore_dispatch.py``; ``docs/performance.md``): stock 0, stock with a capacity
+factor 1, elastic ``iid`` 0, ``balanced`` 0, ``mode="top_p"`` 1.
 """
 
 from __future__ import annotations
@@ -50,13 +71,20 @@ from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch, is_p
 #: tensor attributes set on an elastic routing map
 WIDTH_ATTR = "_elastic_moe_width"
 BALANCED_ATTR = "_elastic_moe_balanced"
+TOTAL_ATTR = "_elastic_moe_total"
+#: ``ELASTIC_MOE_DEBUG=1`` checks the tag's host Σκ against the device's count (one read per layer)
 DEBUG_ENV = "ELASTIC_MOE_DEBUG"
 
 
-def mark_elastic(routing_map: torch.Tensor, width: int, balanced: bool) -> torch.Tensor:
-    """Tag ``routing_map`` [T, E] as routed with up to ``width`` experts per token."""
+def mark_elastic(routing_map: torch.Tensor, width: int, balanced: bool, total: int | None = None) -> torch.Tensor:
+    """Tag ``routing_map`` [T, E] as routed with up to ``width`` experts per token.
+
+    ``total``: the map's True entries (Σ_t κ_t) when the host knows it without reading the device
+    (the host Σκ of the κ draw), else None; ``balanced`` maps without one count T·k.
+    """
     setattr(routing_map, WIDTH_ATTR, int(width))
     setattr(routing_map, BALANCED_ATTR, bool(balanced))
+    setattr(routing_map, TOTAL_ATTR, None if total is None else int(total))
     return routing_map
 
 
@@ -90,6 +118,26 @@ def indices_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, wid
     return token_probs, indices.masked_fill(~routed, -1)
 
 
+def host_total(routing_map: torch.Tensor, topk: int) -> int | None:
+    """Σ_t κ_t of an elastic ``routing_map`` as the host knows it, without a device read: the tag's
+    total, or T·k for a balanced map tagged without one; None when only the device knows it."""
+    total = getattr(routing_map, TOTAL_ATTR, None)
+    if total is None and getattr(routing_map, BALANCED_ATTR, False):
+        total = routing_map.size(0) * topk
+    return total
+
+
+def _check_host_total(routing_map: torch.Tensor, total: int) -> None:
+    """``ELASTIC_MOE_DEBUG=1``: the host's Σκ must be the map's count on the device (one read)."""
+    realised = int(routing_map.sum())
+    if realised == total:
+        return
+    if getattr(routing_map, BALANCED_ATTR, False):
+        raise AssertionError(f"balanced elastic routing dispatched {realised} pairs, expected T·k = {total}")
+    raise AssertionError(f"elastic routing dispatched {realised} pairs, but the κ drawn on the host sum to "
+                         f"Σκ = {total}")
+
+
 # ------------------------------------------------------------------------------------- patches
 def _alltoall_preprocess(original: Callable) -> Callable:
     @functools.wraps(original)
@@ -103,15 +151,15 @@ def _alltoall_preprocess(original: Callable) -> Callable:
             self.config, "moe_router_padding_for_quantization", False
         ):
             # Stock chose the static T·k; an elastic map has Σκ rows.
-            if getattr(routing_map, BALANCED_ATTR, False):
-                if os.environ.get(DEBUG_ENV, "") == "1":
-                    realised = int(routing_map.sum())
-                    expected = routing_map.size(0) * self.config.moe_router_topk
-                    if realised != expected:
-                        raise AssertionError(f"balanced elastic routing dispatched {realised} pairs, expected T·k = {expected}")
-            else:
+            total = host_total(routing_map, self.config.moe_router_topk)
+            if total is None:
+                # Only the device knows Σκ (top-p): read it at Megatron's earliest sync point.
                 self.num_out_tokens = routing_map.sum()
                 self._maybe_update_cuda_sync_point("before_permutation_1")
+            else:
+                if os.environ.get(DEBUG_ENV, "") == "1":
+                    _check_host_total(routing_map, total)
+                self.num_out_tokens = total  # a host int, as stock's T·k: stock's sync point stays
         return tokens_per_expert
 
     return preprocess

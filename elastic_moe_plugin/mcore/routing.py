@@ -8,10 +8,12 @@ it: ``padding_mask`` True = padding token.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from elastic_moe_plugin.core import records
-from elastic_moe_plugin.core.budget_stream import LATEST_DRAW_ATTR
+from elastic_moe_plugin.core.budget_stream import LATEST_DRAW_ATTR, latest_draw
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
 from elastic_moe_plugin.core.plan import LayerPlan
@@ -69,6 +71,13 @@ def draw_budgets(router, plan: LayerPlan, num_tokens: int, device: torch.device)
     return draw.budgets
 
 
+def _host_total(router, budgets: torch.Tensor) -> int | None:
+    """Σκ of ``budgets`` [T] known on the host: the total of the router's latest draw when
+    ``budgets`` is that draw's κ (not, e.g., budgets a caller substituted for the draw), else None."""
+    draw = latest_draw(router)
+    return draw.total if draw is not None and draw.budgets is budgets else None
+
+
 def select_candidates(
     logits: torch.Tensor,
     width: int,
@@ -79,6 +88,7 @@ def select_candidates(
     num_groups: int | None = None,
     group_topk: int | None = None,
     expert_bias: torch.Tensor | None = None,
+    probabilities: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-b candidates by Megatron's selection rule, sorted by rank (step 3 of :mod:`elastic_moe_plugin.mcore`).
 
@@ -103,6 +113,8 @@ def select_candidates(
         score_function, use_pre_softmax, num_groups, group_topk, expert_bias: as Megatron's router
             (``router.score_function``, ``moe_router_pre_softmax``, ``moe_router_num_groups``,
             ``moe_router_group_topk``, ``router.expert_bias`` [E] or None).
+        probabilities: p = ``torch.softmax(logits, dim=-1, dtype=torch.float32)`` [T, E] when the
+            caller has computed it (top-p mode), so that it is not computed twice; else None.
 
     Returns:
         candidate_values [T, b]: what the gate convention weighs (fp32 probabilities for
@@ -117,7 +129,7 @@ def select_candidates(
         # Post-softmax ranks by logits (as stock), pre-softmax by probabilities: same order, but
         # matching stock keeps ties and the static case bit-identical.
         if use_pre_softmax or gate == "full_softmax":
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32) if probabilities is None else probabilities
             selection = scores if use_pre_softmax else logits
         else:
             scores = None
@@ -249,17 +261,28 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
 
     num_tokens = logits.shape[0]
     rule = _weighing_rule(router, plan)  # first: a stale plan fails here, clearly, not mid-selection
+    with_aux_loss = router.training and torch.is_grad_enabled() and router.is_aux_loss_enabled()
+    probabilities, selection_reads_them = None, False
+    if plan.top_p is not None:
+        # Top-p reads p = softmax(z) [T, E] (fp32); computed once, here, and shared with whichever
+        # of selection or aux loss also needs it. Never with both: the two would then backpropagate
+        # through one softmax node, summing their gradients before it rather than after, which
+        # rounds differently. Top-p itself reads it detached.
+        selection_reads_them = model.moe_router_pre_softmax or plan.gate == "full_softmax"
+        with contextlib.nullcontext() if selection_reads_them or with_aux_loss else torch.no_grad():
+            probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
     candidate_values, candidate_ids = select_candidates(
         logits, plan.width, plan.schedule.center, plan.gate, score_function=router.score_function,
         use_pre_softmax=model.moe_router_pre_softmax, num_groups=model.moe_router_num_groups,
         group_topk=model.moe_router_group_topk, expert_bias=router.expert_bias,
+        probabilities=probabilities if selection_reads_them else None,
     )
     if plan.top_p is None:
         budgets = draw_budgets(router, plan, num_tokens, logits.device)
+        host_total = _host_total(router, budgets)
     else:  # the smallest top-ranked set whose full-softmax mass reaches p (paper's top-p control)
-        with torch.no_grad():
-            sorted_probs = torch.softmax(logits.float(), dim=-1).gather(1, candidate_ids)
-        budgets = top_p_budgets(sorted_probs, plan.top_p)
+        budgets = top_p_budgets(probabilities.detach().gather(1, candidate_ids), plan.top_p)
+        host_total = None  # κ came from the device's probabilities
     kept = budget_mask(budgets, plan.width)  # [T, b]
     weights = _prefix_weights(rule, candidate_values, kept)
     retained_weight_sums = weights.detach().sum(dim=-1)
@@ -287,13 +310,17 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
         # [T, b]: selected slots the capacity mask removed (for the drop metrics; no host sync)
         capacity_dropped = kept & ~routing_map.gather(1, candidate_ids)
 
-    if router.training and torch.is_grad_enabled() and router.is_aux_loss_enabled():
-        assignments = realised_assignments(router, plan, logits, realised_map, padding_mask, seq_length, bsz)
+    if with_aux_loss:
+        assignments = realised_assignments(router, plan, logits, realised_map, padding_mask, seq_length, bsz,
+                                           probabilities=None if selection_reads_them else probabilities)
         probs = apply_realised_aux_losses(router, assignments, probs)
 
     router._apply_expert_bias(routing_map, padding_mask=padding_mask)
     # Counted once per real step: recompute's first pass runs without grad (as stock expert-bias counting).
     records.remember(router, plan.width, budgets, candidate_ids, kept, retained_weight_sums=retained_weight_sums,
                      count=torch.is_grad_enabled(), capacity_dropped=capacity_dropped)
-    # Dispatchers size buffers from k unless told otherwise (see mcore.dispatch).
-    return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced")
+    # Dispatchers size buffers from k unless told otherwise (see mcore.dispatch); capacity drops
+    # leave the map with fewer entries than Σκ, which only the device counts.
+    if capacity_dropped is not None:
+        host_total = None
+    return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced", total=host_total)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin import ElasticConfig, mcore
 from elastic_moe_plugin.mcore import budget_rng
@@ -60,3 +61,48 @@ def test_seq_aux_loss_on_one_sequence_equals_aux_loss_exactly(schedule, masked, 
         assert aux.item() > 0
         assert torch.equal(seq, aux), f"seed {seed}: seq_aux_loss {seq.item()!r} != aux_loss {aux.item()!r}"
         assert torch.equal(seq_grad, aux_grad), f"seed {seed}: the aux gradients differ"
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts calls of the aten ops in ``ops``."""
+
+    def __init__(self, *ops):
+        super().__init__()
+        self.ops, self.count = ops, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.ops:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_aux_loss_scores_are_stocks_bit_for_bit_without_its_top1_map(score_function, masked, dtype):
+    """The realised aux losses read only the scores of Megatron's ``compute_routing_scores_for_aux_loss``:
+    computed without the top-k map it also builds, and bitwise equal to stock's scores (in the
+    precision the installed megatron-core computes them in)."""
+    from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+
+    from elastic_moe_plugin.mcore.aux_loss import aux_loss_scores
+
+    logits = (torch.randn(SEQ * 2, E, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    mask = None
+    if masked:
+        mask = torch.zeros(SEQ * 2, dtype=torch.bool)
+        mask[-11:] = True
+    try:
+        _, stock = compute_routing_scores_for_aux_loss(logits, 1, score_function, fused=False, padding_mask=mask)
+    except ValueError as error:  # megatron-core 0.16 has no sqrtsoftplus; stock's refusal stays
+        assert score_function == "sqrtsoftplus"
+        with pytest.raises(ValueError, match=str(error)):
+            aux_loss_scores(logits, score_function, mask)
+        return
+    aux_loss_scores(logits[:1], score_function)  # the first call reads stock's dtype once, on a [1, 2] input
+    with _OpCounter(torch.ops.aten.topk.default, torch.ops.aten.scatter.value, torch.ops.aten.scatter.src) as counted:
+        scores = aux_loss_scores(logits, score_function, mask)
+    assert counted.count == 0
+    assert scores.dtype == stock.dtype and torch.equal(scores, stock)
+    if masked:
+        assert torch.count_nonzero(scores[mask]) == 0 and scores[~mask].sum() > 0

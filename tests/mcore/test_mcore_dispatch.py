@@ -3,8 +3,9 @@
 - Host syncs: the alltoall dispatcher's ``preprocess`` (and ``dispatch_preprocess``, where its
   sizes reach the host) is wrapped in a ``TorchDispatchMode`` counting ``aten::_local_scalar_dense``
   (an explicit device-to-host read) and ``nonzero``/``masked_select`` (ops whose output size needs
-  one). ``balanced`` must cost exactly what stock dropless costs; ``iid`` exactly what stock pays
-  with a capacity factor (the realised Σκ). ``ELASTIC_MOE_DEBUG=1`` asserts balanced's invariant.
+  one). ``iid`` and ``balanced`` must cost exactly what stock dropless costs (Σκ comes from the
+  host's κ draw, on the map's tag); ``mode="top_p"``, whose Σκ only the device knows, exactly what
+  stock pays with a capacity factor. ``ELASTIC_MOE_DEBUG=1`` checks the host Σκ against the map.
 - Flex dispatchers (DeepEP, NCCL-EP, HybridEP): the patched ``setup_metadata`` runs on manager
   instances made with ``object.__new__`` plus the attributes it reads (only construction needs the
   DeepEP / TE kernels), and through the real ``MoEFlexTokenDispatcher.dispatch_preprocess``.
@@ -65,7 +66,14 @@ CASES = {
     "stock_capacity_factor": (None, dict(moe_expert_capacity_factor=1.5)),
     "elastic_iid": ("iid", {}),
     "elastic_balanced": ("balanced", {}),
+    "elastic_top_p": ("top_p", {}),
 }
+
+
+def _elastic_config(sampling: str) -> ElasticConfig:
+    if sampling == "top_p":  # κ from the probabilities, on the device
+        return ElasticConfig(mode="top_p", top_p=0.5, top_p_max_experts=WIDTH)
+    return ElasticConfig(schedule=SCHEDULE, sampling=sampling)
 
 
 def measure_alltoall_syncs(make_config, make_moe_layer) -> dict[str, dict]:
@@ -76,7 +84,7 @@ def measure_alltoall_syncs(make_config, make_moe_layer) -> dict[str, dict]:
         if sampling is None:
             mcore.remove()
         else:
-            mcore.apply(ElasticConfig(schedule=SCHEDULE, sampling=sampling))
+            mcore.apply(_elastic_config(sampling))
         config = make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H, moe_token_dispatcher_type="alltoall",
                              **overrides)
         layer = make_moe_layer(config)
@@ -104,27 +112,55 @@ def measure_alltoall_syncs(make_config, make_moe_layer) -> dict[str, dict]:
     return results
 
 
-def test_balanced_is_sync_free_and_iid_pays_what_a_capacity_factor_pays(make_config, make_moe_layer):
+def test_iid_and_balanced_are_sync_free_and_top_p_pays_what_a_capacity_factor_pays(make_config, make_moe_layer):
     counts = measure_alltoall_syncs(make_config, make_moe_layer)
     print("alltoall host syncs (EP=1, T=24, E=8, k=2, schedule 1-3):", json.dumps(counts, sort_keys=True))
     stock, capacity = counts["stock"], counts["stock_capacity_factor"]
-    iid, balanced = counts["elastic_iid"], counts["elastic_balanced"]
+    iid, balanced, top_p = counts["elastic_iid"], counts["elastic_balanced"], counts["elastic_top_p"]
     # Megatron's preprocess itself never reads the device: it only schedules the DtoH copies
     assert stock["preprocess"] == capacity["preprocess"] == iid["preprocess"] == balanced["preprocess"] == 0
+    assert top_p["preprocess"] == 0
     keys = ("dispatch_preprocess", "dispatch_preprocess_implicit", "layer_forward_backward", "cuda_sync_point",
             "num_out_tokens")
     # balanced adds nothing over stock: static T·k size, stock's sync point
     assert {key: balanced[key] for key in keys} == {key: stock[key] for key in keys}
     assert balanced["num_out_tokens"] == "int" and balanced["sum_kappa"] == S * B * K
-    # iid adds exactly what stock pays with a capacity factor: the realised Σκ, read on the host
-    # at Megatron's own earliest sync point
-    assert {key: iid[key] for key in keys} == {key: capacity[key] for key in keys}
-    assert iid["cuda_sync_point"] == "before_permutation_1" and iid["num_out_tokens"] == "Tensor"
+    # iid adds nothing over stock either: the realised Σκ comes from the host's κ draw, as a host
+    # int, and stock's sync point stays
+    assert {key: iid[key] for key in keys} == {key: stock[key] for key in keys}
+    assert iid["cuda_sync_point"] != "before_permutation_1" and iid["num_out_tokens"] == "int"
     assert iid["num_out_tokens_value"] == iid["sum_kappa"] != S * B * K  # the realised size, not T·k
+    # top-p (κ from the device's probabilities) adds exactly what stock pays with a capacity factor:
+    # the realised Σκ, read on the host at Megatron's own earliest sync point
+    assert {key: top_p[key] for key in keys} == {key: capacity[key] for key in keys}
+    assert top_p["cuda_sync_point"] == "before_permutation_1" and top_p["num_out_tokens"] == "Tensor"
+    assert top_p["num_out_tokens_value"] == top_p["sum_kappa"] != S * B * K
     # stock dropless pays no explicit read where the capacity factor pays one (0.19's argsort
     # permute; 0.16's masked_select permute pays its implicit sync in every case alike)
-    assert iid["dispatch_preprocess"] - stock["dispatch_preprocess"] == (
+    assert top_p["dispatch_preprocess"] - stock["dispatch_preprocess"] == (
         capacity["dispatch_preprocess"] - stock["dispatch_preprocess"])
+
+
+def test_the_map_tag_carries_the_host_total_only_where_the_host_knows_it(make_config, make_router, monkeypatch):
+    """Σκ on the tag: the κ draw's host total for iid and balanced (equal to the map's count), none
+    for top-p (κ from the device), after capacity drops, or for budgets substituted for the draw."""
+    from elastic_moe_plugin.mcore import routing as routing_module
+
+    def tag_total(elastic: ElasticConfig, **overrides):
+        mcore.apply(elastic)
+        router = make_router(make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H, **overrides),
+                             weight_std=1.0)
+        _, routing_map = router(torch.randn(S, B, H, generator=torch.Generator().manual_seed(2)))
+        return getattr(routing_map, dispatch.TOTAL_ATTR), int(routing_map.sum())
+
+    for sampling in ("iid", "balanced"):
+        total, realised = tag_total(_elastic_config(sampling))
+        assert total == realised and type(total) is int
+    assert tag_total(_elastic_config("iid"))[0] != S * B * K
+    assert tag_total(_elastic_config("top_p"))[0] is None
+    assert tag_total(_elastic_config("iid"), moe_expert_capacity_factor=0.5)[0] is None
+    monkeypatch.setattr(routing_module, "draw_budgets", lambda router, plan, n, device: torch.full((n,), 3))
+    assert tag_total(_elastic_config("iid"))[0] is None
 
 
 def _balanced_layer(make_config, make_moe_layer):
@@ -150,6 +186,49 @@ def test_debug_mode_asserts_the_balanced_invariant(make_config, make_moe_layer, 
     with SyncCounter() as plain:
         layer(x)
     assert debug.explicit == plain.explicit + 1
+
+
+def test_debug_mode_asserts_the_host_total_under_iid(make_config, make_moe_layer, monkeypatch):
+    mcore.apply(ElasticConfig(schedule=SCHEDULE, sampling="iid"))
+    config = make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H, moe_token_dispatcher_type="alltoall")
+    layer = make_moe_layer(config)
+    bad = torch.zeros(S * B, E, dtype=torch.bool)
+    bad[:, :2] = True
+    dispatch.mark_elastic(bad, WIDTH, balanced=False, total=S * B * 2 + 1)  # a host Σκ the map does not have
+    layer.token_dispatcher.preprocess(bad)  # without the debug flag: no check, no sync
+    assert layer.token_dispatcher.num_out_tokens == S * B * 2 + 1
+    monkeypatch.setenv(dispatch.DEBUG_ENV, "1")
+    with pytest.raises(AssertionError, match=rf"elastic routing dispatched {S * B * 2} pairs, but the κ drawn on "
+                                             rf"the host sum to Σκ = {S * B * 2 + 1}"):
+        layer.token_dispatcher.preprocess(bad)
+    # a real iid forward satisfies it; the check itself costs one host read
+    x = torch.randn(S, B, H)
+    with SyncCounter() as debug:
+        layer(x)
+    monkeypatch.delenv(dispatch.DEBUG_ENV)
+    with SyncCounter() as plain:
+        layer(x)
+    assert debug.explicit == plain.explicit + 1
+
+
+def test_allgather_pays_what_stock_pays(make_config, make_moe_layer):
+    """The allgather dispatcher copies its per-expert counts to the host (``.cpu()``) and sizes the
+    permute from that copy, for an elastic map as for a stock one: no read of its own."""
+    counts = {}
+    for label in ("stock", "iid", "balanced", "top_p"):
+        if label == "stock":
+            mcore.remove()
+        else:
+            mcore.apply(_elastic_config(label))
+        config = make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H, moe_token_dispatcher_type="allgather")
+        layer = make_moe_layer(config)
+        x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with SyncCounter() as whole:
+            out, _ = layer(x)
+            out.sum().backward()
+        counts[label] = (whole.explicit, whole.implicit)
+    mcore.remove()
+    assert counts["iid"] == counts["balanced"] == counts["top_p"] == counts["stock"]
 
 
 # ================================================================================ capacity

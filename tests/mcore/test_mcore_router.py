@@ -1028,3 +1028,88 @@ def test_top_p_mode_refusals(make_config, make_router):
     mcore.apply(ElasticConfig(mode="top_p"))
     with pytest.raises(UnsupportedMegatronError, match=r"mode='top_p' reads the budget off full-softmax probabilities"):
         make_router(make_config(moe_router_score_function="sigmoid"))
+
+
+class _FullSoftmaxCounter(TorchDispatchMode):
+    """Counts softmax kernels over the full expert axis ([T, E] input, E = ``num_experts``)."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts, self.count = num_experts, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._softmax.default and args[0].shape[-1] == self.num_experts:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _top_p_separate_softmaxes(router, plan, logits, padding_mask):
+    """mode='top_p' routing as it was composed before it shared its softmax: selection, the top-p
+    budgets (their own softmax of ``logits.float()``, no grad) and the aux losses (their own
+    softmax) each compute p = softmax(z) themselves."""
+    from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
+    from elastic_moe_plugin.mcore.aux_loss import apply_realised_aux_losses, realised_assignments
+
+    seq_length, bsz, num_experts = logits.shape
+    z = logits.view(-1, num_experts)
+    mask = None if padding_mask is None else padding_mask.reshape(-1)
+    values, ids = routing_module.select_candidates(z, plan.width, plan.schedule.center, plan.gate,
+                                                   use_pre_softmax=router.config.moe_router_pre_softmax)
+    with torch.no_grad():
+        sorted_probs = torch.softmax(z.float(), dim=-1).gather(1, ids)
+    kept = budget_mask(top_p_budgets(sorted_probs, plan.top_p), plan.width)
+    rule = {"full_softmax": "full_softmax", "renormalized": "selected_softmax"}[plan.gate]
+    weights = weigh_candidates(rule, values.float(), kept).type_as(z)
+    probs = torch.zeros_like(z).scatter(1, ids, weights)
+    routing_map = torch.zeros_like(z, dtype=torch.bool).scatter(1, ids, kept)
+    if router.is_aux_loss_enabled():
+        assignments = realised_assignments(router, plan, z, routing_map, mask, seq_length, bsz)
+        probs = apply_realised_aux_losses(router, assignments, probs)
+    return probs, routing_map
+
+
+TOP_P_SHARING = [(pre, gate, aux) for pre in (False, True) for gate in ("auto", "full_softmax")
+                 for aux in ("none", "aux_loss", "seq_aux_loss")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("pre_softmax", "gate", "aux"), TOP_P_SHARING,
+                         ids=[f"{'pre' if p else 'post'}-{g}-{a}" for p, g, a in TOP_P_SHARING])
+def test_top_p_mode_computes_the_softmax_once_bitwise_as_separate_softmaxes(pre_softmax, gate, aux, dtype,
+                                                                          make_config, make_router, moe_tracker):
+    """One softmax over [T, E] per top-p forward, shared by the budgets and whichever of selection
+    or aux loss also reads it (two only where both backpropagate through it, as stock's routing and
+    aux scores are two); probabilities, map, logged losses and the logits' gradient are bit for bit
+    those of the composition with a softmax per reader."""
+    num_experts = 8
+    config = make_config(moe_router_pre_softmax=pre_softmax, moe_router_load_balancing_type=
+                         "aux_loss" if aux == "none" else aux, moe_aux_loss_coeff=0.0 if aux == "none" else 0.01)
+    elastic = ElasticConfig(mode="top_p", top_p=0.4, top_p_max_experts=5, gate=gate)
+    mcore.apply(elastic)
+    router = make_router(config)
+    plan = patch_module.resolve_plan(router, elastic)
+    source = torch.randn(S, B, num_experts, generator=torch.Generator().manual_seed(3)).mul(2).to(dtype)
+    grad_probs = torch.randn(S * B, num_experts, generator=torch.Generator().manual_seed(4)).to(dtype)
+    mask = _padding_mask()
+
+    results = []
+    for route in (lambda z: router.routing(z, padding_mask=mask),
+                  lambda z: _top_p_separate_softmaxes(router, plan, z, mask)):
+        moe_tracker.reset()
+        logits = source.clone().requires_grad_()
+        with _FullSoftmaxCounter(num_experts) as softmaxes:
+            probs, routing_map = route(logits)
+        (probs * grad_probs).sum().backward()
+        logged = {name: moe_tracker.values(name) for name in sorted(moe_tracker.names())}
+        results.append((probs.detach(), routing_map, logits.grad, logged, softmaxes.count))
+    (probs, routing_map, grad, logged, count), (ref_probs, ref_map, ref_grad, ref_logged, ref_count) = results
+
+    selection_reads = pre_softmax or plan.gate == "full_softmax"
+    assert count == (2 if selection_reads and aux != "none" else 1)
+    assert ref_count == count + (1 if selection_reads or aux != "none" else 0)  # what sharing saves
+    assert len(set(routing_map.sum(dim=1).tolist())) > 1  # κ varies
+    assert torch.equal(routing_map, ref_map) and torch.equal(probs, ref_probs)
+    assert torch.equal(grad, ref_grad) and grad.abs().sum() > 0
+    assert logged.keys() == ref_logged.keys() and all(torch.equal(logged[n], ref_logged[n]) for n in logged)
+    if aux != "none":
+        assert logged  # the aux loss ran and was logged
