@@ -298,6 +298,34 @@ class VersionGuard:
     def range(self) -> str:
         return f">={self.minimum},<{self.maximum}"
 
+    def imported_version(self) -> Version | None:
+        """The version of the ``module`` Python imports, i.e. of the code that will be patched.
+
+        Read from the imported package's ``__version__``, not from installed package metadata: a
+        source checkout on ``PYTHONPATH`` has no metadata, and with a wheel installed *and* a checkout
+        first on ``sys.path`` the metadata describes the wheel while the checkout is what runs. The
+        metadata of ``framework`` is read only when the package carries no version; None when
+        neither exists.
+
+        Raises:
+            importlib.metadata.PackageNotFoundError: ``module`` (or a package above it) is not importable.
+        """
+        module_name = self.module or self.framework
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            parents = {".".join(module_name.split(".")[: depth + 1]) for depth in range(module_name.count(".") + 1)}
+            if error.name in parents:
+                raise importlib.metadata.PackageNotFoundError(self.framework) from None
+            raise
+        found = getattr(module, "__version__", None)
+        if found is None:
+            try:
+                found = importlib.metadata.version(self.framework)
+            except importlib.metadata.PackageNotFoundError:
+                return None
+        return Version(str(found))
+
     def check(self, read_version: Callable[[], Version | None]) -> Version | None:
         """The version ``read_version()`` finds if inside the range (or overridden, with a warning).
 

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import importlib.metadata
 import inspect
 import logging
 from collections.abc import Callable, Iterator
@@ -73,29 +71,14 @@ from elastic_moe_plugin.hf.routing import dispatched_slots, elastic_routing, rea
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
 def transformers_version() -> Version | None:
-    """The version of the ``transformers`` Python imports, i.e. of the code :func:`apply` patches.
-
-    Read from the imported package (``transformers.__version__``), not from installed package
-    metadata, as the Megatron guard does (:func:`elastic_moe_plugin.mcore.megatron_core_version`): a
-    source checkout on the path has no metadata, or metadata of another install. The metadata is read
-    only when the imported package carries no version; None when neither exists.
+    """The version of the ``transformers`` Python imports, i.e. of the code :func:`apply` patches
+    (:meth:`VersionGuard.imported_version`: the imported package's ``__version__`` first, as the
+    Megatron guard reads it).
 
     Raises:
         importlib.metadata.PackageNotFoundError: ``transformers`` is not importable.
     """
-    try:
-        module = importlib.import_module("transformers")
-    except ModuleNotFoundError as error:
-        if error.name == "transformers":
-            raise importlib.metadata.PackageNotFoundError("transformers") from None
-        raise
-    found = getattr(module, "__version__", None)
-    if found is None:
-        try:
-            found = importlib.metadata.version("transformers")
-        except importlib.metadata.PackageNotFoundError:
-            return None
-    return Version(str(found))
+    return VERSION_GUARD.imported_version()
 
 
 # exclusive maximum: ms-swift 4.6 caps transformers at <5.20

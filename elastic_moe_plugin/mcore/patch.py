@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import importlib.metadata
 import logging
 import weakref
 from typing import Callable, Iterator
@@ -57,31 +55,15 @@ SUPPORTED_MCORE_RANGE, ALLOW_UNSUPPORTED_ENV = VERSION_GUARD.range, VERSION_GUAR
 
 
 def megatron_core_version() -> Version | None:
-    """The version of the ``megatron.core`` Python imports, i.e. of the code :func:`apply` patches.
-
-    Read from the imported package, ``megatron.core.__version__`` (``megatron/core/package_info.py``,
-    present in the wheel and in a Megatron-LM source tree alike), not from installed package metadata:
-    a checkout on ``PYTHONPATH`` has no metadata at all, and with a wheel installed *and* a checkout
-    first on ``sys.path`` (as ``python -m elastic_moe_plugin.megatron_lm SCRIPT`` arranges) the
-    metadata describes the wheel while the checkout is what runs. The metadata is read only when the
-    imported package carries no version; ``None`` when neither exists.
+    """The version of the ``megatron.core`` Python imports, i.e. of the code :func:`apply` patches
+    (:meth:`VersionGuard.imported_version`): ``megatron.core.__version__`` (``package_info.py``, in
+    the wheel and in a Megatron-LM source tree alike), so that a checkout first on ``sys.path``, as
+    ``python -m elastic_moe_plugin.megatron_lm SCRIPT`` arranges, is judged, not a wheel behind it.
 
     Raises:
         importlib.metadata.PackageNotFoundError: ``megatron.core`` is not importable.
     """
-    try:
-        core = importlib.import_module("megatron.core")
-    except ModuleNotFoundError as error:
-        if error.name in ("megatron", "megatron.core"):
-            raise importlib.metadata.PackageNotFoundError("megatron-core") from None
-        raise
-    found = getattr(core, "__version__", None)
-    if found is None:
-        try:
-            found = importlib.metadata.version("megatron-core")
-        except importlib.metadata.PackageNotFoundError:
-            return None
-    return Version(str(found))
+    return VERSION_GUARD.imported_version()
 
 
 # ---------------------------------------------------------------------------------- install
