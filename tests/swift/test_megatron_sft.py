@@ -194,11 +194,7 @@ def _site(work: Path, hook: bool) -> Path:
 def _env(base: dict[str, str], work: Path, *, hook: bool = False, nproc: int | None = 1, **extra: str) -> dict[str, str]:
     bootstrap = [str(BOOTSTRAP)] if DEVICE == "cpu" else []  # the CPU runtime, in every process of the run
     path = [*bootstrap, str(_site(work, hook)), str(ROOT), *filter(None, [base.get("PYTHONPATH")])]
-    # megatron-core writes NVTE_*_ATTN into os.environ when a model is built in this pytest process
-    # (an earlier test's GPTModel with the auto backend sets them to 1); a run with
-    # --attention_backend local then asserts they are 0. Users start from a clean environment.
-    env = {key: value for key, value in base.items() if not key.startswith("NVTE_")}
-    env.update(PYTHONPATH=os.pathsep.join(path), **extra)
+    env = {**base, "PYTHONPATH": os.pathsep.join(path), **extra}
     if DEVICE == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(nproc or 1))
     if nproc is not None:

@@ -193,3 +193,24 @@ def test_a_flag_ms_swift_does_not_know_fails_the_rehearsal_with_ms_swifts_messag
     assert "rehearsal: the launcher exited with status" in result.output
     assert _swift_rows(work) == []
     assert "Train:" not in result.output
+
+
+def test_the_cpu_bootstrap_clears_transformer_engines_attention_switches():
+    """A shell set up for GPUs (or a process that built a megatron-core model) may hold
+    NVTE_FLASH_ATTN=1; megatron-core then asserts under the CPU flags' --attention_backend local.
+    Every process the bootstrap starts runs without the three switches."""
+    import os
+    import subprocess
+
+    from elastic_moe_plugin.tools.recipes.rehearse import cpu_bootstrap_dir
+
+    names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cpu_bootstrap_dir()), str(Path(__file__).parents[2])]),
+           "NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", f"import os, json; print(json.dumps([os.environ.get(n) for n in {names!r}]))"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [None, None, None]
+    control = subprocess.run([sys.executable, "-c", "import os; print(os.environ['NVTE_FLASH_ATTN'])"],
+                             capture_output=True, text=True, env={**env, "PYTHONPATH": ""}, timeout=120)
+    assert control.stdout.strip() == "1"  # without the bootstrap the variable reaches the process

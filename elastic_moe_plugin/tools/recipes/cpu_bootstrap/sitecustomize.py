@@ -30,6 +30,11 @@ def _enable() -> None:
 
     # Megatron compiles TopKRouter._apply_expert_bias with torch.compile: ~14 s of inductor on CPU
     cpu_runtime.disable_torch_compile()
+    # Transformer Engine's attention switches mean nothing without TE, and the CPU flags' local
+    # attention backend makes megatron-core assert they are unset or 0. A shell set up for GPUs may
+    # export them, and a process that built a megatron-core model set them in its environment.
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)
     try:
         megatron_swift.enable()
     except MegatronCPUError as error:
