@@ -197,20 +197,32 @@ def _record(chunks: Sequence[torch.nn.Module], flat: dict[str, float], loss_scal
         return []
     _, _, model_config = resolve_schedule(chunks)
     device = _device(*_records_and_histograms(router_sites(chunks)))
-    names = sorted({name for values in layers.values() for name in values})
-    # One host->device copy of the whole table; the tracker then indexes per layer.
-    table = torch.full((len(names), len(layers)), float("nan"), dtype=torch.float64)
-    for column, values in enumerate(layers.values()):
-        for row, name in enumerate(names):
-            if name in values:
-                table[row, column] = values[name] / loss_scale
-    table = table.to(device=device, dtype=torch.float32)
-    num_layers = int(model_config.num_layers)
+    return record_layer_table(layers, int(model_config.num_layers), device, loss_scale=loss_scale)
+
+
+def record_layer_table(per_layer: dict[int, dict[str, float]], num_layers: int, device: Any, *,
+                       loss_scale: float = 1.0) -> list[str]:
+    """Record ``{0-based layer: {metric: value}}`` into Megatron's current MoE tracker.
+
+    Each value lands at ``values[layer]`` of ``elastic_moe/<metric>`` (tensor [num_layers] on
+    ``device``), divided by ``loss_scale``, averaged over data parallelism when reported. One
+    host-to-device copy of the whole table, then one indexed add per metric.
+
+    Returns:
+        the tracker names written (sorted); ``[]`` for an empty table.
+    """
+    if not per_layer:
+        return []
+    names = sorted({name for values in per_layer.values() for name in values})
+    layers = list(per_layer)
+    table = torch.tensor([[per_layer[layer].get(name, 0.0) / loss_scale for layer in layers] for name in names],
+                         dtype=torch.float64).to(device=device, dtype=torch.float32)
     dp_group = None if megatron_tracker.has_metrics_tracker() else _data_parallel_group()
     for row, name in enumerate(names):
-        for column, layer in enumerate(layers):
-            if name in layers[layer]:
-                megatron_tracker.record(TRACKER_PREFIX + name, table[row, column], layer + 1, num_layers, dp_group)
+        present = [column for column, layer in enumerate(layers) if name in per_layer[layer]]
+        values = table[row] if len(present) == len(layers) else table[row, present]
+        megatron_tracker.record_layers(TRACKER_PREFIX + name, values, [layers[column] + 1 for column in present],
+                                       num_layers, dp_group)
     return [TRACKER_PREFIX + name for name in names]
 
 

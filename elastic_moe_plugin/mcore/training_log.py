@@ -9,9 +9,11 @@ first iteration), on every rank, before Megatron's own logging:
    realised κ and its histogram, exposure P(κ ≥ r) next to the schedule's a(r), retained gate
    weight, tokens-per-expert imbalance, share of tokens off the static top-k set) are recorded
    into a Megatron MoE metrics tracker and reported with Megatron's own report: summed over
-   pipeline stages, averaged over data parallelism, written to Megatron-LM's TensorBoard and W&B
+   pipeline stages, averaged over data parallelism (all names in two collectives:
+   ``compat.megatron_tracker.isolated``), written to Megatron-LM's TensorBoard and W&B
    writers as ``elastic_moe/<name>`` (mean over the model's elastic MoE layers) and
-   ``moe/elastic_moe/<name>_layer_<i>``;
+   ``moe/elastic_moe/<name>_layer_<i>``; a run without ``--tensorboard-dir`` or
+   ``--wandb-project`` reports only the console's metrics (:func:`reported_metrics`);
 2. a few of them (:data:`CONSOLE_METRICS`, layer means) are appended to the MoE section of
    Megatron's console line, next to ``load_balancing_loss``: megatron-core >= 0.17 builds that
    section from ``MoEMetricsTracker.report``'s return value, which a second wrap extends while
@@ -168,6 +170,19 @@ def _schedule(config, megatron_args) -> BudgetSchedule | None:
     return None if schedule.is_static and config.mode != "top_p" else schedule
 
 
+def reported_metrics(schedule: BudgetSchedule, megatron_args) -> list[str]:
+    """The metric names a logging step reports: all of ``core.metrics.metric_names`` when the run
+    writes TensorBoard or W&B (``--tensorboard-dir``, ``--wandb-project``), else only
+    :data:`CONSOLE_METRICS`, the ones the console line shows (the rest would be reduced and then
+    dropped). Decided from Megatron-LM's arguments, identical on every rank, not from the writers,
+    which only the last rank holds: every rank must enter the same all-reduces."""
+    with_capacity = getattr(megatron_args, "moe_expert_capacity_factor", None) is not None
+    every = metrics.metric_names(schedule, int(megatron_args.num_experts), with_capacity)
+    if getattr(megatron_args, "tensorboard_dir", None) or getattr(megatron_args, "wandb_project", None):
+        return every
+    return [name for name in every if name in CONSOLE_METRICS]
+
+
 def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str:
     """Report the routing metrics of this logging step (call on every rank); the console fragment.
 
@@ -182,16 +197,17 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
     from megatron.training import get_tensorboard_writer, get_wandb_writer
 
     routers = [router for router in patch.built_routers() if router.training]
+    reported = reported_metrics(schedule, megatron_args)
     per_layer = tracking.per_layer_metrics(routers) if routers else {}
-    with_capacity = getattr(megatron_args, "moe_expert_capacity_factor", None) is not None
-    names = [tracking.TRACKER_PREFIX + name
-             for name in metrics.metric_names(schedule, int(megatron_args.num_experts), with_capacity)]
+    per_layer = {layer: {name: value for name, value in values.items() if name in reported}
+                 for layer, values in per_layer.items()}
+    names = [tracking.TRACKER_PREFIX + name for name in reported]
     num_layers = int(megatron_args.num_layers)
     divisor = tracking.num_elastic_moe_layers(megatron_args, config, per_layer)  # one rule for both hooks
     writer = _Capture(get_tensorboard_writer())
     device = torch.cuda.current_device()
     with megatron_tracker.isolated():
-        _record(per_layer, num_layers, device)
+        tracking.record_layer_table(per_layer, num_layers, device)
         for name in names:
             megatron_tracker.ensure(name, num_layers, device)
         megatron_tracker.report(names, iteration, writer=writer, wandb_writer=get_wandb_writer(),
@@ -202,24 +218,4 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
                    for name in CONSOLE_METRICS if tracking.TRACKER_PREFIX + name in writer.scalars)
 
 
-def _record(per_layer: dict[int, dict[str, float]], num_layers: int, device: Any) -> None:
-    """Each value at ``values[layer]`` of ``elastic_moe/<name>``, from one host-to-device copy."""
-    if not per_layer:
-        return
-    names = sorted({name for values in per_layer.values() for name in values})
-    table = torch.tensor([[values.get(name, 0.0) for values in per_layer.values()] for name in names],
-                         dtype=torch.float32).to(device)
-    dp_group = None if megatron_tracker.has_metrics_tracker() else _data_parallel_group()
-    for row, name in enumerate(names):
-        for column, (layer, values) in enumerate(per_layer.items()):
-            if name in values:
-                megatron_tracker.record(tracking.TRACKER_PREFIX + name, table[row, column], layer + 1, num_layers, dp_group)
-
-
-def _data_parallel_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
-
-
-__all__ = ["CONSOLE_METRICS", "TRAINING_MODULE", "install", "is_installed", "log_step", "remove"]
+__all__ = ["CONSOLE_METRICS", "TRAINING_MODULE", "install", "is_installed", "log_step", "remove", "reported_metrics"]

@@ -317,6 +317,53 @@ def _pp_logging_scenario(rank, world, init_method):
     return {"stage": result["stage"], "returned": returned, "written": written}
 
 
+def _packed_report_scenario(rank, world, init_method):
+    """PP=2 x DP=2, 4 layers (stage 0 records layers 1-2, stage 1 layers 3-4), 5 metrics of
+    rank-dependent values: Megatron's own report on its global tracker, then the same records
+    reported inside ``megatron_tracker.isolated()`` (packed); what each writes, and the
+    all-reduces each issues."""
+    from elastic_moe_plugin.compat import megatron_tracker
+
+    _init(rank, world, init_method, pp=2)
+    from megatron.core import parallel_state
+
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    # 0.16 averages over data parallelism only through the entry's avg_group (as tracking.py passes it)
+    dp_group = None if megatron_tracker.has_metrics_tracker() else parallel_state.get_data_parallel_group()
+    names = [f"elastic_moe/metric_{index}" for index in range(5)]
+    layers = [1, 2] if stage == 0 else [3, 4]
+    collectives = []
+    stock_all_reduce = torch.distributed.all_reduce
+
+    def counted_all_reduce(*args, **kwargs):
+        collectives.append(kwargs.get("op", "sum"))
+        return stock_all_reduce(*args, **kwargs)
+
+    def report():
+        for index, name in enumerate(names):
+            values = torch.tensor([(rank + 1) * 0.37 * (index + 1) + layer / 7 for layer in layers])
+            megatron_tracker.record_layers(name, values, layers, 4, dp_group)
+        written = {}
+
+        class Writer:
+            def add_scalar(self, tag, value, step):
+                written[tag] = float(value)
+
+        collectives.clear()
+        torch.distributed.all_reduce = counted_all_reduce
+        try:
+            megatron_tracker.report(names, 1, writer=Writer(), wandb_writer=None, per_layer_logging=True, num_layers=4)
+        finally:
+            torch.distributed.all_reduce = stock_all_reduce
+        return written, len(collectives)
+
+    megatron_tracker.reset()
+    stock = report()
+    with megatron_tracker.isolated():
+        packed = report()
+    return {"stage": stage, "stock": stock, "packed": packed}
+
+
 def _ep2_alltoall(rank, world, init_method):
     return _layer_scenario(rank, world, init_method, dispatcher="alltoall", ep=2)
 
@@ -362,6 +409,7 @@ SCENARIOS = {
         "tp2_ep2_sp": _tp2_ep2_sp,
         "dp4_ep2_allgather": _dp2_ep2_allgather,
         "tp2_dp2_router": _tp_dp_router_scenario,
+        "pp2_dp2_packed_report": _packed_report_scenario,
     },
 }
 
@@ -578,6 +626,24 @@ def test_a_pipeline_stage_without_elastic_layers_joins_the_metrics_report(world2
             assert written[tag] == pytest.approx(local[f"elastic_moe/layer_{layer}/mean_kappa"], rel=1e-6), (stage, tag)
         assert written["moe/elastic_moe/mean_kappa_layer_2"] == 0.0  # a static layer: no elastic record
         assert written["elastic_moe/mean_kappa"] == pytest.approx(local["elastic_moe/mean_kappa"], rel=1e-6), stage
+
+
+@pytest.mark.slow
+def test_isolated_reports_write_megatrons_values_in_two_collectives(world4):
+    """The packed synchronisation of ``megatron_tracker.isolated()`` (compat/megatron_tracker.py)
+    writes exactly what Megatron's per-entry report writes, on every rank, with one pipeline sum
+    and one data-parallel average for all five metrics instead of two collectives per metric."""
+    results = _scenario(world4, "pp2_dp2_packed_report")
+    for rank, result in enumerate(results):
+        (stock_written, stock_collectives), (packed_written, packed_collectives) = result["stock"], result["packed"]
+        assert stock_collectives == 2 * 5, rank  # Megatron: PP sum and DP average per entry
+        assert packed_collectives == 2, rank
+        assert packed_written == stock_written, rank
+    # hand-checked: metric_0 on layer 3 is stage 1's value averaged over its DP ranks 2 and 3,
+    # (3·0.37 + 3/7 + 4·0.37 + 3/7) / 2, summed with stage 0's zero
+    expected = ((3 * 0.37 + 3 / 7) + (4 * 0.37 + 3 / 7)) / 2
+    assert results[0]["packed"][0]["moe/elastic_moe/metric_0_layer_2"] == pytest.approx(expected, rel=1e-6)
+    assert {r["stage"] for r in results} == {0, 1}
 
 
 # ================================================================================ world size 4

@@ -39,6 +39,23 @@ def test_every_rank_reports_the_names_a_routed_layer_produces(schedule, topk, ex
     assert ("capacity_dropped_frac_beyond_k" in routed) == (capacity_factor is not None)
 
 
+@pytest.mark.parametrize("writers, reports_every_metric", [
+    (dict(tensorboard_dir="/tmp/tb", wandb_project=""), True),
+    (dict(tensorboard_dir=None, wandb_project="elastic"), True),
+    (dict(tensorboard_dir=None, wandb_project=""), False),
+    ({}, False),  # arguments of a Megatron-LM without these flags
+])
+def test_a_run_without_tensorboard_or_wandb_reports_only_the_console_metrics(writers, reports_every_metric):
+    """Decided by the arguments (the same on every rank), not by the writers, which only the last
+    rank holds; the console's metrics are always among the reported ones."""
+    schedule = ElasticConfig(schedule="6-10").budget_schedule(8)
+    megatron_args = types.SimpleNamespace(num_experts=16, moe_expert_capacity_factor=None, **writers)
+    reported = training_log.reported_metrics(schedule, megatron_args)
+    every = metrics.metric_names(schedule, 16, False)
+    assert reported == (every if reports_every_metric else list(training_log.CONSOLE_METRICS))
+    assert set(training_log.CONSOLE_METRICS) <= set(every) and len(every) > len(training_log.CONSOLE_METRICS)
+
+
 def test_a_training_log_without_an_iteration_argument_is_refused_with_the_way_out():
     module = types.ModuleType("megatron.training.training")
     module.training_log = lambda loss_dict, total_loss_dict: None
