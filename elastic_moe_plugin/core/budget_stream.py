@@ -41,6 +41,7 @@ known on the host for free: :class:`BudgetDraw` carries them.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 import torch
@@ -97,8 +98,7 @@ class BudgetStream:
         module docstring's formula); the stream itself does not advance."""
         _check_index("shard", shard)
         _check_index("num_tokens", num_tokens)
-        bits = np.random.Philox(key=self.seed + (shard << 64), counter=self.counter << 64)
-        return np.random.Generator(bits).random(num_tokens)
+        return _philox_generator(self.seed, shard, self.counter).random(num_tokens)
 
     def draw(self, schedule: BudgetSchedule, sampling: SamplingMode, shard: int, num_tokens: int,
              device: torch.device | str = "cpu") -> tuple[BudgetDraw, "BudgetStream"]:
@@ -125,7 +125,7 @@ class BudgetStream:
         ``torch.Generator`` objects (checkpoint load under CUDA graphs), so the stream survives
         either form; :meth:`from_state` reads both."""
         raw = self.seed.to_bytes(8, "little") + (4 * self.counter).to_bytes(8, "little")
-        return torch.tensor(list(raw), dtype=torch.uint8)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # owns its bytes; 3x faster than a list
 
     @classmethod
     def from_state(cls, state: "torch.Tensor | torch.Generator") -> "BudgetStream":
@@ -143,6 +143,39 @@ class BudgetStream:
         if offset % 4:
             raise ValueError(f"a κ stream state has an offset 4·counter, got {offset}.")
         return cls(int.from_bytes(raw[:8], "little"), offset // 4)
+
+
+class _PhiloxGenerators(threading.local):
+    """One numpy Philox generator per key, per thread, re-aimed at each draw's counter by setting its
+    state: constructing ``np.random.Philox(key=..., counter=...)`` from Python ints costs about 3x
+    as much (48 against 17 µs inside a router loop on the CI machine), once per router call."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[int, tuple[np.random.Philox, np.random.Generator, np.ndarray]] = {}
+
+
+_GENERATORS = _PhiloxGenerators()
+_CACHED_KEYS = 64  # distinct (seed, shard) keys kept per thread; a rank uses one or two
+
+
+def _philox_generator(seed: int, shard: int, counter: int) -> np.random.Generator:
+    """A generator whose next words are ``Philox4x64-10(seed + 2^64·shard, counter·2^64 + j)``,
+    j = 1, 2, ... (the module docstring's blocks; what ``np.random.Philox(key=, counter=counter << 64)``
+    produces)."""
+    key = seed + (shard << 64)
+    cached = _GENERATORS.by_key.get(key)
+    if cached is None:
+        if len(_GENERATORS.by_key) >= _CACHED_KEYS:
+            _GENERATORS.by_key.clear()
+        bits = np.random.Philox(key=key)
+        key_words = np.array([key & (_WORD - 1), key >> 64], dtype=np.uint64)
+        cached = _GENERATORS.by_key[key] = (bits, np.random.Generator(bits), key_words)
+    bits, generator, key_words = cached
+    # the 256-bit counter counter·2^64 as four little-endian 64-bit words; an empty output buffer
+    bits.state = {"bit_generator": "Philox", "state": {"counter": np.array([0, counter, 0, 0], dtype=np.uint64),
+                                                       "key": key_words},
+                  "buffer": np.zeros(4, dtype=np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
+    return generator
 
 
 def to_device(host: np.ndarray, device: torch.device | str) -> torch.Tensor:

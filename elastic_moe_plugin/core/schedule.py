@@ -313,10 +313,10 @@ class BudgetSchedule:
             if self.is_static:
                 return np.full(uniforms.shape, self.low, dtype=np.int64)
             cdf = _host_cdf(self.pmf)
-            if cdf.size > 32:
-                return np.searchsorted(cdf, uniforms, side="right").astype(np.int64) + self.low
-            # #{r : CDF(r) <= u} by one comparison per threshold: 4x faster than numpy's searchsorted
-            # on unsorted u for the narrow supports of budget schedules (the same count)
+            if cdf.size > 32 or uniforms.size < _SEARCHSORTED_BELOW:
+                return np.add(np.searchsorted(cdf, uniforms, side="right"), self.low, dtype=np.int64)
+            # #{r : CDF(r) <= u} by one comparison per threshold: 2x faster than numpy's searchsorted
+            # on unsorted u from T ~ 2048 up, for the narrow supports of budget schedules (the same count)
             budgets = np.full(uniforms.shape, self.low, dtype=np.int64)
             for threshold in cdf.tolist():
                 budgets += uniforms >= threshold
@@ -384,6 +384,12 @@ def _multiset_tensor(counts: tuple[tuple[int, int], ...], device: str) -> torch.
     # Filled on the device: a host->device copy of pageable memory would wait for the stream, once
     # per new token count (variable-length micro-batches miss this cache).
     return torch.cat([torch.full((count,), budget, dtype=torch.long, device=device) for budget, count in counts])
+
+
+#: below this many tokens one searchsorted call beats a comparison per CDF threshold (fewer numpy
+#: calls; measured inside a router loop on the CI machine: 12.6 against 23.4 µs at T = 256, even at
+#: T = 2048, 51 against 103 µs the other way at T = 8192)
+_SEARCHSORTED_BELOW = 2048
 
 
 @functools.lru_cache(maxsize=64)

@@ -48,6 +48,14 @@ def test_uniforms_are_philox_keyed_by_seed_and_shard_at_the_draw_counter(seed, c
     assert got.tolist() == _hand_uniforms(seed, counter, shard, tokens)
 
 
+def test_uniforms_do_not_depend_on_the_draws_before_them():
+    """The generator kept per key is re-aimed at every draw: interleaved keys and counters, a
+    repeated draw and a longer one in between give each draw its own hand-computed uniforms."""
+    order = [(7, 3, 0, 9), (7, 4, 0, 5), (7, 3, 1, 9), (8, 3, 0, 30), (7, 3, 0, 9), (7, 3, 0, 2)]
+    for seed, counter, shard, tokens in order:
+        assert BudgetStream(seed, counter).uniforms(shard, tokens).tolist() == _hand_uniforms(seed, counter, shard, tokens)
+
+
 def test_a_draw_maps_the_uniforms_with_the_schedule_and_advances_the_counter_by_one():
     stream = BudgetStream(11, 4)
     for sampling in ("iid", "balanced"):
@@ -91,7 +99,7 @@ def test_iid_budgets_follow_the_pmf():
 @pytest.mark.parametrize("sampling", ["iid", "balanced"])
 def test_the_host_mapping_equals_budgets_from_uniforms_ties_included(sampling):
     generator = torch.Generator().manual_seed(0)
-    for tokens in (1, 2, 5, 64, 1000):
+    for tokens in (1, 2, 5, 64, 1000, 2047, 2048, 5000):  # both sides of _SEARCHSORTED_BELOW
         uniforms = torch.rand(tokens, dtype=torch.float64, generator=generator)
         if tokens > 4:  # ties: balanced ranks them by token index in both mappings
             uniforms[3] = uniforms[1] = uniforms[tokens - 1]
