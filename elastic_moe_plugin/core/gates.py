@@ -36,6 +36,8 @@ nothing and gets weights 0. Neither is checked, because the check would need a h
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 #: Added to the sigmoid denominator exactly as Megatron's ``topk_routing_with_score_function``.
@@ -60,7 +62,14 @@ def budget_mask(budgets: torch.Tensor, width: int) -> torch.Tensor:
         raise ValueError(f"budgets must be a LongTensor of shape [T], got {shape}.")
     if isinstance(width, bool) or not isinstance(width, int) or width < 0:
         raise ValueError(f"width={width!r} is invalid: expected an integer >= 0.")
-    return torch.arange(width, device=budgets.device) < budgets[:, None]
+    return _slot_ranks(width, budgets.device) < budgets[:, None]
+
+
+@functools.lru_cache(maxsize=32)
+def _slot_ranks(width: int, device: torch.device) -> torch.Tensor:
+    """0..width-1 (int64) on ``device``, built once per (width, device): one op less per router call.
+    Read-only by convention (every use compares it)."""
+    return torch.arange(width, device=device)
 
 
 def simplex_grad(weights: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -144,8 +153,9 @@ def weigh_candidates(
             return kept / kept.sum(-1, keepdim=True)
         return RenormalizedProbs.apply(selected_logits, kept.detach())
     if rule == "selected_softmax":
-        weights = torch.softmax(candidates.masked_fill(~mask, float("-inf")), dim=-1)
-        return torch.where(mask, weights, torch.zeros_like(weights))
+        # exp(-inf) is exactly 0 beyond κ (slot 0 is always kept) and so is the softmax gradient
+        # there (w_j = 0): no second where() to zero them; one where() masks, not ~mask + masked_fill
+        return torch.softmax(torch.where(mask, candidates, float("-inf")), dim=-1)
     if rule in ("sigmoid", "sigmoid_renormalized"):
         kept = torch.where(mask, candidates, torch.zeros_like(candidates))
         normalised = kept / (kept.sum(-1, keepdim=True) + SIGMOID_EPS)
