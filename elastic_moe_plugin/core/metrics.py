@@ -76,32 +76,42 @@ def layer_metrics(
     schedule: BudgetSchedule,
     num_experts: int,
 ) -> dict[str, float]:
-    """Scalars for one layer (see the module docstring). Synchronises once, by design: call it
-    only at logging steps."""
+    """Scalars for one layer (see the module docstring). Reads the device twice (the κ histogram
+    [b+1], then the record's statistics, stacked), so call it only at logging steps.
+
+    The histogram's shares are computed on the host from its integer counts: each sum is exact in
+    float64, so the values equal :func:`observed_survival`'s and the device's divisions bit for bit.
+    """
     metrics: dict[str, float] = {}
-    if histogram is not None and int(histogram.sum()) > 0:
-        counts = histogram.double()
-        total = counts.sum()
-        budgets = torch.arange(counts.numel(), dtype=torch.float64, device=counts.device)
-        metrics["mean_kappa"] = float((counts * budgets).sum() / total)
-        fractions = (counts / total).tolist()
-        survival = observed_survival(counts)
+    counts = histogram.tolist() if histogram is not None else []
+    total = float(sum(counts))
+    if total > 0:
+        metrics["mean_kappa"] = float(sum(budget * count for budget, count in enumerate(counts))) / total
         for budget in schedule.budgets:
-            metrics[f"kappa_frac_{budget}"] = fractions[budget] if budget < len(fractions) else 0.0
+            metrics[f"kappa_frac_{budget}"] = counts[budget] / total if budget < len(counts) else 0.0
+        at_least = 0
+        survival = [0.0] * len(counts)
+        for budget in range(len(counts) - 1, -1, -1):
+            at_least += counts[budget]
+            survival[budget] = at_least / total
         for rank in range(1, schedule.high + 1):
-            metrics[f"exposure_rank_{rank}"] = float(survival[rank]) if rank < survival.numel() else 0.0
+            metrics[f"exposure_rank_{rank}"] = survival[rank] if rank < len(survival) else 0.0
             metrics[f"survival_rank_{rank}"] = schedule.survival(rank)
     if record is not None and record.budgets.numel() > 0:
         sums = record.retained_weight_sums.double()
-        metrics["retained_weight_sum_mean"] = float(sums.mean())
-        metrics["retained_weight_sum_min"] = float(sums.min())
         per_expert = expert_counts(record, num_experts).double()
-        mean = per_expert.mean()
-        metrics["tokens_per_expert_max_over_mean"] = max_over_mean(per_expert)
-        metrics["tokens_per_expert_cv"] = float(per_expert.std(unbiased=False) / mean) if mean > 0 else 0.0
-        metrics["topk_set_changed_frac"] = float((record.budgets != schedule.center).double().mean())
+        budgets = record.budgets
+        (sum_mean, sum_min, expert_max, expert_mean, expert_std, changed, kappa_mean) = torch.stack([
+            sums.mean(), sums.min(), per_expert.max(), per_expert.mean(), per_expert.std(unbiased=False),
+            (budgets != schedule.center).double().mean(), budgets.double().mean(),
+        ]).tolist()
+        metrics["retained_weight_sum_mean"] = sum_mean
+        metrics["retained_weight_sum_min"] = sum_min
+        metrics["tokens_per_expert_max_over_mean"] = expert_max / expert_mean if expert_mean > 0 else 0.0
+        metrics["tokens_per_expert_cv"] = expert_std / expert_mean if expert_mean > 0 else 0.0
+        metrics["topk_set_changed_frac"] = changed
         if "mean_kappa" not in metrics:
-            metrics["mean_kappa"] = float(record.budgets.double().mean())
+            metrics["mean_kappa"] = kappa_mean
         if record.capacity_dropped is not None:
             metrics.update(capacity_drop_shares(record, schedule.center))
     return metrics
