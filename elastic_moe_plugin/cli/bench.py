@@ -30,9 +30,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--rounds", type=int, default=3,
                      help="alternating static/elastic rounds per launcher (default 3; --quick: 1)")
     e2e.add_argument("--steps", type=int, default=None,
-                     help="training steps per run (default: swift sft 20, megatron sft 20, Megatron-LM 30; --quick: 4)")
+                     help="training steps per run (default: swift sft 20, megatron sft 60, Megatron-LM 60; --quick: 4)")
     e2e.add_argument("--warmup", type=int, default=None,
-                     help="steps left out of the steady-state rate (default: 4, 4, 5; --quick: 2)")
+                     help="steps left out of the steady-state rate (default: 4, 10, 10; --quick: 2)")
     e2e.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=list(LAUNCHERS),
                      help="which launchers (default: all three)")
     e2e.add_argument("--hidden", type=int, default=None,

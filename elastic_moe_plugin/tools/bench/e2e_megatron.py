@@ -13,8 +13,10 @@
   torchrun (one gloo rank), as ``tests/mcore/test_megatron_lm.py`` runs it: a tiny GPT (2 layers,
   hidden 64, 16 experts of width 32, top-8, alltoall dispatcher, aux loss), mock data, 2 micro-batches
   of 4 x 64 tokens per step, ``--elastic-moe-schedule static`` against ``6-10``. Steps/s from
-  Megatron-LM's own ``elapsed time per iteration (ms)`` (log interval 1), summed over the steps after
-  the warm-up.
+  Megatron-LM's own ``elapsed time per iteration (ms)``, over the steps after the warm-up. The log
+  interval is the pretraining recipe's, 10 (``configs/pretrain/base.yaml``; a logging step is where
+  the routing metrics are reported), when the warm-up and the steps are multiples of it, else 1
+  (``--quick``): each logged figure is the mean over the iterations since the previous log.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class MegatronSft:
 
     key, label = "megatron_sft", "megatron sft"
     static, elastic = SCHEDULES
-    default_steps, default_warmup = 20, 4
+    default_steps, default_warmup = 60, 10  # ~0.1 s steps: 16 timed ones say little
     timing = "from Megatron-SWIFT's logged cumulative train_speed(s/it)"
     MODEL = {
         "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -130,8 +132,11 @@ class MegatronLM:
 
     key, label = "megatron_lm", "Megatron-LM"
     static, elastic = SCHEDULES
-    default_steps, default_warmup = 30, 5
-    timing = "from Megatron-LM's logged elapsed time per iteration (ms)"
+    default_steps, default_warmup = 60, 10
+    timing = ("from Megatron-LM's logged elapsed time per iteration (ms), logged every 10 iterations as the "
+              "pretraining recipe logs (every iteration when the warm-up or the steps are not multiples of 10)")
+    #: the pretraining recipe's --log-interval (configs/pretrain/base.yaml)
+    RECIPE_LOG_INTERVAL = 10
     LAYERS, HIDDEN, EXPERTS, TOPK, EXPERT_FFN, SEQ, MICRO_BATCH, GLOBAL_BATCH = 2, 64, 16, 8, 32, 64, 4, 8
 
     def describe(self) -> str:
@@ -146,7 +151,12 @@ class MegatronLM:
                                f"swift_sft megatron_sft.")
         work.mkdir(parents=True, exist_ok=True)
 
-    def megatron_args(self, steps: int) -> list[str]:
+    def log_interval(self, steps: int, warmup: int) -> int:
+        """The recipe's log interval when the timed span is whole intervals of it, else 1."""
+        interval = self.RECIPE_LOG_INTERVAL
+        return interval if warmup % interval == 0 and steps % interval == 0 and steps > warmup else 1
+
+    def megatron_args(self, steps: int, log_interval: int = 1) -> list[str]:
         return [
             "--num-layers", str(self.LAYERS), "--hidden-size", str(self.HIDDEN), "--num-attention-heads", "4",
             "--ffn-hidden-size", str(2 * self.HIDDEN), "--num-experts", str(self.EXPERTS),
@@ -155,7 +165,7 @@ class MegatronLM:
             "--moe-aux-loss-coeff", "0.01", "--seq-length", str(self.SEQ), "--max-position-embeddings", str(self.SEQ),
             "--micro-batch-size", str(self.MICRO_BATCH), "--global-batch-size", str(self.GLOBAL_BATCH),
             "--train-iters", str(steps), "--lr", "1e-4", "--seed", "1234", "--mock-data",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--log-interval", "1", "--eval-iters", "0",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--log-interval", str(log_interval), "--eval-iters", "0",
             "--eval-interval", str(10 * steps), "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
             # CPU: gloo, no fused kernels or Transformer Engine; --clip-grad 0 as the tests run --cpu
             "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
@@ -168,7 +178,8 @@ class MegatronLM:
         env = child_env(PYTHONPATH=":".join([str(sync_probe_dir()), base["PYTHONPATH"]]), NO_VCS_VERSION="1",
                         **_sync_env(out, sync_step, "megatron_lm"))
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                "-m", "elastic_moe_plugin.megatron_lm", "--cpu", str(MEGATRON_LM_SCRIPT), *self.megatron_args(steps),
+                "-m", "elastic_moe_plugin.megatron_lm", "--cpu", str(MEGATRON_LM_SCRIPT),
+                *self.megatron_args(steps, self.log_interval(steps, sync_step)),
                 "--elastic-moe-schedule", schedule]
         return Command(argv, env, out)
 
@@ -183,10 +194,15 @@ class MegatronLM:
             kappa = re.search(r" elastic_moe/mean_kappa: ([^ |]+) \|", fields)
             if kappa:
                 kappas.append(float(kappa.group(1)))
-        timed = [ms for iteration, ms in elapsed.items() if iteration > warmup]
-        if not timed:
-            raise RuntimeError(f"Megatron-LM logged iterations {sorted(elapsed)}: none after the warm-up's {warmup}")
-        return RunReading(len(timed) / (sum(timed) / 1e3), sum(kappas) / len(kappas) if kappas else None, len(elapsed))
+        # each logged figure is the mean over the iterations since the previous logged one
+        logged = sorted(elapsed)
+        spans = [(iteration - previous, elapsed[iteration])
+                 for previous, iteration in zip([0, *logged], logged) if previous >= warmup]
+        if not spans:
+            raise RuntimeError(f"Megatron-LM logged iterations {logged}: none after the warm-up's {warmup}")
+        timed_steps = sum(span for span, _ in spans)
+        seconds = sum(span * ms for span, ms in spans) / 1e3
+        return RunReading(timed_steps / seconds, sum(kappas) / len(kappas) if kappas else None, logged[-1])
 
     def syncs(self, out: Path) -> int | None:
         return read_syncs(out / "syncs.json")
