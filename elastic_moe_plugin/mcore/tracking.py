@@ -40,7 +40,9 @@ are neither synchronised, written nor cleared by it.
 Reduction across ranks: values are averaged over the data-parallel group (0.17+: ``needs_dp_avg``;
 0.16: ``avg_group`` = the data-parallel group), summed over pipeline stages (each layer lives on
 one stage); the layer mean divides by the number of elastic MoE layers. Per-rank ratios such as
-max/mean are averaged, not recomputed from global counts.
+max/mean are averaged, not recomputed from global counts. :func:`log_routing_metrics` reports on a
+tracker of its own whose reduction is packed: one pipeline sum and one data-parallel average for all
+names together (``compat.megatron_tracker.isolated``), the values those of Megatron's per-name one.
 """
 
 from __future__ import annotations
