@@ -81,24 +81,11 @@ def zero() -> None:
     clear_aux_losses_tracker()
 
 
-def record(name: str, value: torch.Tensor, layer_number: int, num_layers: int, dp_group: Any = None) -> None:
-    """Add ``value`` at ``values[layer_number - 1]`` of ``name``, averaged over data parallelism when
-    reported (0.17+: ``needs_dp_avg=True``; 0.16: ``avg_group=dp_group``, its only DP averaging)."""
-    if has_metrics_tracker():
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        get_moe_metrics_tracker().record(name, value, layer_number=layer_number, num_layers=num_layers,
-                                         reduce_group=None, avg_group=None, needs_dp_avg=True)
-        return
-    from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
-
-    save_to_aux_losses_tracker(name, value, layer_number, num_layers, reduce_group=None, avg_group=dp_group)
-
-
 def record_layers(name: str, layer_values: torch.Tensor, layer_numbers: Sequence[int], num_layers: int,
                   dp_group: Any = None) -> None:
-    """:func:`record` for several layers at once: ``layer_values`` [n] (on the entry's device) added
-    at ``values[layer_numbers[i] - 1]``, by one indexed add rather than one per layer."""
+    """Add ``layer_values`` [n] (on the entry's device) at ``values[layer_numbers[i] - 1]`` of
+    ``name``, by one indexed add, averaged over data parallelism when reported (0.17+:
+    ``needs_dp_avg=True``; 0.16: ``avg_group=dp_group``, its only DP averaging)."""
     index = torch.tensor([number - 1 for number in layer_numbers], dtype=torch.long, device=layer_values.device)
     layer_values = layer_values.detach()
     if has_metrics_tracker():
@@ -108,7 +95,7 @@ def record_layers(name: str, layer_values: torch.Tensor, layer_numbers: Sequence
         tracker.ensure_initialized(name, num_layers, device=layer_values.device)
         entry = tracker.metrics[name]
         entry.values.index_add_(0, index, layer_values.to(entry.values.dtype))
-        entry.reduce_group, entry.avg_group, entry.needs_dp_avg = None, None, True  # as record()
+        entry.reduce_group, entry.avg_group, entry.needs_dp_avg = None, None, True  # what record() sets
         return
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
@@ -117,7 +104,7 @@ def record_layers(name: str, layer_values: torch.Tensor, layer_numbers: Sequence
         tracker[name] = {"values": torch.zeros(num_layers, device=layer_values.device)}
     values = tracker[name]["values"]
     values.index_add_(0, index, layer_values.to(values.dtype))
-    tracker[name].update(reduce_group=None, avg_group=dp_group, reduce_group_has_dp=False)  # as record()
+    tracker[name].update(reduce_group=None, avg_group=dp_group, reduce_group_has_dp=False)  # what 0.16 saves
 
 
 def ensure(name: str, num_layers: int, device: Any) -> None:
@@ -271,6 +258,6 @@ def _packed_dict_reduction(tracker: dict, stock_reduce: Callable) -> Callable:
 
 
 __all__ = [
-    "PACKED_ENTRY", "ensure", "entries", "has_metrics_tracker", "isolated", "record", "record_layers", "report", "reset",
+    "PACKED_ENTRY", "ensure", "entries", "has_metrics_tracker", "isolated", "record_layers", "report", "reset",
     "values", "zero",
 ]
