@@ -33,9 +33,12 @@ gives, and what the adapters' guarantees rest on (``docs/parallelism.md#randomne
   run and a CPU run with the same seed draw the same κ.
 
 Cost on the host at T = 8192: about 60 µs for the uniforms, 20 µs for the iid mapping, 80 µs for
-the balanced one (measured by ``elastic-moe bench --only kappa``). To a CUDA device κ travels by
-one non-blocking copy from pinned memory: no host sync, no kernel. Σκ (and per-token κ) are then
-known on the host for free: :class:`BudgetDraw` carries them.
+the balanced one (measured by ``elastic-moe bench --only kappa``). Draws are made up to 64 at a
+time, consecutive counters of one (seed, shard), each still exactly its own draw
+(:class:`_DrawsAhead`): inside a training step, with the caches cold, one draw at a time cost ten
+times its warm cost. To a CUDA device κ travels by one non-blocking copy from pinned memory: no
+host sync, no kernel. Σκ, per-token κ and κ's histogram are then known on the host for free:
+:class:`BudgetDraw` carries them.
 """
 
 from __future__ import annotations
@@ -63,11 +66,14 @@ class BudgetDraw:
         host_budgets: κ [T] (int64, numpy) on the host; read it freely, it costs no device sync.
         total: Σκ, a host int: the (token, expert) pairs the draw dispatches before capacity drops.
             Known without reading the device (for sizing shapes that follow κ).
+        counts: the κ histogram [high + 1] (int64, numpy; index = κ) of a schedule on
+            {low..high}, or None (a static schedule); the routing records add it up on the host.
     """
 
     budgets: torch.Tensor
     host_budgets: np.ndarray
     total: int
+    counts: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +114,24 @@ class BudgetStream:
         ranks stay in step. The device copy is non-blocking from pinned memory on CUDA, none on
         the CPU (:func:`to_device`).
         """
+        _check_index("shard", shard)
         _check_index("num_tokens", num_tokens)
         if schedule.is_static:
             host = np.full(num_tokens, schedule.low, dtype=np.int64)
+            drawn, advanced = BudgetDraw(torch.from_numpy(host), host, num_tokens * schedule.low), self.advanced()
         else:
-            host = schedule.host_budgets_from_uniforms(self.uniforms(shard, num_tokens), sampling)
-        total = num_tokens * schedule.center if sampling == "balanced" or schedule.is_static else int(host.sum())
-        advanced = BudgetStream(self.seed, (self.counter + 1) % _WORD)
-        return BudgetDraw(to_device(host, device), host, total), advanced
+            block = _draws_ahead(self.seed, shard, self.counter, num_tokens)
+            drawn, advanced = block.draw(self.counter, num_tokens, schedule, sampling), block.advanced[self.counter - block.first]
+        if getattr(device, "type", device) != "cpu":
+            drawn = dataclasses.replace(drawn, budgets=_host_tensor_to_device(drawn.budgets, torch.device(device)))
+        return drawn, advanced
+
+    def advanced(self) -> "BudgetStream":
+        """This stream one draw on (counter + 1 modulo 2^64), without re-validating the seed."""
+        stream = object.__new__(BudgetStream)
+        object.__setattr__(stream, "seed", self.seed)
+        object.__setattr__(stream, "counter", (self.counter + 1) % _WORD)
+        return stream
 
     # ------------------------------------------------------------------ as an RNG-state tensor
     def to_state_tensor(self) -> torch.Tensor:
@@ -178,6 +194,100 @@ def _philox_generator(seed: int, shard: int, counter: int) -> np.random.Generato
     return generator
 
 
+class _DrawsAhead:
+    """Up to :data:`_AHEAD_DRAWS` consecutive draws of one (seed, shard) key, made together: their
+    uniforms, and their κ under each schedule that asked for them, as finished CPU draws.
+
+    Why ahead. One draw is a few microseconds of numpy when its code is warm, but a router call
+    runs it between the model's own kernels, with the interpreter's and numpy's caches cold: ten
+    times as long there (about 270 µs per draw inside a Megatron MoE layer's forward at T = 256 on
+    the CI machine, against 18 µs in a loop of draws). Making the next draws in one loop, and
+    mapping them to κ with one numpy call, pays the warm cost once per block.
+
+    What a row holds is the draw itself, not an approximation of it: row i is the uniforms of
+    counter ``first + i`` at the block's width, and the uniforms of a draw of T <= width tokens are
+    the first T of the row (token t's uniform does not depend on T: the module docstring). iid κ
+    maps token by token, so the first T entries of a mapped row are the κ of the shorter draw;
+    balanced κ ranks all T uniforms together and is mapped per draw from the row's first T.
+
+    Rows are read-only by contract: a draw's κ, numpy and CPU tensor, is a view of one.
+    """
+
+    __slots__ = ("first", "uniforms", "advanced", "mapped")
+
+    def __init__(self, seed: int, shard: int, first: int, depth: int, width: int) -> None:
+        self.first = first
+        self.uniforms = np.empty((depth, width), dtype=np.float64)
+        for row in range(depth):
+            _philox_generator(seed, shard, first + row).random(out=self.uniforms[row])
+        #: the stream after draw ``first + i``
+        self.advanced = tuple(BudgetStream(seed, first + row).advanced() for row in range(depth))
+        #: [(schedule, the iid draw of each row at the full width)], one entry per schedule that
+        #: asked (a model's layers may differ)
+        self.mapped: list[tuple[BudgetSchedule, tuple[BudgetDraw, ...]]] = []
+
+    def holds(self, counter: int, num_tokens: int) -> bool:
+        return 0 <= counter - self.first < self.uniforms.shape[0] and num_tokens <= self.uniforms.shape[1]
+
+    def draw(self, counter: int, num_tokens: int, schedule: BudgetSchedule, sampling: SamplingMode) -> BudgetDraw:
+        """Draw ``counter`` of T tokens (:meth:`holds` it), its κ a CPU tensor."""
+        row, bins = counter - self.first, schedule.high + 1
+        if sampling == "balanced":
+            budgets = schedule.host_budgets_from_uniforms(self.uniforms[row, :num_tokens], sampling)
+            return BudgetDraw(torch.from_numpy(budgets), budgets, num_tokens * schedule.center,
+                              np.bincount(budgets, minlength=bins))
+        for mapped_schedule, draws in self.mapped:
+            if mapped_schedule is schedule:
+                break
+        else:
+            budgets = schedule.host_budgets_from_uniforms(self.uniforms, sampling)  # [depth, width]
+            depth = budgets.shape[0]
+            # every row's histogram in one bincount: row i's κ counted in bins [i·bins, (i+1)·bins)
+            offsets = (np.arange(depth, dtype=np.int64) * bins)[:, None]
+            counts = np.bincount((budgets + offsets).ravel(), minlength=depth * bins).reshape(depth, bins)
+            totals = (counts @ np.arange(bins, dtype=np.int64)).tolist()
+            draws = tuple(BudgetDraw(*row_draw) for row_draw in
+                          zip(torch.from_numpy(budgets).unbind(0), budgets, totals, counts))
+            self.mapped.append((schedule, draws))
+        drawn = draws[row]
+        if num_tokens == self.uniforms.shape[1]:
+            return drawn
+        budgets = drawn.host_budgets[:num_tokens]
+        counts = np.bincount(budgets, minlength=bins)
+        return BudgetDraw(drawn.budgets[:num_tokens], budgets, int(counts @ np.arange(bins, dtype=np.int64)), counts)
+
+
+class _DrawsAheadByKey(threading.local):
+    def __init__(self) -> None:
+        self.by_key: dict[int, _DrawsAhead] = {}
+
+
+_AHEAD = _DrawsAheadByKey()
+_AHEAD_DRAWS = 64  # draws generated together: two layers x two micro-batches use 4 per step
+_AHEAD_ELEMENTS = 1 << 18  # uniforms per block at most (2 MiB, plus 2 MiB of κ per schedule)
+
+
+def _draws_ahead(seed: int, shard: int, counter: int, num_tokens: int) -> _DrawsAhead:
+    """The block holding draw ``counter`` of T tokens on this key: the cached one, or a new one.
+
+    A new block starts at ``counter``, except for a draw behind the cached block (activation
+    recompute replays earlier counters), which gets a one-draw block of its own and leaves the
+    cached block in place for the draws ahead.
+    """
+    key = seed + (shard << 64)
+    cached = _AHEAD.by_key.get(key)
+    if cached is not None and cached.holds(counter, num_tokens):
+        return cached
+    width = num_tokens if cached is None else max(num_tokens, cached.uniforms.shape[1])
+    if cached is not None and counter < cached.first and num_tokens <= cached.uniforms.shape[1]:
+        return _DrawsAhead(seed, shard, counter, 1, num_tokens)
+    depth = max(1, min(_AHEAD_DRAWS, _AHEAD_ELEMENTS // max(width, 1), _WORD - counter))
+    if len(_AHEAD.by_key) >= _CACHED_KEYS:
+        _AHEAD.by_key.clear()
+    block = _AHEAD.by_key[key] = _DrawsAhead(seed, shard, counter, depth, width)
+    return block
+
+
 def to_device(host: np.ndarray, device: torch.device | str) -> torch.Tensor:
     """κ [T] (int64 numpy, host) as a tensor on ``device`` without a host sync.
 
@@ -187,8 +297,10 @@ def to_device(host: np.ndarray, device: torch.device | str) -> torch.Tensor:
     """
     host_tensor = torch.from_numpy(host)
     device = torch.device(device)
-    if device.type == "cpu":
-        return host_tensor
+    return host_tensor if device.type == "cpu" else _host_tensor_to_device(host_tensor, device)
+
+
+def _host_tensor_to_device(host_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return host_tensor.pin_memory().to(device, non_blocking=True)
     return host_tensor.to(device)

@@ -68,8 +68,10 @@ def budget_mask(budgets: torch.Tensor, width: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=32)
 def _slot_ranks(width: int, device: torch.device) -> torch.Tensor:
     """0..width-1 (int64) on ``device``, built once per (width, device): one op less per router call.
-    Read-only by convention (every use compares it)."""
-    return torch.arange(width, device=device)
+    Read-only by convention (every use compares it). Made outside inference mode, so that a first
+    call under ``torch.inference_mode()`` does not cache an inference tensor for training."""
+    with torch.inference_mode(False):
+        return torch.arange(width, device=device)
 
 
 def simplex_grad(weights: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -155,7 +157,7 @@ def weigh_candidates(
     if rule == "selected_softmax":
         # exp(-inf) is exactly 0 beyond κ (slot 0 is always kept) and so is the softmax gradient
         # there (w_j = 0): no second where() to zero them; one where() masks, not ~mask + masked_fill
-        return torch.softmax(torch.where(mask, candidates, float("-inf")), dim=-1)
+        return torch.softmax(torch.where(mask, candidates, _negative_infinity(candidates.dtype, candidates.device)), dim=-1)
     if rule in ("sigmoid", "sigmoid_renormalized"):
         kept = torch.where(mask, candidates, torch.zeros_like(candidates))
         normalised = kept / (kept.sum(-1, keepdim=True) + SIGMOID_EPS)
@@ -163,6 +165,14 @@ def weigh_candidates(
             return normalised
         return torch.where(several_kept(mask), normalised, kept)
     raise ValueError(f"weighing rule {rule!r} is unknown: expected one of {', '.join(WEIGHING_RULES)}.")
+
+
+@functools.lru_cache(maxsize=16)
+def _negative_infinity(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # a 0-d tensor made once (outside inference mode, as _slot_ranks): a Python -inf costs a
+    # scalar_tensor op on every call
+    with torch.inference_mode(False):
+        return torch.full((), float("-inf"), dtype=dtype, device=device)
 
 
 def several_kept(mask: torch.Tensor) -> torch.Tensor:

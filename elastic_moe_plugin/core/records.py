@@ -2,9 +2,10 @@
 
 After every training forward an elastic router holds (in its ``__dict__``, so no parameter,
 buffer or state-dict key is added) the latest :class:`RoutingRecord` and a running κ histogram
-``LongTensor [b+1]`` (index = κ) since the last reset. Keeping them costs one small device op per
-layer (the histogram's ``scatter_add_``) and no host sync: the record holds references to the
-forward's own tensors and derives its logging tensors when read;
+[b+1] (index = κ) since the last reset. Keeping them costs no device op and no host sync when κ
+was drawn on the host (the draw's histogram is added to a numpy array), one small ``scatter_add_``
+per layer when the device computed κ (top-p); the record holds references to the forward's own
+tensors and derives its logging tensors when read;
 :mod:`~elastic_moe_plugin.core.metrics` turns them into logged scalars only when a logger asks.
 
 The front end. An adapter only enumerates its routers, as :class:`RouterSite` rows in model order
@@ -29,6 +30,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from elastic_moe_plugin.core.config import ElasticConfig
@@ -70,7 +72,8 @@ class RoutingRecord:
     def of_forward(cls, budgets: torch.Tensor, candidate_ids: torch.Tensor, kept: torch.Tensor,
                    gate_weights: torch.Tensor | None = None, *, retained_weight_sums: torch.Tensor | None = None,
                    capacity_dropped: torch.Tensor | None = None) -> "RoutingRecord":
-        """The record of one forward, from what the forward holds (detached here, nothing computed).
+        """The record of one forward, from what the forward holds (nothing computed or copied; the
+        float tensors detached, the integer and bool ones, which cannot require grad, as they are).
 
         Args:
             budgets: κ [T]; candidate_ids: [T, b] by router rank; kept: [T, b] bool, j < κ_t.
@@ -82,10 +85,16 @@ class RoutingRecord:
             raise TypeError("RoutingRecord.of_forward takes exactly one of gate_weights [T, b] and "
                             "retained_weight_sums [T].")
         record = cls.__new__(cls)
-        record._set(budgets=budgets.detach(), capacity_dropped=None if capacity_dropped is None else capacity_dropped.detach(),
-                    _candidate_ids=candidate_ids.detach(), _kept=kept.detach(),
-                    _gate_weights=None if gate_weights is None else gate_weights.detach(), _expert_ids=None,
-                    _retained_weight_sums=None if retained_weight_sums is None else retained_weight_sums.detach())
+        # κ, ids and masks are integer / bool tensors, which never require grad: stored as they are
+        # (a detach() is one op, and on a CPU runtime each tensor attribute read is a Python call)
+        assign = object.__setattr__
+        assign(record, "budgets", budgets)
+        assign(record, "capacity_dropped", capacity_dropped)
+        assign(record, "_candidate_ids", candidate_ids)
+        assign(record, "_kept", kept)
+        assign(record, "_gate_weights", None if gate_weights is None else gate_weights.detach())
+        assign(record, "_expert_ids", None)
+        assign(record, "_retained_weight_sums", None if retained_weight_sums is None else retained_weight_sums.detach())
         return record
 
     def _set(self, **values: Any) -> None:
@@ -94,6 +103,10 @@ class RoutingRecord:
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"RoutingRecord is read-only (cannot set {name!r})")
+
+    def __reduce__(self):
+        # copy.deepcopy / pickle of a module that holds a record (read-only: no default setattr path)
+        return _restore_record, tuple(getattr(self, name) for name in self.__slots__)
 
     @property
     def expert_ids(self) -> torch.Tensor:
@@ -111,6 +124,47 @@ class RoutingRecord:
 
     def __repr__(self) -> str:
         return f"RoutingRecord(tokens={self.budgets.numel()}, width={self.expert_ids.shape[-1]})"
+
+
+class HostHistogram:
+    """A running κ histogram [bins] counted on the host, from draws whose histograms the host has.
+
+    Adding is appending a reference (a numpy in-place add costs tens of microseconds inside a
+    router call with the caches cold); the pending counts are summed when the histogram is read,
+    or every :data:`_PENDING_FOLD` additions, so memory stays bounded without a reader.
+    """
+
+    __slots__ = ("bins", "counts", "pending")
+
+    def __init__(self, bins: int) -> None:
+        self.bins = bins
+        self.counts = np.zeros(bins, dtype=np.int64)
+        self.pending: list[np.ndarray] = []
+
+    def add(self, counts: np.ndarray) -> None:
+        self.pending.append(counts)
+        if len(self.pending) >= _PENDING_FOLD:
+            self.fold()
+
+    def fold(self) -> np.ndarray:
+        """The counts so far (int64 [bins]), the pending ones added in."""
+        if self.pending:
+            self.counts += np.sum(self.pending, axis=0)
+            self.pending.clear()
+        return self.counts
+
+    def zero(self) -> None:
+        self.pending.clear()
+        self.counts[:] = 0
+
+
+_PENDING_FOLD = 256
+
+
+def _restore_record(*values: Any) -> RoutingRecord:
+    record = RoutingRecord.__new__(RoutingRecord)
+    record._set(**dict(zip(RoutingRecord.__slots__, values)))
+    return record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +198,7 @@ def remember(
     count: bool,
     retained_weight_sums: torch.Tensor | None = None,
     capacity_dropped: torch.Tensor | None = None,
+    host_counts: np.ndarray | None = None,
 ) -> None:
     """Store this forward's record on ``router``; with ``count``, add κ [T] to its histogram [b+1].
 
@@ -158,6 +213,10 @@ def remember(
             None and ``retained_weight_sums`` [T] (their per-token sums) instead.
         count: False for a forward that replays a step already counted (activation recompute).
         capacity_dropped: [T, b] bool, kept slots that a capacity factor dropped; None without one.
+        host_counts: κ's histogram [b+1] (int64 numpy) when the host knows it (a κ draw's
+            ``BudgetDraw.counts``): then the router's histogram is a :class:`HostHistogram`, added
+            to on the host with no device op; else (top-p κ, computed on the device) a device
+            tensor, added to by one ``scatter_add_``. :func:`budget_histograms` reads both as tensors.
     """
     router.__dict__[RECORD_ATTR] = RoutingRecord.of_forward(
         budgets, candidate_ids, kept, gate_weights, retained_weight_sums=retained_weight_sums,
@@ -165,9 +224,13 @@ def remember(
     if not count:
         return
     histogram = router.__dict__.get(HISTOGRAM_ATTR)
-    if histogram is None or histogram.numel() != width + 1 or histogram.device != budgets.device:
-        histogram = torch.zeros(width + 1, dtype=torch.long, device=budgets.device)
-        router.__dict__[HISTOGRAM_ATTR] = histogram
+    if host_counts is not None and len(host_counts) == width + 1:
+        if not isinstance(histogram, HostHistogram) or histogram.bins != width + 1:
+            histogram = router.__dict__[HISTOGRAM_ATTR] = HostHistogram(width + 1)
+        histogram.add(host_counts)
+        return
+    if not isinstance(histogram, torch.Tensor) or histogram.numel() != width + 1 or histogram.device != budgets.device:
+        histogram = router.__dict__[HISTOGRAM_ATTR] = torch.zeros(width + 1, dtype=torch.long, device=budgets.device)
     histogram.scatter_add_(0, budgets, torch.ones_like(budgets))
 
 
@@ -218,13 +281,17 @@ def budget_histograms(sites: Sequence[RouterSite]) -> dict[int, torch.Tensor]:
     Raises:
         ValueError: two routers holding a histogram share a layer index.
     """
-    return _held(sites, HISTOGRAM_ATTR)
+    return {layer: torch.from_numpy(histogram.fold()) if isinstance(histogram, HostHistogram) else histogram
+            for layer, histogram in _held(sites, HISTOGRAM_ATTR).items()}
 
 
 def reset_budget_histograms(sites: Sequence[RouterSite]) -> None:
     """Zero the κ histograms in place, so the next log covers only the steps after this one."""
-    for histogram in budget_histograms(sites).values():
-        histogram.zero_()
+    for histogram in _held(sites, HISTOGRAM_ATTR).values():
+        if isinstance(histogram, HostHistogram):
+            histogram.zero()
+        else:
+            histogram.zero_()
 
 
 def _cached_plan(router: torch.nn.Module) -> tuple[bool, LayerPlan | None]:

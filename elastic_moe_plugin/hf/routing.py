@@ -67,10 +67,10 @@ def elastic_routing(
     num_tokens = router_logits.shape[0]
     width = plan.width
     recompute = _in_backward()
-    host_budgets = None
+    host_budgets = host_counts = None
     if budgets is None and plan.top_p is None:  # (2) κ's own stream, on the host; a checkpoint's recompute replays
         draw = budget_rng.draw(router, plan, num_tokens, router_logits.device, replay=recompute)
-        budgets, host_budgets = draw.budgets, draw.host_budgets
+        budgets, host_budgets, host_counts = draw.budgets, draw.host_budgets, draw.counts
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (3) as stock: fp32 softmax
     candidates, candidate_ids = torch.topk(probs, width, dim=-1)  # sorted by rank, like stock top-k
     if budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass
@@ -89,7 +89,8 @@ def elastic_routing(
         weights = weigh_candidates(plan.gate, candidates, kept)
     # (6) A checkpoint's recompute replays the same κ; the step was counted in its first forward.
     # The record keeps references; its logging tensors are derived when a logger reads them.
-    records.remember(router, width, budgets, candidate_ids, kept, weights, count=not recompute)
+    records.remember(router, width, budgets, candidate_ids, kept, weights, count=not recompute,
+                     host_counts=host_counts)
     if plan.cast_weights_to_logits:
         weights = weights.to(router_logits.dtype)
     _DISPATCHED[router_logits] = (candidate_ids.detach(), kept)  # (6)

@@ -38,6 +38,9 @@ class RealisedAssignments:
         padding_mask: [T] bool, True = padding, or None.
         host_topk: k when κ ≡ k (a point mass): then stock's own functions apply verbatim; else None.
         seq_length, bsz: the router input's [S, B] shape (seq_aux_loss folds B into the expert axis).
+        host_total: Σκ of ``valid_map`` when the host knows it (κ drawn on the host, no padding
+            mask), else None. With a reduction group of one rank it is the Σ_j c_j of the loss, so
+            the normalisation needs no device op (:func:`_realised_sum`).
     """
 
     scores: torch.Tensor
@@ -46,20 +49,23 @@ class RealisedAssignments:
     host_topk: int | None
     seq_length: int
     bsz: int
+    host_total: int | None = None
 
 
 def realised_assignments(router, plan: LayerPlan, logits: torch.Tensor, realised_map: torch.Tensor,
                          padding_mask: torch.Tensor | None, seq_length: int, bsz: int,
-                         probabilities: torch.Tensor | None = None) -> RealisedAssignments:
+                         probabilities: torch.Tensor | None = None, host_total: int | None = None) -> RealisedAssignments:
     """Scores and the valid realised map (``logits`` [T, E], ``realised_map`` [T, E] before capacity drops).
 
     ``probabilities``: ``torch.softmax(logits, dim=-1, dtype=torch.float32)`` [T, E] when the caller
     has computed it already (top-p mode) and nothing else backpropagates through it; else None.
+    ``host_total``: Σκ of ``realised_map`` when the host knows it (the κ draw's total), else None.
     """
     scores = aux_loss_scores(logits, router.score_function, padding_mask, probabilities)
     valid_map = realised_map if padding_mask is None else realised_map & (~padding_mask).unsqueeze(-1)
     host_topk = plan.fixed_budget
-    return RealisedAssignments(scores, valid_map, padding_mask, host_topk, seq_length, bsz)
+    return RealisedAssignments(scores, valid_map, padding_mask, host_topk, seq_length, bsz,
+                               host_total=host_total if padding_mask is None else None)
 
 
 def aux_loss_scores(logits: torch.Tensor, score_function: str, padding_mask: torch.Tensor | None = None,
@@ -120,7 +126,8 @@ def _apply_aux_loss(router, assignments: RealisedAssignments, probs: torch.Tenso
         return probs
     counts, local_tokens, total_tokens = _token_counts(assignments, assignments.valid_map, router.tp_cp_group,
                                                        assignments.padding_mask)
-    aux_loss = _switch_loss(router, assignments, assignments.scores, counts, total_tokens, coeff)
+    aux_loss = _switch_loss(router, assignments, assignments.scores, counts, total_tokens, coeff,
+                            realised_sum=_realised_sum(assignments, router.tp_cp_group))
     return router.attach_and_log_load_balancing_loss(
         probs, coeff, aux_loss, "load_balancing_loss", router.tp_cp_group,
         valid_token_count=local_tokens, **_attach_kwargs(router, needs_dp_avg=True),
@@ -155,8 +162,13 @@ def _apply_seq_aux_loss(router, assignments: RealisedAssignments, probs: torch.T
         # sequences. On one sequence that is exactly _apply_aux_loss's value (as stock's seq and
         # micro-batch losses are equal there); a fully padded sequence has Σκ = 0 and P = 0, so
         # clamp instead of producing 0/0 = NaN.
-        sequence_budgets = counts.view(bsz, num_experts).sum(dim=-1).clamp(min=1)
-        topk = sequence_budgets / total_tokens
+        # one sequence with Σκ on the host: the same host normalisation as _apply_aux_loss
+        realised_sum = _realised_sum(assignments, router.tp_cp_group) if bsz == 1 else None
+        if realised_sum is not None:
+            topk = max(realised_sum, 1) / total_tokens
+        else:
+            sequence_budgets = counts.view(bsz, num_experts).sum(dim=-1).clamp(min=1)
+            topk = sequence_budgets / total_tokens
         weighted = (seq_scores.sum(dim=0) * counts).view(bsz, num_experts).sum(dim=-1)
         aux_loss = (weighted * (num_experts * coeff / (topk * total_tokens * total_tokens))).sum() / bsz
     return router.attach_and_log_load_balancing_loss(
@@ -186,15 +198,31 @@ def _apply_global_aux_loss(router, assignments: RealisedAssignments, probs: torc
 
 
 # ---------------------------------------------------------------------------------- shared steps
-def _switch_loss(router, assignments: RealisedAssignments, scores, counts, total_tokens, coeff):
-    """Megatron's E·coeff·Σ_i P_i·f_i with f_i = c_i / Σ_j c_j = c_i / Σκ (its topk·T := Σκ)."""
+def _switch_loss(router, assignments: RealisedAssignments, scores, counts, total_tokens, coeff,
+                 realised_sum: int | None = None):
+    """Megatron's E·coeff·Σ_i P_i·f_i with f_i = c_i / Σ_j c_j = c_i / Σκ (its topk·T := Σκ).
+
+    Σ_j c_j is ``realised_sum`` when the host knows it (:func:`_realised_sum`), then the scale
+    E·coeff / (topk·T·T) is a host float as stock's; else it is read off ``counts`` on the device.
+    """
     from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 
-    topk = assignments.host_topk if assignments.host_topk is not None else counts.sum() / total_tokens
+    if assignments.host_topk is not None:
+        topk = assignments.host_topk
+    elif realised_sum is not None:
+        topk = realised_sum / total_tokens
+    else:
+        topk = counts.sum() / total_tokens
     return switch_load_balancing_loss_func(
         probs=scores, tokens_per_expert=counts, total_num_tokens=total_tokens, topk=topk,
         num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coeff, fused=False,
     )
+
+
+def _realised_sum(assignments: RealisedAssignments, group) -> int | None:
+    """Σ_j c_j of the loss on the host: the realised Σκ when the host knows it and the counts are
+    reduced over one rank only (over several, the other ranks' Σκ would be needed), else None."""
+    return assignments.host_total if assignments.host_total and group.size() == 1 else None  # 0 tokens: as the device
 
 
 def _token_counts(assignments: RealisedAssignments, routing_map, group, padding_mask, topk_scale: int = 1):

@@ -54,12 +54,23 @@ logger = logging.getLogger("elastic_moe_plugin.mcore")
 
 # The entry this process stored last and the stream it holds: consecutive draws skip decoding it.
 _LAST_WRITTEN: list = [None, None]
+# megatron.core.tensor_parallel.get_cuda_rng_tracker, bound at the first call (an import statement
+# inside a per-layer function runs importlib's from-list handling in Python on every call)
+_GET_TRACKER: list = []
 
 
 def _tracker():
-    from megatron.core import tensor_parallel
+    if not _GET_TRACKER:
+        from megatron.core import tensor_parallel
 
-    return tensor_parallel.get_cuda_rng_tracker()
+        _GET_TRACKER.append(tensor_parallel.get_cuda_rng_tracker)
+    return _GET_TRACKER[0]()
+
+
+def _states(tracker) -> dict:
+    """The tracker's states without copying them (its ``states_`` dict; ``get_states()`` copies)."""
+    states = getattr(tracker, "states_", None)
+    return states if isinstance(states, dict) else tracker.get_states()
 
 
 def budget_seed() -> int:
@@ -68,21 +79,43 @@ def budget_seed() -> int:
 
 
 def _generator_device(tracker) -> torch.device | None:
-    """The device of the tracker's ``torch.Generator`` states, None when it holds tensors."""
-    for name, state in tracker.get_states().items():
-        if name != BUDGET_RNG_NAME and isinstance(state, torch.Generator):
-            return state.device
+    """The device of the tracker's ``torch.Generator`` states, None when it holds tensors (a
+    tracker's states are all of one kind: its first state other than ours decides)."""
+    for name, state in _states(tracker).items():
+        if name != BUDGET_RNG_NAME:
+            return state.device if isinstance(state, torch.Generator) else None
     return None
+
+
+class _StateTensorsAhead:
+    """The state tensors of the next :data:`_STATES_AHEAD` counters of one seed, made together
+    (a draw stores one per router call; one at a time costs ten times as much with the caches
+    cold, see ``core.budget_stream._DrawsAhead``). Immutable by contract, as every entry is."""
+
+    def __init__(self) -> None:
+        self.seed, self.first, self.tensors = None, 0, ()
+
+    def get(self, stream: BudgetStream) -> torch.Tensor:
+        row = stream.counter - self.first
+        if stream.seed != self.seed or not 0 <= row < len(self.tensors):
+            self.seed, self.first, row = stream.seed, stream.counter, 0
+            self.tensors = tuple(BudgetStream(stream.seed, counter).to_state_tensor()
+                                 for counter in range(stream.counter, min(stream.counter + _STATES_AHEAD, _LAST_OFFSET)))
+        return self.tensors[row]
+
+
+_STATES_AHEAD = 64
+_LAST_OFFSET = 1 << 62  # a state's offset 4·counter has 64 bits: counters below 2^62 have one
+_STATE_TENSORS = _StateTensorsAhead()
 
 
 def _entry(tracker, stream: BudgetStream):
     """The stream as an entry of the kind the tracker holds (module docstring)."""
-    state = stream.to_state_tensor()
     device = _generator_device(tracker)
     if device is None:
-        return state
+        return _STATE_TENSORS.get(stream)
     generator = torch.Generator(device=device)
-    generator.set_state(state)
+    generator.set_state(stream.to_state_tensor())
     return generator
 
 
@@ -94,7 +127,7 @@ def _store(tracker, stream: BudgetStream) -> None:
         states[BUDGET_RNG_NAME] = entry  # what the tracker's own fork() does with its states
     else:
         tracker.set_states({**tracker.get_states(), BUDGET_RNG_NAME: entry})
-    _LAST_WRITTEN[:] = [entry, stream]
+    _LAST_WRITTEN[0], _LAST_WRITTEN[1] = entry, stream
 
 
 def ensure_registered() -> None:
@@ -106,8 +139,11 @@ def ensure_registered() -> None:
 
 def stream() -> BudgetStream:
     """The current stream (registers it first)."""
-    tracker = _tracker()
-    entry = tracker.get_states().get(BUDGET_RNG_NAME)
+    return _stream(_tracker())
+
+
+def _stream(tracker) -> BudgetStream:
+    entry = _states(tracker).get(BUDGET_RNG_NAME)
     if entry is None:
         ensure_registered()
         return _LAST_WRITTEN[1]
@@ -125,8 +161,9 @@ def stream() -> BudgetStream:
 def draw(schedule: BudgetSchedule, sampling: SamplingMode, shard: int, num_tokens: int,
          device: torch.device | str) -> BudgetDraw:
     """κ [T] of this rank's token shard from the stream, which advances by one draw."""
-    budgets, advanced = stream().draw(schedule, sampling, shard, num_tokens, device)
-    _store(_tracker(), advanced)
+    tracker = _tracker()
+    budgets, advanced = _stream(tracker).draw(schedule, sampling, shard, num_tokens, device)
+    _store(tracker, advanced)
     return budgets
 
 

@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 from elastic_moe_plugin.core import records
-from elastic_moe_plugin.core.budget_stream import LATEST_DRAW_ATTR, latest_draw
+from elastic_moe_plugin.core.budget_stream import LATEST_DRAW_ATTR, BudgetDraw, latest_draw
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
 from elastic_moe_plugin.core.plan import LayerPlan
@@ -71,11 +71,11 @@ def draw_budgets(router, plan: LayerPlan, num_tokens: int, device: torch.device)
     return draw.budgets
 
 
-def _host_total(router, budgets: torch.Tensor) -> int | None:
-    """Σκ of ``budgets`` [T] known on the host: the total of the router's latest draw when
-    ``budgets`` is that draw's κ (not, e.g., budgets a caller substituted for the draw), else None."""
+def _host_draw(router, budgets: torch.Tensor) -> BudgetDraw | None:
+    """The router's latest draw when ``budgets`` [T] is that draw's κ (not, e.g., budgets a caller
+    substituted for the draw), else None: Σκ and κ's histogram known on the host."""
     draw = latest_draw(router)
-    return draw.total if draw is not None and draw.budgets is budgets else None
+    return draw if draw is not None and draw.budgets is budgets else None
 
 
 def select_candidates(
@@ -279,13 +279,13 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
     )
     if plan.top_p is None:
         budgets = draw_budgets(router, plan, num_tokens, logits.device)
-        host_total = _host_total(router, budgets)
+        draw = _host_draw(router, budgets)
+        host_total, host_counts = (draw.total, draw.counts) if draw is not None else (None, None)
     else:  # the smallest top-ranked set whose full-softmax mass reaches p (paper's top-p control)
         budgets = top_p_budgets(probabilities.detach().gather(1, candidate_ids), plan.top_p)
-        host_total = None  # κ came from the device's probabilities
+        host_total = host_counts = None  # κ came from the device's probabilities
     kept = budget_mask(budgets, plan.width)  # [T, b]
-    weights = _prefix_weights(rule, candidate_values, kept)
-    retained_weight_sums = weights.detach().sum(dim=-1)
+    weights = gate_weights = _prefix_weights(rule, candidate_values, kept)
     if model.moe_router_topk_scaling_factor:
         weights = weights * model.moe_router_topk_scaling_factor
     weights = weights.type_as(logits)
@@ -312,13 +312,14 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
 
     if with_aux_loss:
         assignments = realised_assignments(router, plan, logits, realised_map, padding_mask, seq_length, bsz,
-                                           probabilities=None if selection_reads_them else probabilities)
+                                           probabilities=None if selection_reads_them else probabilities,
+                                           host_total=host_total)
         probs = apply_realised_aux_losses(router, assignments, probs)
 
     router._apply_expert_bias(routing_map, padding_mask=padding_mask)
     # Counted once per real step: recompute's first pass runs without grad (as stock expert-bias counting).
-    records.remember(router, plan.width, budgets, candidate_ids, kept, retained_weight_sums=retained_weight_sums,
-                     count=torch.is_grad_enabled(), capacity_dropped=capacity_dropped)
+    records.remember(router, plan.width, budgets, candidate_ids, kept, gate_weights, count=torch.is_grad_enabled(),
+                     capacity_dropped=capacity_dropped, host_counts=host_counts)
     # Dispatchers size buffers from k unless told otherwise (see mcore.dispatch); capacity drops
     # leave the map with fewer entries than Σκ, which only the device counts.
     if capacity_dropped is not None:

@@ -147,8 +147,9 @@ def _records_and_histograms(sites: Sequence[core_records.RouterSite]) -> tuple[d
 
 def _device(records, histograms) -> torch.device:
     """Where the tracker entries live: the routers' device, else (a stage without elastic layers)
-    the current CUDA device, as Megatron's own entries."""
-    for tensor in list(histograms.values()) + [record.budgets for record in records.values()]:
+    the current CUDA device, as Megatron's own entries. Records first: a κ histogram counted on
+    the host is a CPU tensor whatever the routers' device."""
+    for tensor in [record.budgets for record in records.values()] + list(histograms.values()):
         return tensor.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 

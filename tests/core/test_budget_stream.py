@@ -129,3 +129,54 @@ def test_cpu_budgets_are_the_host_array_and_nothing_is_kept_on_a_bare_module():
     host[0] = 9
     assert on_cpu[0] == 9, "a CPU device gets the host array itself, no copy"
     assert latest_draw(torch.nn.Linear(1, 1)) is None
+
+
+def _reference_draw(schedule, sampling, seed, counter, shard, tokens):
+    uniforms = np.array(_hand_uniforms(seed, counter, shard, tokens), dtype=np.float64)
+    return schedule.host_budgets_from_uniforms(uniforms, sampling)
+
+
+def test_draws_made_ahead_are_each_their_own_draw():
+    """Draws come from blocks of consecutive counters made together: every pattern a training run
+    produces (consecutive layers, a recompute going back, a jump, T growing and shrinking, two
+    schedules in one model, balanced sampling, another shard, the last counters before 2^64) gives
+    the hand-computed κ of that very draw, with its own Σκ and histogram."""
+    from elastic_moe_plugin.core import budget_stream
+
+    budget_stream._AHEAD.by_key.clear()
+    narrow = BudgetSchedule.parse("7-9", center=8)
+    seed = 99
+    pattern = [  # (counter, tokens, schedule, sampling, shard)
+        (0, 24, SCHEDULE, "iid", 0), (1, 24, SCHEDULE, "iid", 0), (2, 24, narrow, "iid", 0), (3, 24, SCHEDULE, "iid", 0),
+        (1, 24, SCHEDULE, "iid", 0),  # recompute: behind the block
+        (4, 40, SCHEDULE, "iid", 0),  # T grows past the block's width
+        (5, 7, SCHEDULE, "iid", 0), (6, 40, narrow, "iid", 0), (7, 33, SCHEDULE, "balanced", 0),
+        (8, 24, SCHEDULE, "iid", 3), (9, 24, SCHEDULE, "iid", 0),
+        (500, 24, SCHEDULE, "iid", 0),  # a jump (a resumed run)
+        (MASK - 1, 12, SCHEDULE, "iid", 0), (MASK, 12, SCHEDULE, "iid", 0), (0, 12, SCHEDULE, "iid", 0),
+    ]
+    for counter, tokens, schedule, sampling, shard in pattern:
+        drawn, advanced = BudgetStream(seed, counter).draw(schedule, sampling, shard, tokens)
+        expected = _reference_draw(schedule, sampling, seed, counter, shard, tokens)
+        where = f"counter {counter}, T {tokens}, {schedule.spec} {sampling}, shard {shard}"
+        assert drawn.host_budgets.tolist() == expected.tolist(), where
+        assert drawn.budgets.tolist() == expected.tolist(), where
+        assert drawn.total == int(expected.sum()), where
+        assert drawn.counts.tolist() == np.bincount(expected, minlength=schedule.high + 1).tolist(), where
+        assert advanced == BudgetStream(seed, (counter + 1) % (MASK + 1)), where
+    for block in budget_stream._AHEAD.by_key.values():
+        assert block.uniforms.size <= budget_stream._AHEAD_ELEMENTS
+    static, _ = BudgetStream(seed, 3).draw(BudgetSchedule.static(8), "iid", 0, 5)
+    assert static.host_budgets.tolist() == [8] * 5 and static.total == 40 and static.counts is None
+
+
+def test_a_block_holds_at_most_its_element_budget():
+    """A long draw gets fewer rows ahead: memory stays bounded whatever T."""
+    from elastic_moe_plugin.core import budget_stream
+
+    budget_stream._AHEAD.by_key.clear()
+    tokens = budget_stream._AHEAD_ELEMENTS // 4 + 1
+    drawn, _ = BudgetStream(5, 0).draw(SCHEDULE, "iid", 0, tokens)
+    (block,) = budget_stream._AHEAD.by_key.values()
+    assert block.uniforms.shape == (3, tokens)
+    assert drawn.host_budgets[:9].tolist() == _reference_draw(SCHEDULE, "iid", 5, 0, 0, 9).tolist()

@@ -95,3 +95,46 @@ def test_model_plans_key_by_layer_and_need_an_enabled_config(monkeypatch):
     assert line == ("elastic-moe plan (test, 2 MoE layers): elastic 1-3 around k=2 (σ=1.5), renormalized gate, "
                     "iid sampling: layers 0; static top-2: layers 1")
     assert plan.log_plan({}, {}, "test") is None
+
+
+def test_host_counted_histograms_add_up_fold_reset_and_copy_exactly():
+    """κ's histogram given by the draw (host counts) is kept on the host: many forwards (past the
+    fold of pending counts), a read, a reset and a copy of the module give the hand-summed counts."""
+    import copy
+
+    import numpy as np
+
+    sites = _sites(0)
+    router, width = sites[0].router, SCHEDULE.high
+    ids = torch.arange(width).repeat(2, 1)
+    kept = torch.ones(2, width, dtype=torch.bool)
+    expected = np.zeros(width + 1, dtype=np.int64)
+    for step in range(records._PENDING_FOLD + 7):
+        counts = np.array([0, step % 3, 1, step % 5], dtype=np.int64)
+        expected += counts
+        records.remember(router, width, torch.tensor([1, 2]), ids, kept, kept.float(), count=True, host_counts=counts)
+        if step == 100:
+            assert records.budget_histograms(sites)[0].tolist() == expected.tolist()  # a read folds the pending ones
+    assert records.budget_histograms(sites)[0].tolist() == expected.tolist()
+    copied = copy.deepcopy(router)
+    records.reset_budget_histograms(sites)
+    assert records.budget_histograms(sites)[0].tolist() == [0, 0, 0, 0]
+    records.remember(router, width, torch.tensor([1, 2]), ids, kept, kept.float(), count=True,
+                     host_counts=np.array([0, 1, 1, 0]))
+    records.remember(router, width, torch.tensor([1, 2]), ids, kept, kept.float(), count=False,  # a recompute
+                     host_counts=np.array([0, 1, 1, 0]))
+    assert records.budget_histograms(sites)[0].tolist() == [0, 1, 1, 0]
+    copied_sites = [RouterSite("copy", copied, 0, 2, 4)]
+    assert records.budget_histograms(copied_sites)[0].tolist() == expected.tolist()  # the copy kept its own counts
+    # the copy's record too (a read-only record used to make copy.deepcopy of a trained router raise)
+    assert records.routing_records(copied_sites)[0].budgets.tolist() == [1, 2]
+    assert records.routing_records(copied_sites)[0].expert_ids.tolist() == ids.tolist()
+
+
+def test_device_counted_histograms_count_the_budgets_tensor():
+    """Without host counts (top-p κ, computed on the device) κ is counted on κ's device."""
+    sites = _sites(0)
+    _elastic(sites[0].router, [3, 1, 3, 2])
+    histogram = records.budget_histograms(sites)[0]
+    assert isinstance(sites[0].router.__dict__[records.HISTOGRAM_ATTR], torch.Tensor)
+    assert histogram.tolist() == [0, 1, 1, 2]

@@ -106,3 +106,62 @@ def test_aux_loss_scores_are_stocks_bit_for_bit_without_its_top1_map(score_funct
     assert scores.dtype == stock.dtype and torch.equal(scores, stock)
     if masked:
         assert torch.count_nonzero(scores[mask]) == 0 and scores[~mask].sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+def test_the_host_realised_sum_normalises_as_the_devices_count(kind, make_config, make_router, moe_tracker, monkeypatch):
+    """With κ drawn on the host, no padding mask and a one-rank reduction, Σ_j c_j = Σκ is the
+    draw's host total: the loss normalises by it with no device op, to the value (and gradient)
+    the device's own count gives, up to fp32 rounding of the scale (float64 on the host)."""
+    from elastic_moe_plugin.mcore import aux_loss
+
+    logits = torch.randn(SEQ, 1, E, generator=torch.Generator().manual_seed(3)) * 2
+    taken = []
+    original = aux_loss._realised_sum
+    monkeypatch.setattr(aux_loss, "_realised_sum", lambda *args: taken.append(original(*args)) or taken[-1])
+    host, host_grad, host_map = _logged_loss(kind, logits, None, "1-3", "softmax", make_config, make_router, moe_tracker)
+    assert taken and taken[0] == int(host_map.sum()), "the host path ran with the realised Σκ"
+    monkeypatch.setattr(aux_loss, "_realised_sum", lambda *args: None)
+    device, device_grad, device_map = _logged_loss(kind, logits, None, "1-3", "softmax", make_config, make_router,
+                                                   moe_tracker)
+    assert torch.equal(host_map, device_map) and len(set(host_map.sum(dim=1).tolist())) > 1
+    torch.testing.assert_close(host, device, rtol=4e-7, atol=0)
+    # the gradient scales by the same factor: elements cancelled near 0 compare against the largest
+    torch.testing.assert_close(host_grad, device_grad, rtol=4e-7, atol=4e-7 * float(device_grad.abs().max()))
+
+
+def test_an_iid_elastic_router_forward_issues_no_more_ops_than_stock(make_config, make_router, moe_tracker):
+    """Per-call cost, structurally: an elastic 6-10 training forward with the aux loss (κ drawn on
+    the host, its histogram counted there, the loss normalised by the host Σκ) dispatches no more
+    aten ops than the stock top-8 router's forward on the same input (stock builds a second top-k
+    map for its aux loss; elastic weighs b = 10 slots instead)."""
+    config = make_config(num_moe_experts=16, moe_router_topk=8, moe_aux_loss_coeff=COEFF)
+    x = torch.randn(32, 4, H, generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for name, patch in (("stock", None), ("elastic", ElasticConfig(schedule="6-10"))):
+        if patch is not None:
+            mcore.apply(patch)
+        try:
+            router = make_router(config)
+            router.train()
+            router(x.clone().requires_grad_())  # first call: plans, caches, the stream
+            with _AllOps() as counted:
+                router(x.clone().requires_grad_())
+            counts[name] = counted.names
+        finally:
+            mcore.remove()
+            moe_tracker.reset()
+    assert 0 < len(counts["elastic"]) <= len(counts["stock"]), {name: len(ops) for name, ops in counts.items()}
+    # what the host's κ spares: the histogram's scatter_add_, the -inf scalar's scalar_tensor, and
+    # the device-side Σκ / T (its reciprocal)
+    assert not {"scatter_add_", "scalar_tensor", "reciprocal"} & set(counts["elastic"]), counts["elastic"]
+
+
+class _AllOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))

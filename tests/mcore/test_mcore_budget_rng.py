@@ -142,3 +142,20 @@ def test_a_checkpoint_without_the_stream_gets_a_fresh_one(router):
     stock_states = {name: s for name, s in _tracker().get_states().items() if name != budget_rng.BUDGET_RNG_NAME}
     _tracker().set_states(stock_states)
     assert torch.equal(_kappa(router, x), first), "a fresh stream is seeded exactly like the first"
+
+
+def test_the_entries_made_ahead_are_each_streams_own_state():
+    """The tracker entries are made for the next counters together: whatever the order of the
+    streams stored (consecutive, back, a jump, another seed, the last counters a state holds), each
+    entry is that stream's own state tensor, a new object for every counter."""
+    ahead = budget_rng._StateTensorsAhead()
+    last = (1 << 62) - 1  # the last counter a 16-byte state holds (offset 4·counter, 64 bits)
+    order = [(7, 0), (7, 1), (7, 2), (7, 1), (7, 63), (7, 64), (7, 5000), (9, 5001), (7, last - 1), (7, last), (7, 0)]
+    seen = {}
+    for seed, counter in order:
+        stream = BudgetStream(seed, counter)
+        entry = ahead.get(stream)
+        assert torch.equal(entry, stream.to_state_tensor()), (seed, counter)
+        assert BudgetStream.from_state(entry) == stream
+        assert all(other is not entry for key, other in seen.items() if key != (seed, counter))
+        seen[(seed, counter)] = entry
