@@ -12,9 +12,14 @@ number of steps on a tiny model of the launcher's family (built offline here):
   ``python -m elastic_moe_plugin.megatron_lm --cpu``) on a GPT of 16 experts, top-8, static against
   ``6-10`` (:mod:`.e2e_megatron`).
 
-Per launcher, ``rounds`` rounds of one static and one elastic run each, alternating which goes first
-(static, elastic; elastic, static; ...) so that load on the machine hits both alike. Every child runs
-with one torch thread (``OMP_NUM_THREADS=1``), offline, without a GPU. Per run:
+Per launcher, ``rounds`` rounds. A round of ``swift sft`` (and, with ``separate=True``, of the
+Megatron launchers) is one static and one elastic run, alternating which goes first (static,
+elastic; elastic, static; ...) so that load on the machine hits both alike. A round of a Megatron
+launcher is by default one run that switches between static and elastic blocks of steps inside
+the one trainer process (:mod:`.e2e_interleaved`): the house rule for speed, elastic against stock
+in one process, interleaved, and the only way to resolve a few percent on a machine whose speed
+drifts by 15-50% between runs minutes apart. Every child runs with one torch thread
+(``OMP_NUM_THREADS=1``), offline, without a GPU. Per separate run:
 
 - steps/s, steady state: the steps after ``warmup`` over the time they took, from the launcher's
   own logged timings (ms-swift and Megatron-SWIFT: the cumulative ``train_speed(s/it)`` of
@@ -30,15 +35,16 @@ with one torch thread (``OMP_NUM_THREADS=1``), offline, without a GPU. Per run:
   counts each read as the device read it would be on a GPU) during training step ``warmup``, the
   last warm-up step, so the counter's own cost stays out of the timed steps; counted by a second
   plugin file for ``swift sft`` (:mod:`.e2e_swift_plugin`) and by a start-up module that wraps the
-  trainer's ``train_step`` for the two Megatron launchers (``sync_probe/sitecustomize.py``), on
+  trainer's ``train_step`` for the two Megatron launchers (``step_probe/sitecustomize.py``), on
   rank 0. The whole step counts: the trainer's own reads (loss logging, gradient clipping, ...)
   as well as the router's and the dispatcher's, static and elastic alike;
 - mean κ: the realised experts per token the launcher logged (``elastic_moe/mean_kappa``), averaged
   over the run's logged steps (static: exactly k where the launcher logs it, ms-swift and
   Megatron-SWIFT; Megatron-LM's static run logs no routing metrics).
 
-The ratio of a round is its elastic steps/s over its static steps/s; the row gives the median of the
-rounds' ratios and their spread (min-max). ``--quick`` (CI) runs one round of a few steps with the
+The ratio of a round is its elastic steps/s over its static steps/s (an interleaved round: the
+median of its block pairs' ratios, :mod:`.e2e_interleaved`); the row gives the median of the rounds'
+ratios and their spread (min-max). An interleaved round's two rows share the one process's peak RSS. ``--quick`` (CI) runs one round of a few steps with the
 runs of each launcher two at a time, so its times say nothing; it shows that every launcher runs and
 reports every column.
 """
@@ -55,7 +61,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from elastic_moe_plugin.tools.bench import e2e_interleaved
 from elastic_moe_plugin.tools.bench.e2e_child import Command, RunReading
+from elastic_moe_plugin.tools.bench.e2e_interleaved import InterleavedReading
 
 #: ``--launchers`` choices, in the order the rows are printed
 LAUNCHERS = ("swift_sft", "megatron_sft", "megatron_lm")
@@ -66,7 +74,9 @@ QUICK_STEPS, QUICK_WARMUP = 4, 2
 @dataclass(frozen=True)
 class E2EOptions:
     """What ``--only e2e`` runs: ``steps`` and ``warmup`` per run (None: each launcher's default),
-    ``hidden``: ``swift sft``'s hidden size H (and its experts' width, H as well; None: 256)."""
+    ``hidden``: ``swift sft``'s hidden size H (and its experts' width, H as well; None: 256),
+    ``separate``: the Megatron launchers too in separate static and elastic runs (their default is
+    one interleaved run per round, :mod:`.e2e_interleaved`)."""
 
     rounds: int = DEFAULT_ROUNDS
     steps: int | None = None
@@ -74,6 +84,7 @@ class E2EOptions:
     launchers: tuple[str, ...] = LAUNCHERS
     hidden: int | None = None
     work: Path | None = None
+    separate: bool = False
 
     def check(self) -> None:
         """Raises ValueError naming the flag, the value, what is accepted and a fix."""
@@ -95,8 +106,8 @@ class E2EOptions:
 
 class Launcher(Protocol):
     """One row of the table. ``prepare`` builds the tiny model and data (for runs of ``steps``) once;
-    ``command`` is one run;
-    ``read`` parses its logs (raises RuntimeError when they lack what the row needs)."""
+    ``command`` is one run (with ``interleave_block``, where ``interleaves``: one run of both modes);
+    ``read`` / ``read_interleaved`` parse its logs (raise RuntimeError when they lack what the row needs)."""
 
     key: str
     label: str
@@ -105,20 +116,27 @@ class Launcher(Protocol):
     default_steps: int
     default_warmup: int
     timing: str
+    interleaves: bool
 
     def describe(self) -> str: ...
 
     def prepare(self, work: Path, steps: int) -> None: ...
 
-    def command(self, schedule: str, steps: int, out: Path, sync_step: int) -> Command: ...
+    def command(self, schedule: str, steps: int, out: Path, sync_step: int,
+                interleave_block: int | None = None) -> Command: ...
 
     def read(self, out: Path, output: str, warmup: int) -> RunReading: ...
+
+    def read_interleaved(self, out: Path, output: str, warmup: int) -> tuple[InterleavedReading, float | None]: ...
 
     def syncs(self, out: Path) -> int | None: ...
 
 
 @dataclass
 class E2ERun:
+    """One schedule of one round. An interleaved round's two runs share a process: its peak RSS
+    and wall time, and (on the elastic run) the ratios of its block pairs."""
+
     schedule: str
     round: int
     steps_per_second: float
@@ -126,6 +144,7 @@ class E2ERun:
     syncs_per_step: int | None
     mean_kappa: float | None
     wall_s: float
+    pair_ratios: list[float] | None = None
 
 
 @dataclass
@@ -141,13 +160,16 @@ class E2EResult:
     warmup: int
     timing: str
     runs: list[E2ERun] = field(default_factory=list)
+    interleave_block: int | None = None  # the blocks' steps when each round is one interleaved run
 
     def of(self, schedule: str) -> list[E2ERun]:
         return sorted((run for run in self.runs if run.schedule == schedule), key=lambda run: run.round)
 
     def round_ratios(self) -> list[float]:
+        """Per round: elastic over static steps/s (an interleaved round: the median of its block pairs')."""
         static = {run.round: run.steps_per_second for run in self.of(self.static)}
-        return [run.steps_per_second / static[run.round] for run in self.of(self.elastic) if run.round in static]
+        return [statistics.median(run.pair_ratios) if run.pair_ratios else run.steps_per_second / static[run.round]
+                for run in self.of(self.elastic) if run.round in static]
 
     def summary(self) -> dict:
         ratios = self.round_ratios()
@@ -211,6 +233,26 @@ def _one_run(launcher: Launcher, schedule: str, round_index: int, steps: int, wa
                   wall_s=seconds)
 
 
+def _interleaved_runs(launcher: Launcher, round_index: int, steps: int, warmup: int, block: int,
+                      work: Path) -> list[E2ERun]:
+    """One interleaved round: a single run of the elastic schedule that switches blocks (both rows)."""
+    out = work / launcher.key / f"interleaved_{round_index}"
+    out.mkdir(parents=True)
+    command = launcher.command(launcher.elastic, steps, out, sync_step=warmup, interleave_block=block)
+    log = out / "output.log"
+    code, peak, seconds = _run_child(command, log)
+    output = log.read_text(errors="replace")
+    if code != 0:
+        raise RuntimeError(f"{launcher.label} (interleaved) exited {code}; its log: {log}\n{output[-3000:]}")
+    reading, kappa = launcher.read_interleaved(out, output, warmup)
+    mode_schedule = {"static": launcher.static, "elastic": launcher.elastic}
+    return [E2ERun(schedule=mode_schedule[mode], round=round_index, steps_per_second=reading.steps_per_second[mode],
+                   peak_rss_bytes=peak, syncs_per_step=reading.syncs[mode],
+                   mean_kappa=kappa if mode == "elastic" else None, wall_s=seconds,
+                   pair_ratios=list(reading.pair_ratios) if mode == "elastic" else None)
+            for mode in e2e_interleaved.MODES]
+
+
 def _launchers(options: E2EOptions) -> list[Launcher]:
     from elastic_moe_plugin.tools.bench import e2e_megatron, e2e_swift
 
@@ -231,18 +273,33 @@ def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None 
     work = options.work or Path(tempfile.mkdtemp(prefix="elastic_moe_bench_e2e_"))
     results = []
     for launcher in _launchers(options):
-        steps = options.steps or (QUICK_STEPS if quick else launcher.default_steps)
-        warmup = options.warmup or (QUICK_WARMUP if quick else min(launcher.default_warmup, steps - 1))
+        interleaved = launcher.interleaves and not options.separate
+        block = (e2e_interleaved.QUICK_BLOCK if quick else e2e_interleaved.BLOCK) if interleaved else None
+        if interleaved:
+            warmup = options.warmup or (QUICK_WARMUP if quick else launcher.default_warmup)
+            pairs = e2e_interleaved.QUICK_PAIRS if quick else e2e_interleaved.PAIRS
+            steps = options.steps or e2e_interleaved.run_steps(warmup, block, pairs)
+            least = e2e_interleaved.run_steps(warmup, block, 1)
+            if steps < least:
+                raise ValueError(f"--steps {steps} --warmup {warmup}: {launcher.label} interleaves blocks of {block} "
+                                 f"steps and needs two whole blocks after the warm-up; pass --steps {least} or more "
+                                 f"(or --separate-runs).")
+        else:
+            steps = options.steps or (QUICK_STEPS if quick else launcher.default_steps)
+            warmup = options.warmup or (QUICK_WARMUP if quick else min(launcher.default_warmup, steps - 1))
         if not 1 <= warmup < steps:
             raise ValueError(f"--steps {steps}: {launcher.label} warms up {warmup} steps; pass --warmup "
                              f"{max(1, steps // 4)} or more --steps.")
         started = time.perf_counter()
         launcher.prepare(work / launcher.key / "assets", steps)
+        timing = e2e_interleaved.TIMING.format(block=block) if interleaved else launcher.timing
         result = E2EResult(launcher.key, launcher.label, launcher.describe(), launcher.static, launcher.elastic,
-                           steps, warmup, launcher.timing)
+                           steps, warmup, timing, interleave_block=block)
         for round_index in range(rounds):
             order = (launcher.static, launcher.elastic)[:: 1 if round_index % 2 == 0 else -1]
-            if quick:
+            if interleaved:
+                runs = _interleaved_runs(launcher, round_index, steps, warmup, block, work)
+            elif quick:
                 with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
                     runs = list(pool.map(lambda schedule: _one_run(launcher, schedule, round_index, steps, warmup,
                                                                    work), order))
@@ -288,9 +345,11 @@ def format_table(results: list[E2EResult]) -> str:
             ]
             lines.append(" ".join(cells))
     lines.append("steps/s: median over rounds, steady state (after the warm-up steps), from the launcher's own "
-                 "timings; x static: median of the rounds' elastic/static ratios, min-max across rounds; peak RSS: "
-                 "largest process of the run (ru_maxrss); syncs/step: host reads of device values in one training "
-                 "step (step = warm-up's last); mean κ: the realised experts per token the run logged")
+                 "timings, or for an interleaved row from the one process's step times; x static: median of the "
+                 "rounds' elastic/static ratios (an interleaved round's: the median of its block pairs'), min-max "
+                 "across rounds; peak RSS: largest process of the run (ru_maxrss); syncs/step: host reads of device "
+                 "values in one training step (step = warm-up's last; interleaved: a block's first); mean κ: the "
+                 "realised experts per token the run logged")
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-SYNC_STEP_ENV, SYNC_OUT_ENV, SYNC_TARGET_ENV = "E2E_BENCH_SYNC_STEP", "E2E_BENCH_SYNC_OUT", "E2E_BENCH_SYNC_TARGET"
+SYNC_STEP_ENV, SYNC_OUT_ENV, TARGET_ENV = "E2E_BENCH_SYNC_STEP", "E2E_BENCH_SYNC_OUT", "E2E_BENCH_TARGET"
+INTERLEAVE_BLOCK_ENV, INTERLEAVE_OUT_ENV = "E2E_BENCH_INTERLEAVE_BLOCK", "E2E_BENCH_INTERLEAVE_OUT"
 
 
 @dataclass
@@ -46,9 +47,10 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def sync_probe_dir() -> Path:
-    """The folder whose ``sitecustomize`` counts a Megatron trainer's host syncs (env-gated)."""
-    return Path(__file__).resolve().parent / "sync_probe"
+def step_probe_dir() -> Path:
+    """The folder whose ``sitecustomize`` wraps a Megatron trainer's ``train_step`` (env-gated): it
+    counts one step's host syncs, or interleaves static and elastic blocks of steps and times them."""
+    return Path(__file__).resolve().parent / "step_probe"
 
 
 def console_script(name: str) -> str:
@@ -59,5 +61,5 @@ def console_script(name: str) -> str:
     return str(script)
 
 
-__all__ = ["SYNC_OUT_ENV", "SYNC_STEP_ENV", "SYNC_TARGET_ENV", "Command", "RunReading", "child_env", "console_script",
-           "sync_probe_dir"]
+__all__ = ["INTERLEAVE_BLOCK_ENV", "INTERLEAVE_OUT_ENV", "SYNC_OUT_ENV", "SYNC_STEP_ENV", "TARGET_ENV", "Command",
+           "RunReading", "child_env", "console_script", "step_probe_dir"]

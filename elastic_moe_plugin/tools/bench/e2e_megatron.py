@@ -27,15 +27,18 @@ import socket
 import sys
 from pathlib import Path
 
+from elastic_moe_plugin.tools.bench import e2e_interleaved
 from elastic_moe_plugin.tools.bench.e2e_child import (
+    INTERLEAVE_BLOCK_ENV,
+    INTERLEAVE_OUT_ENV,
     SYNC_OUT_ENV,
     SYNC_STEP_ENV,
-    SYNC_TARGET_ENV,
+    TARGET_ENV,
     Command,
     RunReading,
     child_env,
     console_script,
-    sync_probe_dir,
+    step_probe_dir,
 )
 from elastic_moe_plugin.tools.bench.e2e_swift import logged_mean_kappa, read_syncs, steady_steps_per_second
 
@@ -50,8 +53,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _sync_env(out: Path, step: int, target: str) -> dict[str, str]:
-    return {SYNC_STEP_ENV: str(step), SYNC_OUT_ENV: str(out / "syncs.json"), SYNC_TARGET_ENV: target}
+def _probe_env(out: Path, step: int, target: str, interleave_block: int | None) -> dict[str, str]:
+    """The start-up module's variables: count the syncs of call ``step``, or interleave blocks."""
+    if interleave_block:
+        return {INTERLEAVE_BLOCK_ENV: str(interleave_block), INTERLEAVE_OUT_ENV: str(out / "interleaved.json"),
+                TARGET_ENV: target}
+    return {SYNC_STEP_ENV: str(step), SYNC_OUT_ENV: str(out / "syncs.json"), TARGET_ENV: target}
 
 
 class MegatronSft:
@@ -60,6 +67,7 @@ class MegatronSft:
     key, label = "megatron_sft", "megatron sft"
     static, elastic = SCHEDULES
     default_steps, default_warmup = 60, 10  # ~0.1 s steps: 16 timed ones say little
+    interleaves = True  # static and elastic blocks in one process (e2e_interleaved)
     timing = "from Megatron-SWIFT's logged cumulative train_speed(s/it)"
     MODEL = {
         "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -91,16 +99,19 @@ class MegatronSft:
         rows = tiny_assets.chat_rows(rng, max(64, self.MICRO_BATCH * (steps + 2)))
         self.dataset = tiny_assets.write_chat_dataset(work / "train.jsonl", rows)
 
-    def command(self, schedule: str, steps: int, out: Path, sync_step: int) -> Command:
+    def command(self, schedule: str, steps: int, out: Path, sync_step: int,
+                interleave_block: int | None = None) -> Command:
+        """One run; with ``interleave_block`` an interleaved one (``schedule`` the elastic one)."""
         from elastic_moe_plugin.cpu_runtime.megatron_swift import CPU_FLAGS
         from elastic_moe_plugin.swift import plugin_path
         from elastic_moe_plugin.tools.recipes.rehearse import cpu_bootstrap_dir
 
         base = child_env()
-        path = [str(cpu_bootstrap_dir()), str(sync_probe_dir()), base["PYTHONPATH"]]
+        path = [str(cpu_bootstrap_dir()), str(step_probe_dir()), base["PYTHONPATH"]]
         env = child_env(PYTHONPATH=":".join(path), NPROC_PER_NODE="1", MASTER_PORT=str(_free_port()),
                         HF_DATASETS_CACHE=str(out / "hf_datasets"), MODELSCOPE_CACHE=str(out / "modelscope"),
-                        ELASTIC_MOE_SCHEDULE=schedule, **_sync_env(out, sync_step, "megatron_swift"))
+                        ELASTIC_MOE_SCHEDULE=schedule,
+                        **_probe_env(out, sync_step, "megatron_swift", interleave_block))
         argv = [
             console_script("megatron"), "sft", "--model", str(self.model_dir), "--model_type", "qwen3_moe",
             "--template", "qwen3", "--dataset", str(self.dataset), "--split_dataset_ratio", "0",
@@ -115,13 +126,24 @@ class MegatronSft:
         ]
         return Command(argv, env, out)
 
-    def read(self, out: Path, output: str, warmup: int) -> RunReading:
+    def _logged_rows(self, out: Path) -> list[dict]:
         path = out / "out" / "logging.jsonl"
         if not path.exists():
             raise RuntimeError(f"{path} is missing: megatron sft logged no training step")
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        rows = [row for row in rows if "loss" in row and "iteration" in row and "train_speed(s/it)" in row]
+        return [row for row in rows if "loss" in row and "iteration" in row and "train_speed(s/it)" in row]
+
+    def read(self, out: Path, output: str, warmup: int) -> RunReading:
+        rows = self._logged_rows(out)
         return RunReading(steady_steps_per_second(rows, warmup, "iteration"), logged_mean_kappa(rows), len(rows))
+
+    def read_interleaved(self, out: Path, output: str, warmup: int) -> tuple[e2e_interleaved.InterleavedReading,
+                                                                              float | None]:
+        """The interleaved run's timings, and the mean κ its elastic iterations logged."""
+        reading = e2e_interleaved.read(out / "interleaved.json", warmup)
+        rows = [row for row in self._logged_rows(out)  # "iteration": "i/n"
+                if int(str(row["iteration"]).split("/")[0]) in reading.elastic_iterations]
+        return reading, logged_mean_kappa(rows)
 
     def syncs(self, out: Path) -> int | None:
         return read_syncs(out / "syncs.json")
@@ -133,6 +155,7 @@ class MegatronLM:
     key, label = "megatron_lm", "Megatron-LM"
     static, elastic = SCHEDULES
     default_steps, default_warmup = 60, 10
+    interleaves = True  # static and elastic blocks in one process (e2e_interleaved)
     timing = ("from Megatron-LM's logged elapsed time per iteration (ms), logged every 10 iterations as the "
               "pretraining recipe logs (every iteration when the warm-up or the steps are not multiples of 10)")
     #: the pretraining recipe's --log-interval (configs/pretrain/base.yaml)
@@ -151,9 +174,12 @@ class MegatronLM:
                                f"swift_sft megatron_sft.")
         work.mkdir(parents=True, exist_ok=True)
 
-    def log_interval(self, steps: int, warmup: int) -> int:
-        """The recipe's log interval when the timed span is whole intervals of it, else 1."""
+    def log_interval(self, steps: int, warmup: int, interleave_block: int | None = None) -> int:
+        """The recipe's log interval when the timed span is whole intervals of it (interleaved:
+        when every block holds whole intervals, so that each logs alike), else 1."""
         interval = self.RECIPE_LOG_INTERVAL
+        if interleave_block:
+            return interval if warmup % interval == 0 and interleave_block % interval == 0 else 1
         return interval if warmup % interval == 0 and steps % interval == 0 and steps > warmup else 1
 
     def megatron_args(self, steps: int, log_interval: int = 1) -> list[str]:
@@ -173,18 +199,22 @@ class MegatronLM:
             "--disable-bias-linear", "--clip-grad", "0",
         ]
 
-    def command(self, schedule: str, steps: int, out: Path, sync_step: int) -> Command:
+    def command(self, schedule: str, steps: int, out: Path, sync_step: int,
+                interleave_block: int | None = None) -> Command:
+        """One run; with ``interleave_block`` an interleaved one (``schedule`` the elastic one)."""
         base = child_env()
-        env = child_env(PYTHONPATH=":".join([str(sync_probe_dir()), base["PYTHONPATH"]]), NO_VCS_VERSION="1",
-                        **_sync_env(out, sync_step, "megatron_lm"))
+        env = child_env(PYTHONPATH=":".join([str(step_probe_dir()), base["PYTHONPATH"]]), NO_VCS_VERSION="1",
+                        **_probe_env(out, sync_step, "megatron_lm", interleave_block))
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                 "-m", "elastic_moe_plugin.megatron_lm", "--cpu", str(MEGATRON_LM_SCRIPT),
-                *self.megatron_args(steps, self.log_interval(steps, sync_step)),
+                *self.megatron_args(steps, self.log_interval(steps, sync_step, interleave_block)),
                 "--elastic-moe-schedule", schedule]
         return Command(argv, env, out)
 
-    def read(self, out: Path, output: str, warmup: int) -> RunReading:
-        elapsed, kappas = {}, []
+    @staticmethod
+    def _logged(output: str) -> tuple[dict[int, float], dict[int, float]]:
+        """({iteration: elapsed ms}, {iteration: logged mean κ}) of the console's iteration lines."""
+        elapsed, kappas = {}, {}
         for line in output.splitlines():
             match = re.search(r"\biteration\s+(\d+)/\s*\d+ \|(.*)$", line)
             if not match:
@@ -193,7 +223,20 @@ class MegatronLM:
             elapsed[iteration] = float(re.search(r"elapsed time per iteration \(ms\): ([\d.]+)", fields).group(1))
             kappa = re.search(r" elastic_moe/mean_kappa: ([^ |]+) \|", fields)
             if kappa:
-                kappas.append(float(kappa.group(1)))
+                kappas[iteration] = float(kappa.group(1))
+        return elapsed, kappas
+
+    def read_interleaved(self, out: Path, output: str, warmup: int) -> tuple[e2e_interleaved.InterleavedReading,
+                                                                              float | None]:
+        """The interleaved run's timings, and the mean κ its elastic iterations logged."""
+        reading = e2e_interleaved.read(out / "interleaved.json", warmup)
+        kappas = [kappa for iteration, kappa in self._logged(output)[1].items()
+                  if iteration in reading.elastic_iterations]
+        return reading, sum(kappas) / len(kappas) if kappas else None
+
+    def read(self, out: Path, output: str, warmup: int) -> RunReading:
+        elapsed, logged_kappas = self._logged(output)
+        kappas = list(logged_kappas.values())
         # each logged figure is the mean over the iterations since the previous logged one
         logged = sorted(elapsed)
         spans = [(iteration - previous, elapsed[iteration])

@@ -131,6 +131,7 @@ class SwiftSft:
     static, elastic = SCHEDULES
     default_steps, default_warmup = 20, 4
     timing = "from ms-swift's logged cumulative train_speed(s/it)"
+    interleaves = False  # separate runs (the transformers patch is not switched mid-run)
 
     def __init__(self, hidden: int | None = None, experts_impl: str | None = None) -> None:
         self.model = dict(MODEL)

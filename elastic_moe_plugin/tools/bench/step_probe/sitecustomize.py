@@ -1,0 +1,191 @@
+"""Start-up module of ``elastic-moe bench --only e2e``'s Megatron runs: it wraps one trainer's ``train_step``.
+
+On ``PYTHONPATH`` of the bench's ``megatron sft`` and Megatron-LM runs (after the CPU runtime's
+bootstrap, which runs this module after itself), it does nothing unless the bench sets one of its
+variables. Then it wraps the trainer's ``train_step`` as soon as its module is imported
+(``$E2E_BENCH_TARGET``: ``megatron_lm`` for ``megatron.training.training.train_step``,
+``megatron_swift`` for ``swift.megatron.trainers.base.BaseMegatronTrainer.train_step``, or any
+``module:function``); one call
+is one training iteration (every micro-batch's forward and backward, the optimizer step).
+
+- ``E2E_BENCH_SYNC_STEP=n`` (separate runs): call ``n`` runs under
+  :class:`~elastic_moe_plugin.tools.bench.measure.SyncCounter`; rank 0 writes ``{"syncs": count}``
+  to ``$E2E_BENCH_SYNC_OUT``.
+- ``E2E_BENCH_INTERLEAVE_BLOCK=b`` (interleaved runs: static and elastic in this one process): the
+  run starts elastic; calls alternate in blocks of ``b`` between stock routing (calls 1..b:
+  ``mcore.remove()``) and elastic routing (calls b+1..2b: ``mcore.apply`` of the run's own
+  :class:`~elastic_moe_plugin.ElasticConfig`), and so on. The first call of a block, right after
+  the switch, runs under the sync counter (the switch's one-off work and the counter's own cost
+  stay out of the times), after ``gc.freeze()``: the objects alive then are left out of the
+  garbage collector's later passes, so a full collection (hundreds of milliseconds over a
+  trainer's ~750k objects on the CI machine, landing in whichever block it lands) does not decide
+  a block pair; it costs both modes alike what the objects of their own steps cost. Iteration i lasts from the start of call i to the start of call i + 1,
+  so it includes the trainer's logging step after ``train_step``. Rank 0 writes
+  ``{"block": b, "iterations": [[i, "static" | "elastic", seconds or null], ...],
+  "syncs": {"static": n, "elastic": n}}`` to ``$E2E_BENCH_INTERLEAVE_OUT`` at exit (null: the
+  sync-counted first call of a block, and the last call, which no call follows).
+
+A ``sitecustomize`` this folder shadows (one later on ``sys.path`` than this folder) is run afterwards.
+"""
+
+import atexit
+import functools
+import gc
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+import time
+
+TARGETS = {  # target -> (module, class or None, function)
+    "megatron_lm": ("megatron.training.training", None, "train_step"),
+    "megatron_swift": ("swift.megatron.trainers.base", "BaseMegatronTrainer", "train_step"),
+}
+MODES = ("static", "elastic")  # block 0, 1, 2, ... alternate in this order
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _counted(function, step: int, out: str):
+    calls = [0]
+
+    @functools.wraps(function)
+    def train_step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] != step or not _is_rank_zero():
+            return function(*args, **kwargs)
+        from elastic_moe_plugin.tools.bench.measure import SyncCounter
+
+        with SyncCounter() as counter:
+            result = function(*args, **kwargs)
+        with open(out, "w") as sink:
+            json.dump({"syncs": counter.count}, sink)
+        return result
+
+    return train_step
+
+
+class _Interleaving:
+    """Switches routing between blocks of calls, times every call, counts syncs at each switch."""
+
+    def __init__(self, block: int, out: str) -> None:
+        self.block, self.out = block, out
+        self.calls, self.config = 0, None
+        self.starts: list[tuple[int, str, float, bool]] = []  # (call, mode, start, sync-counted)
+        self.syncs: dict[str, int] = {}
+        atexit.register(self.write)
+
+    def mode(self, call: int) -> str:
+        return MODES[((call - 1) // self.block) % 2]
+
+    def switch(self, mode: str) -> None:
+        from elastic_moe_plugin import mcore
+
+        if self.config is None:
+            self.config = mcore.active_config()
+            if self.config is None:
+                raise RuntimeError("E2E_BENCH_INTERLEAVE_BLOCK needs a run that starts elastic (mcore.apply "
+                                   "before the first training step); this one has no active ElasticConfig.")
+        if mode == "elastic" and not mcore.is_applied():
+            mcore.apply(self.config)
+        elif mode == "static" and mcore.is_applied():
+            mcore.remove()
+
+    def wrap(self, function):
+        @functools.wraps(function)
+        def train_step(*args, **kwargs):
+            self.calls += 1
+            call, mode = self.calls, self.mode(self.calls)
+            first_of_block = (call - 1) % self.block == 0
+            self.switch(mode)
+            if first_of_block:
+                gc.freeze()
+            self.starts.append((call, mode, time.perf_counter(), first_of_block))
+            if not first_of_block:
+                return function(*args, **kwargs)
+            from elastic_moe_plugin.tools.bench.measure import SyncCounter
+
+            with SyncCounter() as counter:
+                result = function(*args, **kwargs)
+            self.syncs[mode] = counter.count
+            return result
+
+        return train_step
+
+    def write(self) -> None:
+        if not _is_rank_zero() or not self.starts:
+            return
+        rows = []
+        for (call, mode, start, counted), following in zip(self.starts, [*self.starts[1:], None]):
+            seconds = None if counted or following is None else following[2] - start
+            rows.append([call, mode, seconds])
+        with open(self.out, "w") as sink:
+            json.dump({"block": self.block, "iterations": rows, "syncs": self.syncs}, sink)
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Finds the target module with the other finders, then wraps its function once it has run."""
+
+    def __init__(self, module: str, owner, function: str, wrap) -> None:
+        self.module, self.owner, self.function, self.wrap = module, owner, function, wrap
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.module:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_wrap(module):
+            exec_module(module)
+            holder = getattr(module, self.owner) if self.owner else module
+            setattr(holder, self.function, self.wrap(getattr(holder, self.function)))
+
+        spec.loader.exec_module = exec_and_wrap
+        return spec
+
+
+def _target(name: str) -> tuple:
+    """A named target, or ``module:function`` / ``module:Class.function`` (tests' stand-in trainers)."""
+    if name in TARGETS:
+        return TARGETS[name]
+    module, _, qualified = name.partition(":")
+    owner, _, function = qualified.rpartition(".")
+    return module, owner or None, function
+
+
+def _install() -> None:
+    step, block = os.environ.get("E2E_BENCH_SYNC_STEP"), os.environ.get("E2E_BENCH_INTERLEAVE_BLOCK")
+    if not step and not block:
+        return
+    module, owner, function = _target(os.environ["E2E_BENCH_TARGET"])
+    if block:
+        wrap = _Interleaving(int(block), os.environ["E2E_BENCH_INTERLEAVE_OUT"]).wrap
+    else:
+        out = os.environ["E2E_BENCH_SYNC_OUT"]
+        wrap = lambda train_step: _counted(train_step, int(step), out)  # noqa: E731
+    sys.meta_path.insert(0, _WrapOnImport(module, owner, function, wrap))
+
+
+def _run_shadowed_sitecustomize() -> None:
+    # only the entries after this folder: the CPU runtime's bootstrap, before it, has already run
+    here = os.path.dirname(os.path.abspath(__file__))
+    absolute = [os.path.abspath(entry) if entry else "" for entry in sys.path]
+    after = absolute.index(here) + 1 if here in absolute else 0
+    entries = [entry for entry in sys.path[after:] if entry and os.path.abspath(entry) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", entries)
+    if spec is None or spec.origin is None or os.path.abspath(spec.origin) == os.path.abspath(__file__):
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["_elastic_moe_bench_shadowed_sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+_install()
+_run_shadowed_sitecustomize()
