@@ -19,14 +19,26 @@ from elastic_moe_plugin.core import records
 from elastic_moe_plugin.core.records import RouterSite, RoutingRecord
 
 
+class ModelRouters(list):
+    """:func:`router_sites` of a model, with the model's ``chunks``: pass it wherever a model is
+    expected, and the routers are not enumerated again (a logging step reads them several times;
+    each enumeration walks every module of the model)."""
+
+    def __init__(self, sites: list[RouterSite], chunks: list[torch.nn.Module]) -> None:
+        super().__init__(sites)
+        self.chunks = chunks
+
+
 def model_chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-    """``[model]`` for one module, else the list of model chunks.
+    """``[model]`` for one module, else the list of model chunks (a :class:`ModelRouters`' own).
 
     Raises:
         TypeError: neither a module nor a sequence of modules.
     """
     if isinstance(model, torch.nn.Module):
         return [model]
+    if isinstance(model, ModelRouters):
+        return model.chunks
     chunks = list(model)
     if not all(isinstance(chunk, torch.nn.Module) for chunk in chunks):
         raise TypeError("expected a torch.nn.Module or a sequence of model chunks (torch.nn.Module).")
@@ -43,11 +55,14 @@ def is_mtp_router(router: torch.nn.Module) -> bool:
     return layer_number is not None and int(layer_number) - 1 >= int(router.config.num_layers)
 
 
-def router_sites(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[RouterSite]:
+def router_sites(model: torch.nn.Module | Sequence[torch.nn.Module]) -> ModelRouters:
     """Every decoder-layer ``TopKRouter`` of the module or chunks: name (``<chunk>.<name>`` with
-    several chunks), module, ``layer_number - 1``, k = ``moe_router_topk``, E = ``num_moe_experts``."""
+    several chunks), module, ``layer_number - 1``, k = ``moe_router_topk``, E = ``num_moe_experts``;
+    a :class:`ModelRouters` is returned as it is."""
     from megatron.core.transformer.moe.router import TopKRouter
 
+    if isinstance(model, ModelRouters):
+        return model
     chunks = model_chunks(model)
     sites = []
     for number, chunk in enumerate(chunks):
@@ -59,7 +74,7 @@ def router_sites(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Rou
             sites.append(RouterSite(name if len(chunks) == 1 else f"{number}.{name}", module,
                                     None if layer_number is None else int(layer_number) - 1,
                                     int(config.moe_router_topk), int(config.num_moe_experts)))
-    return sites
+    return ModelRouters(sites, chunks)
 
 
 def routing_records(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, RoutingRecord]:
@@ -87,5 +102,5 @@ def static_layers(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[in
     return records.static_layers(router_sites(model))
 
 
-__all__ = ["budget_histograms", "is_mtp_router", "model_chunks", "reset_budget_histograms", "router_sites",
+__all__ = ["ModelRouters", "budget_histograms", "is_mtp_router", "model_chunks", "reset_budget_histograms", "router_sites",
            "routing_records", "static_layers"]

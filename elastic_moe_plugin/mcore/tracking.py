@@ -106,11 +106,13 @@ def routing_metrics(model, *, include_static: bool = True) -> dict[str, float]:
     (Megatron's tracker path, whose layer mean divides by the elastic layers); ``{}`` before the
     first training forward or without an active config.
     """
+    sites = router_sites(model)  # enumerated once: the schedule and the metrics read the same routers
+
     def schedule() -> tuple[BudgetSchedule, int] | None:
-        resolved = resolve_schedule(model)
+        resolved = resolve_schedule(sites)
         return None if resolved is None else resolved[:2]
 
-    return metrics.model_routing_metrics(router_sites(model), schedule, include_static=include_static)
+    return metrics.model_routing_metrics(sites, schedule, include_static=include_static)
 
 
 def per_layer_metrics(model) -> dict[int, dict[str, float]]:

@@ -197,6 +197,7 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
     from megatron.training import get_tensorboard_writer, get_wandb_writer
 
     routers = [router for router in patch.built_routers() if router.training]
+    routers = tracking.router_sites(routers) if routers else routers  # enumerated once for the metrics and the reset
     reported = reported_metrics(schedule, megatron_args)
     per_layer = tracking.per_layer_metrics(routers) if routers else {}
     per_layer = {layer: {name: value for name, value in values.items() if name in reported}

@@ -439,9 +439,9 @@ def _megatron_callback_class() -> type:
         def on_log(self, logs: dict[str, Any]):
             if not _is_training_log(logs):
                 return
-            chunks = list(self.trainer.unwrapped_models)
-            logs.update(tracking.routing_metrics(chunks))
-            tracking.reset(chunks)
+            routers = tracking.router_sites(list(self.trainer.unwrapped_models))  # enumerated once for both
+            logs.update(tracking.routing_metrics(routers))
+            tracking.reset(routers)
 
     _MEGATRON_CALLBACK = ElasticMoeMegatronCallback
     return ElasticMoeMegatronCallback
