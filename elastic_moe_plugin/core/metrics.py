@@ -76,8 +76,9 @@ def layer_metrics(
     schedule: BudgetSchedule,
     num_experts: int,
 ) -> dict[str, float]:
-    """Scalars for one layer (see the module docstring). Reads the device twice (the κ histogram
-    [b+1], then the record's statistics, stacked), so call it only at logging steps.
+    """Scalars for one layer (see the module docstring). Reads the κ histogram [b+1] (on the host
+    when κ was drawn there, else one device read), then the record's statistics, stacked (one
+    device read), so call it only at logging steps.
 
     The histogram's shares are computed on the host from its integer counts: each sum is exact in
     float64, so the values equal :func:`observed_survival`'s and the device's divisions bit for bit.

@@ -100,3 +100,15 @@ def test_bad_options_are_refused_before_anything_runs(capsys):
     assert "--rounds 0: at least 1 round, e.g. --rounds 3." in capsys.readouterr().err
     assert main(["bench", "--only", "e2e", "--steps", "4", "--warmup", "4"]) == 2
     assert "--steps 4 --warmup 4: the warm-up must leave timed steps" in capsys.readouterr().err
+
+
+def test_an_interleaved_run_too_short_for_two_blocks_is_refused_with_a_fix_that_is_accepted(capsys):
+    from elastic_moe_plugin.tools.bench import e2e
+
+    assert main(["bench", "--only", "e2e", "--launchers", "swift_sft", "megatron_lm", "--steps", "15",
+                 "--warmup", "10"]) == 2
+    assert ("--steps 15 --warmup 10: Megatron-LM interleaves blocks of 10 steps and needs two whole blocks after "
+            "the warm-up; pass --steps 31 or more (or --separate-runs).") in capsys.readouterr().err
+    (launcher,) = e2e._launchers(e2e.E2EOptions(launchers=("megatron_lm",)))
+    assert e2e._run_plan(launcher, e2e.E2EOptions(steps=31, warmup=10), quick=False) == (31, 10, 10)
+    assert e2e._run_plan(launcher, e2e.E2EOptions(steps=15, warmup=10, separate=True), quick=False) == (15, 10, None)

@@ -253,6 +253,27 @@ def _interleaved_runs(launcher: Launcher, round_index: int, steps: int, warmup: 
             for mode in e2e_interleaved.MODES]
 
 
+def _run_plan(launcher: Launcher, options: E2EOptions, quick: bool) -> tuple[int, int, int | None]:
+    """(steps, warm-up, block or None) of the launcher's runs. Raises ValueError naming the flags."""
+    if launcher.interleaves and not options.separate:
+        block = e2e_interleaved.QUICK_BLOCK if quick else e2e_interleaved.BLOCK
+        warmup = options.warmup or (QUICK_WARMUP if quick else launcher.default_warmup)
+        pairs = e2e_interleaved.QUICK_PAIRS if quick else e2e_interleaved.PAIRS
+        steps = options.steps or e2e_interleaved.run_steps(warmup, block, pairs)
+        least = e2e_interleaved.run_steps(warmup, block, 1)
+        if steps < least:
+            raise ValueError(f"--steps {steps} --warmup {warmup}: {launcher.label} interleaves blocks of {block} "
+                             f"steps and needs two whole blocks after the warm-up; pass --steps {least} or more "
+                             f"(or --separate-runs).")
+        return steps, warmup, block
+    steps = options.steps or (QUICK_STEPS if quick else launcher.default_steps)
+    warmup = options.warmup or (QUICK_WARMUP if quick else min(launcher.default_warmup, steps - 1))
+    if not 1 <= warmup < steps:
+        raise ValueError(f"--steps {steps}: {launcher.label} warms up {warmup} steps; pass --warmup "
+                         f"{max(1, steps // 4)} or more --steps.")
+    return steps, warmup, None
+
+
 def _launchers(options: E2EOptions) -> list[Launcher]:
     from elastic_moe_plugin.tools.bench import e2e_megatron, e2e_swift
 
@@ -272,24 +293,10 @@ def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None 
     rounds = 1 if quick else options.rounds
     work = options.work or Path(tempfile.mkdtemp(prefix="elastic_moe_bench_e2e_"))
     results = []
-    for launcher in _launchers(options):
-        interleaved = launcher.interleaves and not options.separate
-        block = (e2e_interleaved.QUICK_BLOCK if quick else e2e_interleaved.BLOCK) if interleaved else None
-        if interleaved:
-            warmup = options.warmup or (QUICK_WARMUP if quick else launcher.default_warmup)
-            pairs = e2e_interleaved.QUICK_PAIRS if quick else e2e_interleaved.PAIRS
-            steps = options.steps or e2e_interleaved.run_steps(warmup, block, pairs)
-            least = e2e_interleaved.run_steps(warmup, block, 1)
-            if steps < least:
-                raise ValueError(f"--steps {steps} --warmup {warmup}: {launcher.label} interleaves blocks of {block} "
-                                 f"steps and needs two whole blocks after the warm-up; pass --steps {least} or more "
-                                 f"(or --separate-runs).")
-        else:
-            steps = options.steps or (QUICK_STEPS if quick else launcher.default_steps)
-            warmup = options.warmup or (QUICK_WARMUP if quick else min(launcher.default_warmup, steps - 1))
-        if not 1 <= warmup < steps:
-            raise ValueError(f"--steps {steps}: {launcher.label} warms up {warmup} steps; pass --warmup "
-                             f"{max(1, steps // 4)} or more --steps.")
+    launchers = _launchers(options)
+    plans = [_run_plan(launcher, options, quick) for launcher in launchers]  # every launcher's check, first
+    for launcher, (steps, warmup, block) in zip(launchers, plans):
+        interleaved = block is not None
         started = time.perf_counter()
         launcher.prepare(work / launcher.key / "assets", steps)
         timing = e2e_interleaved.TIMING.format(block=block) if interleaved else launcher.timing
