@@ -265,6 +265,7 @@ class _DrawsAheadByKey(threading.local):
 _AHEAD = _DrawsAheadByKey()
 _AHEAD_DRAWS = 64  # draws generated together: two layers x two micro-batches use 4 per step
 _AHEAD_ELEMENTS = 1 << 18  # uniforms per block at most (2 MiB, plus 2 MiB of κ per schedule)
+_AHEAD_KEYS = 8  # blocks kept per thread (a rank draws on one or two keys): 32 MiB at most
 
 
 def _draws_ahead(seed: int, shard: int, counter: int, num_tokens: int) -> _DrawsAhead:
@@ -282,7 +283,7 @@ def _draws_ahead(seed: int, shard: int, counter: int, num_tokens: int) -> _Draws
     if cached is not None and counter < cached.first and num_tokens <= cached.uniforms.shape[1]:
         return _DrawsAhead(seed, shard, counter, 1, num_tokens)
     depth = max(1, min(_AHEAD_DRAWS, _AHEAD_ELEMENTS // max(width, 1), _WORD - counter))
-    if len(_AHEAD.by_key) >= _CACHED_KEYS:
+    if len(_AHEAD.by_key) >= _AHEAD_KEYS:
         _AHEAD.by_key.clear()
     block = _AHEAD.by_key[key] = _DrawsAhead(seed, shard, counter, depth, width)
     return block

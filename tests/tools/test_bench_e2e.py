@@ -105,9 +105,9 @@ def test_bad_options_are_refused_before_anything_runs(capsys):
 def test_an_interleaved_run_too_short_for_two_blocks_is_refused_with_a_fix_that_is_accepted(capsys):
     from elastic_moe_plugin.tools.bench import e2e
 
-    assert main(["bench", "--only", "e2e", "--launchers", "swift_sft", "megatron_lm", "--steps", "15",
-                 "--warmup", "10"]) == 2
-    assert ("--steps 15 --warmup 10: Megatron-LM interleaves blocks of 10 steps and needs two whole blocks after "
+    assert main(["bench", "--only", "e2e", "--launchers", "swift_sft", "megatron_lm", "--steps", "21",
+                 "--warmup", "10"]) == 2  # swift sft's blocks of 4 fit in 21 steps; Megatron-LM's of 10 do not
+    assert ("--steps 21 --warmup 10: Megatron-LM interleaves blocks of 10 steps and needs two whole blocks after "
             "the warm-up; pass --steps 31 or more (or --separate-runs).") in capsys.readouterr().err
     (launcher,) = e2e._launchers(e2e.E2EOptions(launchers=("megatron_lm",)))
     assert e2e._run_plan(launcher, e2e.E2EOptions(steps=31, warmup=10), quick=False) == (31, 10, 10)

@@ -12,14 +12,15 @@ number of steps on a tiny model of the launcher's family (built offline here):
   ``python -m elastic_moe_plugin.megatron_lm --cpu``) on a GPT of 16 experts, top-8, static against
   ``6-10`` (:mod:`.e2e_megatron`).
 
-Per launcher, ``rounds`` rounds. A round of ``swift sft`` (and, with ``separate=True``, of the
-Megatron launchers) is one static and one elastic run, alternating which goes first (static,
-elastic; elastic, static; ...) so that load on the machine hits both alike. A round of a Megatron
-launcher is by default one run that switches between static and elastic blocks of steps inside
-the one trainer process (:mod:`.e2e_interleaved`): the house rule for speed, elastic against stock
-in one process, interleaved, and the only way to resolve a few percent on a machine whose speed
-drifts by 15-50% between runs minutes apart. Every child runs with one torch thread
-(``OMP_NUM_THREADS=1``), offline, without a GPU. Per separate run:
+Per launcher, ``rounds`` rounds. A round of a Megatron launcher is by default one run that switches
+between static and elastic blocks of steps inside the one trainer process (:mod:`.e2e_interleaved`):
+the house rule for speed, elastic against stock in one process, interleaved, and the only way to
+resolve a few percent on a machine whose speed drifts by 15-50% between runs minutes apart. A round
+of ``swift sft`` (and, with ``separate=True``, ``--separate-runs``, of every launcher) is one static
+and one elastic run, alternating which goes first (static, elastic; elastic, static; ...) so that
+load on the machine hits both alike.
+Every child runs with one torch thread (``OMP_NUM_THREADS=1``), offline, without a GPU. Per
+separate run:
 
 - steps/s, steady state: the steps after ``warmup`` over the time they took, from the launcher's
   own logged timings (ms-swift and Megatron-SWIFT: the cumulative ``train_speed(s/it)`` of
@@ -44,9 +45,10 @@ drifts by 15-50% between runs minutes apart. Every child runs with one torch thr
 
 The ratio of a round is its elastic steps/s over its static steps/s (an interleaved round: the
 median of its block pairs' ratios, :mod:`.e2e_interleaved`); the row gives the median of the rounds'
-ratios and their spread (min-max). An interleaved round's two rows share the one process's peak RSS. ``--quick`` (CI) runs one round of a few steps with the
-runs of each launcher two at a time, so its times say nothing; it shows that every launcher runs and
-reports every column.
+ratios and their spread (min-max). An interleaved round's two rows share the one process's peak RSS.
+``--quick`` (CI) runs one round of a few steps (interleaved: blocks of 2; separate: the two runs of
+a launcher side by side), so its times say nothing; it shows that every launcher runs and reports
+every column.
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ QUICK_STEPS, QUICK_WARMUP = 4, 2
 class E2EOptions:
     """What ``--only e2e`` runs: ``steps`` and ``warmup`` per run (None: each launcher's default),
     ``hidden``: ``swift sft``'s hidden size H (and its experts' width, H as well; None: 256),
-    ``separate``: the Megatron launchers too in separate static and elastic runs (their default is
-    one interleaved run per round, :mod:`.e2e_interleaved`)."""
+    ``separate``: the Megatron launchers too in a static and an elastic run per round (their
+    default is one interleaved run per round, :mod:`.e2e_interleaved`)."""
 
     rounds: int = DEFAULT_ROUNDS
     steps: int | None = None
@@ -117,6 +119,7 @@ class Launcher(Protocol):
     default_warmup: int
     timing: str
     interleaves: bool
+    interleave_block: int  # steps per block of an interleaved run (e2e_interleaved)
 
     def describe(self) -> str: ...
 
@@ -256,7 +259,7 @@ def _interleaved_runs(launcher: Launcher, round_index: int, steps: int, warmup: 
 def _run_plan(launcher: Launcher, options: E2EOptions, quick: bool) -> tuple[int, int, int | None]:
     """(steps, warm-up, block or None) of the launcher's runs. Raises ValueError naming the flags."""
     if launcher.interleaves and not options.separate:
-        block = e2e_interleaved.QUICK_BLOCK if quick else e2e_interleaved.BLOCK
+        block = e2e_interleaved.QUICK_BLOCK if quick else launcher.interleave_block
         warmup = options.warmup or (QUICK_WARMUP if quick else launcher.default_warmup)
         pairs = e2e_interleaved.QUICK_PAIRS if quick else e2e_interleaved.PAIRS
         steps = options.steps or e2e_interleaved.run_steps(warmup, block, pairs)

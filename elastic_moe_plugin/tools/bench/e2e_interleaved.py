@@ -5,7 +5,9 @@ started elastic, switches its routing between blocks of ``b`` training iteration
 (``mcore.remove()``) then elastic (``mcore.apply`` of its own config), and so on; the start-up
 module ``step_probe/sitecustomize.py`` times every iteration (start of one ``train_step`` to the
 start of the next: the logging step included) and counts host syncs on the first iteration of each
-block (left out of the times with the switch's one-off work). Load on the machine then hits both
+block (left out of the times with the switch's one-off work). Both Megatron rows' batches have one
+shape (mock data of a fixed length; chat rows longer than ``--max_length``, cut to it), so blocks
+of different steps do the same work. Load on the machine then hits both
 modes within seconds of each other, where separate runs minutes apart drift by 15-50% here.
 
 From the iterations after the warm-up (:func:`read`):

@@ -68,6 +68,7 @@ class MegatronSft:
     static, elastic = SCHEDULES
     default_steps, default_warmup = 60, 10  # ~0.1 s steps: 16 timed ones say little
     interleaves = True  # static and elastic blocks in one process (e2e_interleaved)
+    interleave_block = e2e_interleaved.BLOCK
     timing = "from Megatron-SWIFT's logged cumulative train_speed(s/it)"
     MODEL = {
         "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -156,6 +157,7 @@ class MegatronLM:
     static, elastic = SCHEDULES
     default_steps, default_warmup = 60, 10
     interleaves = True  # static and elastic blocks in one process (e2e_interleaved)
+    interleave_block = e2e_interleaved.BLOCK
     timing = ("from Megatron-LM's logged elapsed time per iteration (ms), logged every 10 iterations as the "
               "pretraining recipe logs (every iteration when the warm-up or the steps are not multiples of 10)")
     #: the pretraining recipe's --log-interval (configs/pretrain/base.yaml)
