@@ -222,8 +222,8 @@ class _DrawsAhead:
             _philox_generator(seed, shard, first + row).random(out=self.uniforms[row])
         #: the stream after draw ``first + i``
         self.advanced = tuple(BudgetStream(seed, first + row).advanced() for row in range(depth))
-        #: [(schedule, the iid draw of each row at the full width)], one entry per schedule that
-        #: asked (a model's layers may differ)
+        #: [(schedule, the iid draw of each row at the full width)], one entry per distinct schedule
+        #: that asked (a model's layers may differ)
         self.mapped: list[tuple[BudgetSchedule, tuple[BudgetDraw, ...]]] = []
 
     def holds(self, counter: int, num_tokens: int) -> bool:
@@ -237,7 +237,9 @@ class _DrawsAhead:
             return BudgetDraw(torch.from_numpy(budgets), budgets, num_tokens * schedule.center,
                               np.bincount(budgets, minlength=bins))
         for mapped_schedule, draws in self.mapped:
-            if mapped_schedule is schedule:
+            # equal, not only the same object: every layer resolves its own copy of one schedule,
+            # and 48 layers must not map (and keep) 48 copies of a block
+            if mapped_schedule is schedule or mapped_schedule == schedule:
                 break
         else:
             budgets = schedule.host_budgets_from_uniforms(self.uniforms, sampling)  # [depth, width]

@@ -180,3 +180,18 @@ def test_a_block_holds_at_most_its_element_budget():
     (block,) = budget_stream._AHEAD.by_key.values()
     assert block.uniforms.shape == (3, tokens)
     assert drawn.host_budgets[:9].tolist() == _reference_draw(SCHEDULE, "iid", 5, 0, 0, 9).tolist()
+
+
+def test_layers_with_equal_schedules_share_one_mapping_of_a_block():
+    """Every layer resolves its own BudgetSchedule object: equal ones map a block once (48 layers
+    would otherwise keep 48 copies of it), and each layer's draw is still its own counter's."""
+    from elastic_moe_plugin.core import budget_stream
+
+    budget_stream._AHEAD.by_key.clear()
+    layers = [BudgetSchedule.parse("6-10", center=8) for _ in range(5)]
+    assert all(schedule == SCHEDULE and schedule is not SCHEDULE for schedule in layers)
+    for counter, schedule in enumerate(layers):
+        drawn, _ = BudgetStream(3, counter).draw(schedule, "iid", 0, 16)
+        assert drawn.host_budgets.tolist() == _reference_draw(schedule, "iid", 3, counter, 0, 16).tolist()
+    (block,) = budget_stream._AHEAD.by_key.values()
+    assert len(block.mapped) == 1
