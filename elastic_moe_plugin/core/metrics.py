@@ -4,7 +4,7 @@ Both adapters keep, per elastic layer, the latest training forward's
 :class:`~elastic_moe_plugin.core.records.RoutingRecord` (``budgets`` κ [T], ``expert_ids`` [T, b]
 with −1 beyond κ, ``retained_weight_sums`` [T]) and a running κ histogram [b+1] since the last
 reset. :func:`routing_metrics` turns them into flat scalars named ``elastic_moe/layer_{i}/{name}``
-(plus ``elastic_moe/{name}`` averages over layers) for Megatron's tracker, TensorBoard, W&B or
+(plus ``elastic_moe/{name}`` averages over layers; or only those, for every name) for Megatron's tracker, TensorBoard, W&B or
 swift's log; :func:`model_routing_metrics` does it for the routers an adapter enumerates (both
 adapters' ``routing_metrics(model)``). Nothing here runs unless a logging hook calls it, so
 training without logging pays nothing.
@@ -163,17 +163,29 @@ def capacity_drop_shares(record: RoutingRecord, topk: int) -> dict[str, float]:
             for i, name in enumerate(parts)}
 
 
+#: the layer means written next to the per-layer values (every name's, without them)
+SUMMARY_NAMES = ("mean_kappa", "retained_weight_sum_mean", "tokens_per_expert_max_over_mean", "topk_set_changed_frac",
+                 "capacity_dropped_frac", "retained_weight_sum_min")
+
+
 def routing_metrics(
     records: Mapping[int, RoutingRecord],
     histograms: Mapping[int, torch.Tensor],
     schedule: BudgetSchedule,
     num_experts: int,
     static_layers: Mapping[int, int] | None = None,
+    *,
+    per_layer: bool = True,
 ) -> dict[str, float]:
     """``{"elastic_moe/layer_{i}/{name}": value, "elastic_moe/{name}": mean over layers}``.
 
     ``static_layers``: ``{layer index: k}`` of the layers that routed stock top-k (no record),
-    reported at κ = k (module docstring)."""
+    reported at κ = k (module docstring).
+
+    A layer mean is over the layers that give the name (the minimum for
+    ``retained_weight_sum_min``). With ``per_layer`` (default) the flat dict holds every layer's
+    values and the means of :data:`SUMMARY_NAMES`; without, the mean of every name and no
+    per-layer value, as Megatron logs its MoE metrics unless ``moe_per_layer_logging`` is set."""
     flat: dict[str, float] = {}
     per_name: dict[str, list[float]] = {}
     static_layers = {layer: k for layer, k in (static_layers or {}).items() if layer not in records and layer not in histograms}
@@ -183,15 +195,18 @@ def routing_metrics(
         else:
             values = layer_metrics(records.get(layer), histograms.get(layer), schedule, num_experts)
         for name, value in values.items():
-            flat[f"{PREFIX}/layer_{layer}/{name}"] = value
+            if per_layer:
+                flat[f"{PREFIX}/layer_{layer}/{name}"] = value
             per_name.setdefault(name, []).append(value)
-    for name in ("mean_kappa", "retained_weight_sum_mean", "tokens_per_expert_max_over_mean", "topk_set_changed_frac",
-                 "capacity_dropped_frac"):
+    for name in (SUMMARY_NAMES if per_layer else sorted(per_name)):
         if per_name.get(name):
-            flat[f"{PREFIX}/{name}"] = sum(per_name[name]) / len(per_name[name])
-    if per_name.get("retained_weight_sum_min"):
-        flat[f"{PREFIX}/retained_weight_sum_min"] = min(per_name["retained_weight_sum_min"])
+            across_layers = min if name == "retained_weight_sum_min" else _mean
+            flat[f"{PREFIX}/{name}"] = across_layers(per_name[name])
     return flat
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def model_routing_metrics(
@@ -199,6 +214,7 @@ def model_routing_metrics(
     schedule: Callable[[], tuple[BudgetSchedule, int] | None] | None = None,
     *,
     include_static: bool = True,
+    per_layer: bool = True,
 ) -> dict[str, float]:
     """:func:`routing_metrics` of the routers an adapter enumerates (one host sync per layer).
 
@@ -209,6 +225,7 @@ def model_routing_metrics(
             :func:`~elastic_moe_plugin.core.records.trained_schedule` (the routers' cached plans).
         include_static: report the static layers at κ = k (False: elastic layers only, as
             Megatron's tracker path, whose layer mean divides by the elastic layers).
+        per_layer: every layer's values (default), else only the layer mean of every name.
 
     Returns:
         ``{"elastic_moe/layer_<i>/<name>": ..., "elastic_moe/<name>": ...}``; ``{}`` before the
@@ -224,4 +241,4 @@ def model_routing_metrics(
     resolved = schedule() if schedule is not None else records.trained_schedule(sites)
     if resolved is None:
         return {}
-    return routing_metrics(layer_records, histograms, *resolved, static if include_static else None)
+    return routing_metrics(layer_records, histograms, *resolved, static if include_static else None, per_layer=per_layer)

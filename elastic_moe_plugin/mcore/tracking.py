@@ -97,14 +97,16 @@ def resolve_schedule(model) -> tuple[BudgetSchedule, int, Any] | None:
     return None
 
 
-def routing_metrics(model, *, include_static: bool = True) -> dict[str, float]:
+def routing_metrics(model, *, include_static: bool = True, per_layer: bool = True) -> dict[str, float]:
     """Flat scalars of the model's routers (one host sync per layer; logging steps only).
 
     Returns ``{"elastic_moe/layer_<i>/<name>": value, "elastic_moe/<name>": mean over layers}``
     as :func:`elastic_moe_plugin.core.metrics.model_routing_metrics` defines them, named after
     :func:`resolve_schedule`, with the static layers at κ = k unless ``include_static=False``
-    (Megatron's tracker path, whose layer mean divides by the elastic layers); ``{}`` before the
-    first training forward or without an active config.
+    (Megatron's tracker path, whose layer mean divides by the elastic layers); with
+    ``per_layer=False`` only ``elastic_moe/<name>``, the layer mean of every name
+    (:func:`per_layer_logging` says which a Megatron run asked for); ``{}`` before the first
+    training forward or without an active config.
     """
     sites = router_sites(model)  # enumerated once: the schedule and the metrics read the same routers
 
@@ -112,7 +114,17 @@ def routing_metrics(model, *, include_static: bool = True) -> dict[str, float]:
         resolved = resolve_schedule(sites)
         return None if resolved is None else resolved[:2]
 
-    return metrics.model_routing_metrics(sites, schedule, include_static=include_static)
+    return metrics.model_routing_metrics(sites, schedule, include_static=include_static, per_layer=per_layer)
+
+
+def per_layer_logging(model) -> bool:
+    """Whether the run logs MoE metrics per layer: ``TransformerConfig.moe_per_layer_logging`` of
+    the model's routers (Megatron-LM ``--moe-per-layer-logging``; ``megatron sft``
+    ``--megatron_extra_kwargs '{"moe_per_layer_logging": true}'``), Megatron's own switch for its
+    aux losses. Off, a log holds the layer means only: 31 scalars of a 6-10 schedule, not 31 per
+    layer (1488 for 48 layers), each one a TensorBoard/W&B write at every logging step."""
+    resolved = resolve_schedule(model)
+    return bool(resolved is not None and getattr(resolved[2], "moe_per_layer_logging", False))
 
 
 def per_layer_metrics(model) -> dict[int, dict[str, float]]:
@@ -308,5 +320,6 @@ def log_routing_metrics(
 
 __all__ = [
     "TRACKER_PREFIX", "log_plan", "log_routing_metrics", "model_plans", "num_elastic_moe_layers",
-    "per_layer_metrics", "record_routing_metrics", "reset", "resolve_schedule", "routing_metrics", "static_layers",
+    "per_layer_logging", "per_layer_metrics", "record_routing_metrics", "reset", "resolve_schedule", "routing_metrics",
+    "static_layers",
 ]

@@ -11,7 +11,8 @@ first iteration), on every rank, before Megatron's own logging:
    into a Megatron MoE metrics tracker and reported with Megatron's own report: summed over
    pipeline stages, averaged over data parallelism (all names in two collectives:
    ``compat.megatron_tracker.isolated``), written to Megatron-LM's TensorBoard and W&B
-   writers as ``elastic_moe/<name>`` (mean over the model's elastic MoE layers) and
+   writers as ``elastic_moe/<name>`` (mean over the model's elastic MoE layers), and with
+   ``--moe-per-layer-logging`` (Megatron's switch for its aux losses) also as
    ``moe/elastic_moe/<name>_layer_<i>``; a run without ``--tensorboard-dir`` or
    ``--wandb-project`` reports only the console's metrics (:func:`reported_metrics`);
 2. a few of them (:data:`CONSOLE_METRICS`, layer means) are appended to the MoE section of
@@ -212,7 +213,8 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
         for name in names:
             megatron_tracker.ensure(name, num_layers, device)
         megatron_tracker.report(names, iteration, writer=writer, wandb_writer=get_wandb_writer(),
-                                per_layer_logging=True, num_layers=divisor, pg_collection=pg_collection)
+                                per_layer_logging=bool(getattr(megatron_args, "moe_per_layer_logging", False)),
+                                num_layers=divisor, pg_collection=pg_collection)
     if routers:
         tracking.reset(routers)
     return "".join(f" {tracking.TRACKER_PREFIX}{name}: {writer.scalars[tracking.TRACKER_PREFIX + name]:.2f} |"

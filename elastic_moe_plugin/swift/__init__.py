@@ -427,7 +427,12 @@ def _megatron_callback_class() -> type:
         """Adds the routing metrics to Megatron-SWIFT's training logs. ``--callbacks`` names come
         before the ``print``/``default_flow``/report callbacks that Megatron-SWIFT appends, so the
         metrics reach logging.jsonl and TensorBoard/W&B. The model chunks (virtual pipeline
-        stages) of this rank count together, by global layer index."""
+        stages) of this rank count together, by global layer index. As Megatron-SWIFT's own MoE
+        losses, a log holds the layer means (``elastic_moe/<name>``), and every layer's values
+        too when the model's config sets ``moe_per_layer_logging``
+        (``--megatron_extra_kwargs '{"moe_per_layer_logging": true}'``)."""
+
+        per_layer: bool | None = None  # the model config's moe_per_layer_logging, read at the first log
 
         def on_train_begin(self):
             from elastic_moe_plugin import mcore
@@ -439,8 +444,10 @@ def _megatron_callback_class() -> type:
         def on_log(self, logs: dict[str, Any]):
             if not _is_training_log(logs):
                 return
-            routers = tracking.router_sites(list(self.trainer.unwrapped_models))  # enumerated once for both
-            logs.update(tracking.routing_metrics(routers))
+            routers = tracking.router_sites(list(self.trainer.unwrapped_models))  # enumerated once for all three
+            if self.per_layer is None:
+                self.per_layer = tracking.per_layer_logging(routers)
+            logs.update(tracking.routing_metrics(routers, per_layer=self.per_layer))
             tracking.reset(routers)
 
     _MEGATRON_CALLBACK = ElasticMoeMegatronCallback

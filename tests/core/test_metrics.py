@@ -45,3 +45,28 @@ def test_no_capacity_factor_means_no_drop_metrics_and_no_token_beyond_k_means_ze
     metrics = layer_metrics(within_k, None, SCHEDULE, 4)
     assert metrics["capacity_dropped_frac_beyond_k"] == 0.0
     assert metrics["capacity_dropped_frac_top_k"] == metrics["capacity_dropped_frac"] == pytest.approx(1 / 4)
+
+
+def test_without_per_layer_values_every_name_is_its_mean_over_the_layers_that_give_it():
+    """``per_layer=False`` (Megatron's layout without ``moe_per_layer_logging``): one value per name,
+    the mean over the layers that report it (the minimum for ``retained_weight_sum_min``), by hand:
+    layer 0 holds κ = (1, 2, 3, 4) with retained sums 1, layer 1 κ = (2, 2) with sums 0.5 and 0.7,
+    layer 2 is static at κ = k = 2 (no record, so no weight or load value)."""
+    second = RoutingRecord(budgets=torch.tensor([2, 2]), expert_ids=torch.tensor([[0, 1, -1, -1], [2, 3, -1, -1]]),
+                           retained_weight_sums=torch.tensor([0.5, 0.7]))
+    histograms = {0: torch.tensor([0, 1, 1, 1, 1]), 1: torch.tensor([0, 0, 2, 0, 0])}
+    records = {0: _record(None), 1: second}
+    flat = routing_metrics(records, histograms, SCHEDULE, 4, {2: 2}, per_layer=False)
+    per_layer = routing_metrics(records, histograms, SCHEDULE, 4, {2: 2})
+    names = {key.split("/")[-1] for key in per_layer if key.startswith("elastic_moe/layer_")}
+    assert set(flat) == {f"elastic_moe/{name}" for name in names}  # every name, nothing per layer
+    assert flat["elastic_moe/mean_kappa"] == pytest.approx((2.5 + 2 + 2) / 3)
+    assert flat["elastic_moe/kappa_frac_2"] == pytest.approx((1 / 4 + 1 + 1) / 3)
+    assert flat["elastic_moe/kappa_frac_3"] == pytest.approx((1 / 4 + 0 + 0) / 3)  # layer 0's 4 is outside 1-3
+    assert flat["elastic_moe/exposure_rank_3"] == pytest.approx((2 / 4 + 0 + 0) / 3)
+    assert flat["elastic_moe/topk_set_changed_frac"] == pytest.approx((3 / 4 + 0 + 0) / 3)
+    assert flat["elastic_moe/retained_weight_sum_mean"] == pytest.approx((1 + 0.6) / 2)  # records only
+    assert flat["elastic_moe/retained_weight_sum_min"] == pytest.approx(0.5)
+    # where both layouts write a mean, it is the same number
+    assert {key: flat[key] for key in per_layer if key in flat} == {key: per_layer[key] for key in per_layer
+                                                                     if key in flat}

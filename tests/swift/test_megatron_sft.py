@@ -116,12 +116,25 @@ GPU_FLAGS = ["--moe_grouped_gemm", "true", "--moe_permute_fusion", "false", "--t
              "--fp16", "false", "--attention_backend", "unfused", "--padding_free", "false"]
 
 
-def _device_flags() -> list[str]:
-    if DEVICE == "cuda":
-        return list(GPU_FLAGS)
-    from elastic_moe_plugin.cpu_runtime.megatron_swift import CPU_FLAGS
+#: Megatron's switch for per-layer MoE logging: the callback then logs every layer's metrics too
+PER_LAYER_LOGGING = {"moe_per_layer_logging": True}
 
-    return [word for flag, (value, _) in CPU_FLAGS.items() for word in (f"--{flag}", value)]
+
+def _device_flags(megatron_extra_kwargs: dict | None = None) -> list[str]:
+    """The device's flags; ``megatron_extra_kwargs`` joins the CPU flags' own (one flag, one JSON)."""
+    extra = dict(megatron_extra_kwargs or {})
+    if DEVICE == "cuda":
+        flags = list(GPU_FLAGS)
+    else:
+        from elastic_moe_plugin.cpu_runtime.megatron_swift import CPU_FLAGS
+
+        flags = []
+        for flag, (value, _) in CPU_FLAGS.items():
+            if flag == "megatron_extra_kwargs":
+                extra = {**json.loads(value), **extra}
+            else:
+                flags += [f"--{flag}", value]
+    return flags + (["--megatron_extra_kwargs", json.dumps(extra)] if extra else [])
 
 
 def _schedule():
@@ -207,7 +220,7 @@ PLUGIN = {"path": ["--external_plugins", "patches/elastic_moe.py", "--callbacks"
 
 
 def _sft(assets, work: Path, plugin: str, *, steps: int = STEPS, global_batch: int = MICRO_BATCH,
-         extra: tuple[str, ...] = ()) -> list[str]:
+         extra: tuple[str, ...] = (), per_layer: bool = False) -> list[str]:
     return [
         _megatron(), "sft", "--model", str(assets.model_dir(MODEL)), "--model_type", "qwen3_moe", "--template", "qwen3",
         "--dataset", str(assets.dataset), "--split_dataset_ratio", "0", "--check_model", "false",
@@ -217,7 +230,8 @@ def _sft(assets, work: Path, plugin: str, *, steps: int = STEPS, global_batch: i
         "--train_iters", str(steps), "--logging_steps", "1", "--lr", LR, "--min_lr", "1e-4",
         "--moe_aux_loss_coeff", "0.01", "--clip_grad", "1.0", "--moe_token_dispatcher_type", "alltoall",
         "--dataset_num_proc", "1", "--dataloader_num_workers", "0", "--save_steps", "1000",
-        "--output_dir", str(work / "out"), "--add_version", "false", *_device_flags(), *extra,
+        "--output_dir", str(work / "out"), "--add_version", "false",
+        *_device_flags(PER_LAYER_LOGGING if per_layer else None), *extra,
     ]
 
 
@@ -238,11 +252,12 @@ def runs(tiny_assets, swift_base_env, tmp_path_factory) -> dict[str, Run]:
     checkpoint = work["elastic"] / "out" / "checkpoint-4"
     Job = _jobs.Job
     jobs = [
-        Job("elastic", _sft(tiny_assets, work["elastic"], "--plugin", extra=("--save_steps", "2")),
+        Job("elastic", _sft(tiny_assets, work["elastic"], "--plugin", extra=("--save_steps", "2"), per_layer=True),
             _env(base, work["elastic"], hook=True, **elastic_env), ROOT),
         Job("stock", _sft(tiny_assets, work["stock"], "none"), _env(base, work["stock"]), ROOT),
         Job("resume", _sft(tiny_assets, work["resume"], "--plugin",
-                           extra=("--mcore_model", str(work["elastic"] / "out" / "checkpoint-2"), "--finetune", "false")),
+                           extra=("--mcore_model", str(work["elastic"] / "out" / "checkpoint-2"), "--finetune", "false"),
+                           per_layer=True),
             _env(base, work["resume"], hook=True, **elastic_env), ROOT, after=("elastic",)),
         Job("static", _sft(tiny_assets, work["static"], "path"), _env(base, work["static"], **static_env), ROOT),
         Job("export", [_megatron(), "export", *_export_flags(checkpoint), "--to_hf", "true",
@@ -260,7 +275,8 @@ def runs(tiny_assets, swift_base_env, tmp_path_factory) -> dict[str, Run]:
             Job("ep2", _sft(tiny_assets, work["ep2"], "path", steps=2, global_batch=2 * MICRO_BATCH,
                             extra=("--expert_model_parallel_size", "2")),
                 _env(base, work["ep2"], nproc=2, **elastic_env), ROOT, weight=2),
-            Job("pp2", _sft(tiny_assets, work["pp2"], "path", steps=2, extra=("--pipeline_model_parallel_size", "2")),
+            Job("pp2", _sft(tiny_assets, work["pp2"], "path", steps=2, extra=("--pipeline_model_parallel_size", "2"),
+                            per_layer=True),
                 _env(base, work["pp2"], nproc=2, ELASTIC_MOE_LAYERS="1", **elastic_env), ROOT, weight=2),
         ]
     jobs += [
@@ -417,7 +433,17 @@ def test_two_ranks_with_expert_parallelism_route_elastically(runs):
     assert [r["checksum"] for r in forwards[0]] != [r["checksum"] for r in forwards[1]]
     rows = ep2.rows()
     assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)
-    assert all(f"elastic_moe/layer_{layer}/kappa_frac_3" in row for row in rows for layer in LAYERS)
+    # without moe_per_layer_logging a log holds the layer means only, as Megatron-SWIFT's MoE losses;
+    # the last rank writes it: per step, the mean over both layers of that rank's κ shares
+    assert not [key for row in rows for key in row if key.startswith("elastic_moe/layer_")]
+    writer = forwards[max(records)]
+    for step, row in enumerate(rows):
+        for budget in schedule.budgets:
+            shares = []
+            for layer in LAYERS:
+                counts = [record for record in writer if record["layer"] == layer][step]["counts"]
+                shares.append(counts[budget] / sum(counts))
+            assert row[f"elastic_moe/kappa_frac_{budget}"] == pytest.approx(sum(shares) / len(LAYERS), abs=1e-8)
 
 
 @needs_two_ranks

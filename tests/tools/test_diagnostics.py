@@ -319,3 +319,16 @@ def test_kappa_plot_from_live_hf_routing_metrics(tmp_path, capsys):
     observed = {int(r[2]): float(r[3]) for r in rows if r[1] == "1"}
     assert sum(observed.values()) == pytest.approx(1.0)
     assert observed[1] == pytest.approx(metrics["elastic_moe/layer_1/kappa_frac_1"])
+
+
+def test_kappa_plot_of_a_log_with_layer_means_only_names_the_per_layer_switch(tmp_path, capsys):
+    """A megatron sft / Megatron-LM log without Megatron's per-layer switch holds layer means only:
+    the refusal says so and spells the switch for both launchers."""
+    file = tmp_path / "logging.jsonl"
+    file.write_text("\n".join(json.dumps({"loss": 1.0, "elastic_moe/kappa_frac_2": 0.5, "elastic_moe/mean_kappa": 2.0})
+                              for _ in range(2)))
+    assert cli.main(["diagnose", "kappa", str(file), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "no 'elastic_moe/layer_<i>/kappa_frac_<r>' values in it. It holds layer means only" in err
+    assert """--megatron_extra_kwargs '{"moe_per_layer_logging": true}' (megatron sft)""" in err
+    assert "--moe-per-layer-logging (Megatron-LM)" in err and "Traceback" not in err

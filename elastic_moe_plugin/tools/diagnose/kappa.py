@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 _KAPPA_SHARE_KEY = re.compile(r"elastic_moe/layer_(\d+)/kappa_frac_(\d+)")
 _SURVIVAL_KEY = re.compile(r"elastic_moe/layer_\d+/survival_rank_(\d+)")
+_LAYER_MEAN_SHARE_KEY = re.compile(r"elastic_moe/kappa_frac_\d+")
 
 
 def _kappa_from_flat(metrics: dict[str, float]) -> dict[int, dict[int, float]]:
@@ -93,11 +94,16 @@ def load_kappa(path: str | os.PathLike[str], label: str | None = None) -> dict[s
         return _kappa_from_demo_summary(data, str(path))
     if isinstance(data, dict) and isinstance(data.get("log_history"), list):
         data = data["log_history"]
-    entries = data if isinstance(data, list) else [data]
-    entries = [e for e in entries if isinstance(e, dict) and _kappa_from_flat(e)]
-    if not entries:
-        raise DiagnosticsError(f"{path}: no 'elastic_moe/layer_<i>/kappa_frac_<r>' values in it.")
-    return {name: {"observed": _mean_shares(entries), "pmf": _pmf_from_survival(entries[-1]), "source": str(path)}}
+    entries = [e for e in (data if isinstance(data, list) else [data]) if isinstance(e, dict)]
+    with_shares = [e for e in entries if _kappa_from_flat(e)]
+    if not with_shares:
+        means_only = any(_LAYER_MEAN_SHARE_KEY.fullmatch(key) for entry in entries for key in entry)
+        hint = (" It holds layer means only ('elastic_moe/kappa_frac_<r>'), as megatron sft and Megatron-LM log "
+                "unless Megatron's per-layer switch is on: train with --megatron_extra_kwargs "
+                "'{\"moe_per_layer_logging\": true}' (megatron sft) or --moe-per-layer-logging (Megatron-LM)."
+                if means_only else "")
+        raise DiagnosticsError(f"{path}: no 'elastic_moe/layer_<i>/kappa_frac_<r>' values in it.{hint}")
+    return {name: {"observed": _mean_shares(with_shares), "pmf": _pmf_from_survival(with_shares[-1]), "source": str(path)}}
 
 
 def _kappa_from_demo_summary(summary: dict[str, Any], where: str, runs: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
