@@ -31,7 +31,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                      help="rounds per launcher, each one static and one elastic run in alternating order, or one interleaved run (default 3; --quick: 1)")
     e2e.add_argument("--steps", type=int, default=None,
                      help="training steps per run (default: swift sft 20; megatron sft and Megatron-LM 91 interleaved, "
-                          "the warm-up then 8 blocks of 10 and one step, or 60 with --separate-runs; --quick: 4, "
+                          "the warm-up then 16 blocks of 5 (megatron sft) or 8 of 10 (Megatron-LM) and one step, or "
+                          "60 with --separate-runs; --quick: 4, "
                           "interleaved 7)")
     e2e.add_argument("--warmup", type=int, default=None,
                      help="steps left out of the steady-state rate (default: 4, 10, 10; --quick: 2)")
@@ -42,7 +43,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--separate-runs", action="store_true",
                      help="megatron sft and Megatron-LM too in one static and one elastic run per round, as swift "
                           "sft runs (separate peak RSS; default: one run per round that switches between static and "
-                          "elastic blocks of 10 steps, timed in the one process)")
+                          "elastic blocks of 5 or 10 steps, timed in the one process)")
     e2e.add_argument("--work", type=Path, default=None,
                      help="folder for the tiny models and the runs' logs (default: a new temporary folder)")
 

@@ -120,6 +120,7 @@ class Launcher(Protocol):
     timing: str
     interleaves: bool
     interleave_block: int  # steps per block of an interleaved run (e2e_interleaved)
+    interleave_pairs: int  # block pairs after the warm-up in a default interleaved run
 
     def describe(self) -> str: ...
 
@@ -261,7 +262,7 @@ def _run_plan(launcher: Launcher, options: E2EOptions, quick: bool) -> tuple[int
     if launcher.interleaves and not options.separate:
         block = e2e_interleaved.QUICK_BLOCK if quick else launcher.interleave_block
         warmup = options.warmup or (QUICK_WARMUP if quick else launcher.default_warmup)
-        pairs = e2e_interleaved.QUICK_PAIRS if quick else e2e_interleaved.PAIRS
+        pairs = e2e_interleaved.QUICK_PAIRS if quick else launcher.interleave_pairs
         steps = options.steps or e2e_interleaved.run_steps(warmup, block, pairs)
         least = e2e_interleaved.run_steps(warmup, block, 1)
         if steps < least:

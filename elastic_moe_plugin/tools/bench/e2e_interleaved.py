@@ -4,15 +4,17 @@ The house rule for speed, end to end: one Megatron trainer (``megatron sft`` or 
 started elastic, switches its routing between blocks of ``b`` training iterations, stock top-k
 (``mcore.remove()``) then elastic (``mcore.apply`` of its own config), and so on; the start-up
 module ``step_probe/sitecustomize.py`` times every iteration (start of one ``train_step`` to the
-start of the next: the logging step included) and counts host syncs on the first iteration of each
-block (left out of the times with the switch's one-off work). Both Megatron rows' batches have one
+start of the next: the logging step included, the switch left out) and counts host syncs on the
+first iteration of each mode after the warm-up (left out of the times). Blocks are short where
+they can be: ``megatron sft`` logs every step and takes blocks of 5 (8 pairs), Megatron-LM logs
+every 10 (its recipe's interval) and takes blocks of 10 (4 pairs). Both Megatron rows' batches have one
 shape (mock data of a fixed length; chat rows longer than ``--max_length``, cut to it), so blocks
 of different steps do the same work. Load on the machine then hits both
 modes within seconds of each other, where separate runs minutes apart drift by 15-50% here.
 
 From the iterations after the warm-up (:func:`read`):
 
-- a block's time per iteration is the mean over its timed iterations (its logging step included:
+- a block's time per iteration is the mean over its timed iterations (its logging steps included:
   with Megatron-LM's recipe interval 10 and blocks of 10, every block holds one);
 - a block pair is two adjacent blocks, one of each mode (every adjacent pair, so that the static
   block comes first in half of them and drift favours neither); its ratio is
@@ -29,14 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODES = ("static", "elastic")  # the start-up module's block order: block 0 static, block 1 elastic, ...
-#: iterations per block in a full run; Megatron-LM's recipe logs every 10, so each block logs once
+#: iterations per block in a full Megatron-LM run: its recipe logs every 10, so each block logs once
 BLOCK = 10
-PAIRS = 4  # block pairs after the warm-up in a default run
+PAIRS = 4  # block pairs after the warm-up in a default Megatron-LM run
 QUICK_BLOCK, QUICK_PAIRS = 2, 1
 #: the table's timing note for an interleaved row
 TIMING = ("interleaved in one process, blocks of {block} steps switching static/elastic, each step timed from one "
-          "train_step to the next (the first of a block, sync-counted, left out); x static: median of the adjacent "
-          "block pairs' ratios; peak RSS: the one process's")
+          "train_step to the next, the switch left out (each mode's first step after the warm-up, sync-counted, left "
+          "out too); x static: median of the adjacent block pairs' ratios; peak RSS: the one process's")
 
 
 def run_steps(warmup: int, block: int, pairs: int) -> int:

@@ -54,10 +54,11 @@ def _free_port() -> int:
 
 
 def _probe_env(out: Path, step: int, target: str, interleave_block: int | None) -> dict[str, str]:
-    """The start-up module's variables: count the syncs of call ``step``, or interleave blocks."""
+    """The start-up module's variables: count the syncs of call ``step``, or interleave blocks
+    (and count the syncs of each mode's first call after the warm-up of ``step`` calls)."""
     if interleave_block:
         return {INTERLEAVE_BLOCK_ENV: str(interleave_block), INTERLEAVE_OUT_ENV: str(out / "interleaved.json"),
-                TARGET_ENV: target}
+                SYNC_STEP_ENV: str(step), TARGET_ENV: target}
     return {SYNC_STEP_ENV: str(step), SYNC_OUT_ENV: str(out / "syncs.json"), TARGET_ENV: target}
 
 
@@ -68,7 +69,10 @@ class MegatronSft:
     static, elastic = SCHEDULES
     default_steps, default_warmup = 60, 10  # ~0.1 s steps: 16 timed ones say little
     interleaves = True  # static and elastic blocks in one process (e2e_interleaved)
-    interleave_block = e2e_interleaved.BLOCK
+    # it logs every step (the recipes' --logging_steps 1), so blocks need not hold whole log
+    # intervals; short ones pair steps a second apart, where the step time here drifts by up to
+    # 50% over a few seconds (70 against 105 ms, in either mode)
+    interleave_block, interleave_pairs = 5, 8
     timing = "from Megatron-SWIFT's logged cumulative train_speed(s/it)"
     MODEL = {
         "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -157,7 +161,7 @@ class MegatronLM:
     static, elastic = SCHEDULES
     default_steps, default_warmup = 60, 10
     interleaves = True  # static and elastic blocks in one process (e2e_interleaved)
-    interleave_block = e2e_interleaved.BLOCK
+    interleave_block, interleave_pairs = e2e_interleaved.BLOCK, e2e_interleaved.PAIRS
     timing = ("from Megatron-LM's logged elapsed time per iteration (ms), logged every 10 iterations as the "
               "pretraining recipe logs (every iteration when the warm-up or the steps are not multiples of 10)")
     #: the pretraining recipe's --log-interval (configs/pretrain/base.yaml)

@@ -135,7 +135,7 @@ class SwiftSft:
     # slower than a static run's (0.30-0.40 against 0.39-0.41 steps/s, 2026-12-02), an effect of the
     # switch not yet explained, which would flatter elastic
     interleaves = False
-    interleave_block = 0
+    interleave_block = interleave_pairs = 0
 
     def __init__(self, hidden: int | None = None, experts_impl: str | None = None) -> None:
         self.model = dict(MODEL)

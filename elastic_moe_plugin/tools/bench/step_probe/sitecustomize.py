@@ -14,16 +14,17 @@ is one training iteration (every micro-batch's forward and backward, the optimiz
 - ``E2E_BENCH_INTERLEAVE_BLOCK=b`` (interleaved runs: static and elastic in this one process): the
   run starts elastic; calls alternate in blocks of ``b`` between stock routing (calls 1..b:
   ``mcore.remove()``) and elastic routing (calls b+1..2b: ``mcore.apply`` of the run's own
-  :class:`~elastic_moe_plugin.ElasticConfig`), and so on. The first call of a block, right after
-  the switch, runs under the sync counter (the switch's one-off work and the counter's own cost
-  stay out of the times), after ``gc.freeze()``: the objects alive then are left out of the
-  garbage collector's later passes, so a full collection (hundreds of milliseconds over a
-  trainer's ~750k objects on the CI machine, landing in whichever block it lands) does not decide
-  a block pair; it costs both modes alike what the objects of their own steps cost. Iteration i lasts from the start of call i to the start of call i + 1,
-  so it includes the trainer's logging step after ``train_step``. Rank 0 writes
+  :class:`~elastic_moe_plugin.ElasticConfig`), and so on. Iteration i lasts from the start of call
+  i to the start of call i + 1, so it includes the trainer's logging step after ``train_step``; the
+  switch runs between the two, outside every iteration's time. With ``E2E_BENCH_SYNC_STEP=w`` (the
+  warm-up), the first call of each mode after call w runs under the sync counter, untimed (the
+  counter's own cost). Every block starts with ``gc.freeze()``: the objects alive then are left
+  out of the garbage collector's later passes, so a full collection (hundreds of milliseconds over
+  a trainer's ~750k objects on the CI machine, landing in whichever block it lands) does not decide
+  a block pair; it costs both modes alike what the objects of their own steps cost. Rank 0 writes
   ``{"block": b, "iterations": [[i, "static" | "elastic", seconds or null], ...],
-  "syncs": {"static": n, "elastic": n}}`` to ``$E2E_BENCH_INTERLEAVE_OUT`` at exit (null: the
-  sync-counted first call of a block, and the last call, which no call follows).
+  "syncs": {"static": n, "elastic": n}}`` to ``$E2E_BENCH_INTERLEAVE_OUT`` at exit (null: a
+  sync-counted call, and the last call, which no call follows).
 
 A ``sitecustomize`` this folder shadows (one later on ``sys.path`` than this folder) is run afterwards.
 """
@@ -72,10 +73,11 @@ def _counted(function, step: int, out: str):
 class _Interleaving:
     """Switches routing between blocks of calls, times every call, counts syncs at each switch."""
 
-    def __init__(self, block: int, out: str) -> None:
-        self.block, self.out = block, out
+    def __init__(self, block: int, out: str, warmup: int = 0) -> None:
+        self.block, self.out, self.warmup = block, out, warmup
         self.calls, self.config = 0, None
         self.starts: list[tuple[int, str, float, bool]] = []  # (call, mode, start, sync-counted)
+        self.ends: list[float] = []  # the end of call i's iteration: call i + 1 entered, before its switch
         self.syncs: dict[str, int] = {}
         atexit.register(self.write)
 
@@ -98,14 +100,18 @@ class _Interleaving:
     def wrap(self, function):
         @functools.wraps(function)
         def train_step(*args, **kwargs):
+            entered = time.perf_counter()
+            if self.starts:
+                self.ends.append(entered)
             self.calls += 1
             call, mode = self.calls, self.mode(self.calls)
             first_of_block = (call - 1) % self.block == 0
             self.switch(mode)
             if first_of_block:
                 gc.freeze()
-            self.starts.append((call, mode, time.perf_counter(), first_of_block))
-            if not first_of_block:
+            counted = first_of_block and call > self.warmup and mode not in self.syncs
+            self.starts.append((call, mode, time.perf_counter(), counted))
+            if not counted:
                 return function(*args, **kwargs)
             from elastic_moe_plugin.tools.bench.measure import SyncCounter
 
@@ -120,8 +126,8 @@ class _Interleaving:
         if not _is_rank_zero() or not self.starts:
             return
         rows = []
-        for (call, mode, start, counted), following in zip(self.starts, [*self.starts[1:], None]):
-            seconds = None if counted or following is None else following[2] - start
+        for index, (call, mode, start, counted) in enumerate(self.starts):
+            seconds = None if counted or index >= len(self.ends) else self.ends[index] - start
             rows.append([call, mode, seconds])
         with open(self.out, "w") as sink:
             json.dump({"block": self.block, "iterations": rows, "syncs": self.syncs}, sink)
@@ -166,7 +172,7 @@ def _install() -> None:
         return
     module, owner, function = _target(os.environ["E2E_BENCH_TARGET"])
     if block:
-        wrap = _Interleaving(int(block), os.environ["E2E_BENCH_INTERLEAVE_OUT"]).wrap
+        wrap = _Interleaving(int(block), os.environ["E2E_BENCH_INTERLEAVE_OUT"], int(step or 0)).wrap
     else:
         out = os.environ["E2E_BENCH_SYNC_OUT"]
         wrap = lambda train_step: _counted(train_step, int(step), out)  # noqa: E731
