@@ -359,8 +359,8 @@ def format_table(results: list[E2EResult]) -> str:
                  "timings, or for an interleaved row from the one process's step times; x static: median of the "
                  "rounds' elastic/static ratios (an interleaved round's: the median of its block pairs'), min-max "
                  "across rounds; peak RSS: largest process of the run (ru_maxrss); syncs/step: host reads of device "
-                 "values in one training step (step = warm-up's last; interleaved: a block's first); mean κ: the "
-                 "realised experts per token the run logged")
+                 "values in one training step (step = warm-up's last; interleaved: each mode's first after the "
+                 "warm-up); mean κ: the realised experts per token the run logged")
     return "\n".join(lines)
 
 
