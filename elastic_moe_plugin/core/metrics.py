@@ -4,8 +4,8 @@ Both adapters keep, per elastic layer, the latest training forward's
 :class:`~elastic_moe_plugin.core.records.RoutingRecord` (``budgets`` κ [T], ``expert_ids`` [T, b]
 with −1 beyond κ, ``retained_weight_sums`` [T]) and a running κ histogram [b+1] since the last
 reset. :func:`routing_metrics` turns them into flat scalars named ``elastic_moe/layer_{i}/{name}``
-(plus ``elastic_moe/{name}`` averages over layers; or only those, for every name) for Megatron's tracker, TensorBoard, W&B or
-swift's log; :func:`model_routing_metrics` does it for the routers an adapter enumerates (both
+(plus ``elastic_moe/{name}`` averages over layers; or only those, one per name) for Megatron's
+tracker, TensorBoard, W&B or swift's log; :func:`model_routing_metrics` does it for the routers an adapter enumerates (both
 adapters' ``routing_metrics(model)``). Nothing here runs unless a logging hook calls it, so
 training without logging pays nothing.
 

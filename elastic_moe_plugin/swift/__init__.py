@@ -432,7 +432,10 @@ def _megatron_callback_class() -> type:
         too when the model's config sets ``moe_per_layer_logging``
         (``--megatron_extra_kwargs '{"moe_per_layer_logging": true}'``)."""
 
-        per_layer: bool | None = None  # the model config's moe_per_layer_logging, read at the first log
+        # The model's routers, enumerated at the first log (a walk over every module) and kept: the
+        # modules of a training run do not change; and whether it logs per layer.
+        routers: Any = None
+        per_layer = False
 
         def on_train_begin(self):
             from elastic_moe_plugin import mcore
@@ -444,11 +447,11 @@ def _megatron_callback_class() -> type:
         def on_log(self, logs: dict[str, Any]):
             if not _is_training_log(logs):
                 return
-            routers = tracking.router_sites(list(self.trainer.unwrapped_models))  # enumerated once for all three
-            if self.per_layer is None:
-                self.per_layer = tracking.per_layer_logging(routers)
-            logs.update(tracking.routing_metrics(routers, per_layer=self.per_layer))
-            tracking.reset(routers)
+            if self.routers is None:
+                self.routers = tracking.router_sites(list(self.trainer.unwrapped_models))
+                self.per_layer = tracking.per_layer_logging(self.routers)
+            logs.update(tracking.routing_metrics(self.routers, per_layer=self.per_layer))
+            tracking.reset(self.routers)
 
     _MEGATRON_CALLBACK = ElasticMoeMegatronCallback
     return ElasticMoeMegatronCallback

@@ -7,9 +7,9 @@ module ``step_probe/sitecustomize.py`` times every iteration (start of one ``tra
 start of the next: the logging step included, the switch left out) and counts host syncs on the
 first iteration of each mode after the warm-up (left out of the times). Blocks are short where
 they can be: ``megatron sft`` logs every step and takes blocks of 5 (8 pairs), Megatron-LM logs
-every 10 (its recipe's interval) and takes blocks of 10 (4 pairs). Both Megatron rows' batches have one
-shape (mock data of a fixed length; chat rows longer than ``--max_length``, cut to it), so blocks
-of different steps do the same work. Load on the machine then hits both
+every 10 (its recipe's interval) and takes blocks of 10 (4 pairs). Both Megatron rows' batches
+have one shape (mock data of a fixed length; chat rows longer than ``--max_length``, cut to it),
+so blocks of different steps do the same work. Load on the machine then hits both
 modes within seconds of each other, where separate runs minutes apart drift by 15-50% here.
 
 From the iterations after the warm-up (:func:`read`):

@@ -71,7 +71,8 @@ def _counted(function, step: int, out: str):
 
 
 class _Interleaving:
-    """Switches routing between blocks of calls, times every call, counts syncs at each switch."""
+    """Switches routing between blocks of calls, times every call, counts the syncs of each mode's
+    first call after the warm-up."""
 
     def __init__(self, block: int, out: str, warmup: int = 0) -> None:
         self.block, self.out, self.warmup = block, out, warmup
