@@ -242,7 +242,7 @@ def probe_megatron(result: dict) -> None:
         result["megatron_plan_lines"] = [line for line in lines if line.startswith("elastic-moe plan")]
         logs = {"loss": 1.0, "grad_norm": 0.5}
         callback.on_log(logs=logs)
-        result["megatron_logs"] = {key: value for key, value in logs.items()}
+        result["megatron_logs"] = {key: value for key, value in logs.items()}  # the config's default: layer means
         result["megatron_tokens_per_layer"] = tokens
         # the histograms were reset by on_log: an immediate second log has no κ histogram left
         logs_again = {"loss": 1.0}
@@ -251,6 +251,16 @@ def probe_megatron(result: dict) -> None:
         eval_logs = {"eval_loss": 1.0}
         callback.on_log(logs=eval_logs)
         result["megatron_eval_log_keys"] = sorted(eval_logs)
+        # Megatron's per-layer switch on the model's config: a run's callback then logs every layer too
+        for layer in layers:
+            layer.router.config.moe_per_layer_logging = True
+        hidden = torch.randn(tokens, 1, 16)
+        for layer in layers:
+            hidden = layer(hidden)[0]
+        hidden.sum().backward()
+        logs = {"loss": 1.0}
+        callback_cls(trainer).on_log(logs=logs)
+        result["megatron_logs_per_layer"] = dict(logs)
     finally:
         cpu_runtime.destroy()
 

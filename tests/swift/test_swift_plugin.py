@@ -114,6 +114,18 @@ def test_megatron_callback_is_registered_and_logs_routing_metrics(swift_runs):
     logs = data["megatron_logs"]
     assert logs["loss"] == 1.0 and logs["grad_norm"] == 0.5
     tokens = data["megatron_tokens_per_layer"]
+    # moe_per_layer_logging unset (Megatron's default): the layer means only, as Megatron-SWIFT logs
+    # its MoE losses; each mean share is two layers' counts over 2·tokens
+    assert not [key for key in logs if key.startswith("elastic_moe/layer_")], sorted(logs)
+    mean_shares = [logs[f"elastic_moe/kappa_frac_{budget}"] for budget in (1, 2, 3)]
+    assert sum(mean_shares) == pytest.approx(1.0)
+    assert all(share * 2 * tokens == pytest.approx(round(share * 2 * tokens)) for share in mean_shares)
+    assert abs(logs["elastic_moe/mean_kappa"] - 2.0) < 0.2
+    assert logs["elastic_moe/mean_kappa"] == pytest.approx(sum(b * q for b, q in zip((1, 2, 3), mean_shares)))
+    assert logs["elastic_moe/retained_weight_sum_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert 1.0 <= logs["elastic_moe/tokens_per_expert_max_over_mean"] < 8
+    # with the switch (a second forward): every layer's values and their means
+    logs = data["megatron_logs_per_layer"]
     for layer in (0, 1):  # Megatron's 1-based layer_number 1, 2
         prefix = f"elastic_moe/layer_{layer}/"
         shares = [logs[f"{prefix}kappa_frac_{budget}"] for budget in (1, 2, 3)]
