@@ -87,13 +87,21 @@ def resolve_schedule(model) -> tuple[BudgetSchedule, int, Any] | None:
         schedule = config.resolve(num_experts=model_config.num_moe_experts, topk=model_config.moe_router_topk)
         return schedule, int(model_config.num_moe_experts), model_config
     if active is not None and active.enabled:
-        # a pipeline stage whose layers are all dense has no router; the model's config has the rest
-        for chunk in model_chunks(model):
-            for module in chunk.modules():
-                model_config = getattr(module, "config", None)
-                if getattr(model_config, "num_moe_experts", None):
-                    schedule = active.resolve(num_experts=model_config.num_moe_experts, topk=model_config.moe_router_topk)
-                    return schedule, int(model_config.num_moe_experts), model_config
+        model_config = _moe_config_of_chunks(model)
+        if model_config is not None:
+            schedule = active.resolve(num_experts=model_config.num_moe_experts, topk=model_config.moe_router_topk)
+            return schedule, int(model_config.num_moe_experts), model_config
+    return None
+
+
+def _moe_config_of_chunks(model) -> Any | None:
+    """The first MoE ``TransformerConfig`` (one with ``num_moe_experts``) among the chunks' modules:
+    a pipeline stage whose layers are all dense has no router, and the model's config has the rest."""
+    for chunk in model_chunks(model):
+        for module in chunk.modules():
+            model_config = getattr(module, "config", None)
+            if getattr(model_config, "num_moe_experts", None):
+                return model_config
     return None
 
 
@@ -122,9 +130,14 @@ def per_layer_logging(model) -> bool:
     the model's routers (Megatron-LM ``--moe-per-layer-logging``; ``megatron sft``
     ``--megatron_extra_kwargs '{"moe_per_layer_logging": true}'``), Megatron's own switch for its
     aux losses. Off, a log holds the layer means only: 31 scalars of a 6-10 schedule, not 31 per
-    layer (1488 for 48 layers), each one a TensorBoard/W&B write at every logging step."""
-    resolved = resolve_schedule(model)
-    return bool(resolved is not None and getattr(resolved[2], "moe_per_layer_logging", False))
+    layer (1488 for 48 layers), each one a TensorBoard/W&B write at every logging step.
+
+    The switch is read from the routers' config (else, on a stage without routers, from the first
+    MoE ``TransformerConfig`` of the chunks) whether or not the patch is applied at the time: a
+    caller that caches it at its first log gets the run's setting even if that log is static."""
+    sites = router_sites(model)
+    model_config = sites[0].router.config if sites else _moe_config_of_chunks(model)
+    return bool(getattr(model_config, "moe_per_layer_logging", False))
 
 
 def per_layer_metrics(model) -> dict[int, dict[str, float]]:

@@ -140,6 +140,26 @@ def test_routing_metrics_is_empty_without_elastic_routing(make_config):
     assert tracking.log_routing_metrics(model, 1, writer=RecordingWriter()) == {}
 
 
+@pytest.mark.parametrize("switch", [False, True])
+def test_per_layer_logging_is_the_routers_switch_with_or_without_the_patch(make_config, switch):
+    """The megatron sft callback caches the switch at its first log, which may come while the patch
+    is removed (the bench's static block): the answer must not depend on the patch."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = make_config(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=E,
+                         moe_router_topk=K, moe_per_layer_logging=switch)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False),
+                     vocab_size=VOCAB, max_sequence_length=SEQ)
+    assert tracking.per_layer_logging(model) is switch
+    with mcore.patched(ElasticConfig(schedule="1-3")):
+        assert tracking.per_layer_logging(model) is switch
+    dense_config = make_config(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4)
+    dense = GPTModel(config=dense_config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                     vocab_size=VOCAB, max_sequence_length=SEQ)
+    assert tracking.per_layer_logging(dense) is False
+
+
 def test_model_chunks_count_together_and_mtp_routers_are_not_decoder_layers(make_config, make_router):
     """Two virtual-pipeline chunks (layer 0 static, layer 1 elastic) plus an MTP router that 0.16
     numbers after the decoder (layer_number = num_layers + 1): records, static layers, plans and
