@@ -125,6 +125,33 @@ class RoutingRecord:
     def __repr__(self) -> str:
         return f"RoutingRecord(tokens={self.budgets.numel()}, width={self.expert_ids.shape[-1]})"
 
+    def stack_key(self) -> tuple:
+        """Records with one key stack into one [L, T, b] batch (:func:`stacked_records`): T, b, the
+        device, and whether the record holds the forward's own tensors or its read forms."""
+        ids = self._candidate_ids if self._kept is not None else self.expert_ids
+        weights = self._gate_weights if self._gate_weights is not None else self.retained_weight_sums
+        return tuple(ids.shape), ids.device, self._kept is not None, self._gate_weights is not None, weights.dtype
+
+
+def stacked_records(records: Sequence[RoutingRecord]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(κ [L, T], expert ids [L, T, b], selected [L, T, b] bool, retained weight sums [L, T])`` of
+    L records with one :meth:`RoutingRecord.stack_key`: a handful of stacks for the whole batch
+    instead of each record's own ``where`` and ``sum`` (a log of a 48-layer model reads them all at
+    once). Ids beyond κ are the candidates' where ``selected`` is False (−1 in read-form records)."""
+    first = records[0]
+    budgets = torch.stack([record.budgets for record in records])
+    if first._kept is not None:
+        ids = torch.stack([record._candidate_ids for record in records])
+        selected = torch.stack([record._kept for record in records])
+    else:
+        ids = torch.stack([record.expert_ids for record in records])
+        selected = ids >= 0
+    if first._gate_weights is not None:
+        sums = torch.stack([record._gate_weights for record in records]).sum(dim=-1)
+    else:
+        sums = torch.stack([record.retained_weight_sums for record in records])
+    return budgets, ids, selected, sums
+
 
 class HostHistogram:
     """A running κ histogram [bins] counted on the host, from draws whose histograms the host has.
@@ -354,5 +381,5 @@ def model_plans(
 
 __all__ = [
     "HISTOGRAM_ATTR", "RECORD_ATTR", "RouterSite", "RoutingRecord", "budget_histograms", "model_plans", "remember",
-    "reset_budget_histograms", "routing_records", "static_layers", "trained_schedule",
+    "reset_budget_histograms", "routing_records", "stacked_records", "static_layers", "trained_schedule",
 ]

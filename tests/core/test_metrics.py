@@ -1,10 +1,12 @@
-"""Routing metrics from routing records (``core.metrics``): the capacity-drop shares, by hand."""
+"""Routing metrics from routing records (``core.metrics``): the capacity-drop shares, the layer means and the
+batched record statistics, by hand."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin import BudgetSchedule
-from elastic_moe_plugin.core.metrics import layer_metrics, routing_metrics
+from elastic_moe_plugin.core.metrics import layer_metrics, record_statistics, routing_metrics
 from elastic_moe_plugin.core.records import RoutingRecord
 
 # 4 tokens, b = 4 slots, k = 2: κ = (1, 2, 3, 4); slot j holds router rank j + 1
@@ -70,3 +72,68 @@ def test_without_per_layer_values_every_name_is_its_mean_over_the_layers_that_gi
     # where both layouts write a mean, it is the same number
     assert {key: flat[key] for key in per_layer if key in flat} == {key: per_layer[key] for key in per_layer
                                                                      if key in flat}
+
+
+def _forward_record(seed: int, tokens: int = 6, width: int = 4, num_experts: int = 5) -> RoutingRecord:
+    """A record as a forward stores it: κ, the candidates by rank, the kept mask, the gate weights."""
+    generator = torch.Generator().manual_seed(seed)
+    budgets = torch.randint(1, width + 1, (tokens,), generator=generator)
+    candidate_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:width] for _ in range(tokens)])
+    kept = torch.arange(width) < budgets[:, None]
+    weights = torch.rand(tokens, width, generator=generator) * kept
+    return RoutingRecord.of_forward(budgets, candidate_ids, kept, weights)
+
+
+def _hand_statistics(record: RoutingRecord, num_experts: int, topk: int) -> tuple[float, ...]:
+    """RECORD_STATISTICS of one record, in Python floats from its read forms."""
+    sums = [float(value) for value in record.retained_weight_sums.double()]
+    per_expert = [0] * num_experts
+    for expert in record.expert_ids.flatten().tolist():
+        if expert >= 0:
+            per_expert[expert] += 1
+    mean = sum(per_expert) / num_experts
+    std = (sum((count - mean) ** 2 for count in per_expert) / num_experts) ** 0.5
+    budgets = record.budgets.tolist()
+    return (sum(sums) / len(sums), min(sums), max(per_expert), mean, std,
+            sum(budget != topk for budget in budgets) / len(budgets), sum(budgets) / len(budgets))
+
+
+def test_record_statistics_of_stacked_layers_are_each_layers_own_by_hand():
+    """Layers of one shape are reduced as one [L, T, b] batch; a layer of another T (its own batch),
+    a read-form record and an empty one are handled beside them: every value as by hand."""
+    layer_records = {0: _forward_record(0), 1: _forward_record(1), 3: _forward_record(3, tokens=9),
+                     4: RoutingRecord(budgets=torch.tensor([1, 2, 3, 4]), expert_ids=EXPERT_IDS,
+                                      retained_weight_sums=torch.tensor([1.0, 0.5, 0.25, 1.0])),
+                     5: RoutingRecord(budgets=torch.zeros(0, dtype=torch.long), expert_ids=torch.zeros(0, 4, dtype=torch.long),
+                                      retained_weight_sums=torch.zeros(0))}
+    statistics = record_statistics(layer_records, num_experts=5, topk=2)
+    assert set(statistics) == {0, 1, 3, 4}  # no tokens, no statistics
+    for layer, values in statistics.items():
+        assert values == pytest.approx(_hand_statistics(layer_records[layer], 5, 2), rel=1e-12, abs=1e-12), layer
+        # the same numbers as the layer read alone
+        assert values == pytest.approx(record_statistics({layer: layer_records[layer]}, 5, 2)[layer], rel=1e-15, abs=0)
+
+
+class _OperatorCalls(TorchDispatchMode):
+    """Counts the aten operators that run (on a GPU, each a kernel launch or a copy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_log_runs_the_same_operators_for_two_layers_or_twelve():
+    """One batch per shape: the operators of a log do not grow with the number of layers (one
+    pass per layer ran ~25 each)."""
+    def operators(num_layers: int) -> int:
+        layer_records = {layer: _forward_record(layer) for layer in range(num_layers)}
+        record_statistics(layer_records, num_experts=5, topk=2)  # the per-shape offsets, made once
+        with _OperatorCalls() as counter:
+            record_statistics(layer_records, num_experts=5, topk=2)
+        return counter.count
+
+    assert operators(2) == operators(12) <= 30
