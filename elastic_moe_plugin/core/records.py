@@ -137,7 +137,8 @@ def stacked_records(records: Sequence[RoutingRecord]) -> tuple[torch.Tensor, tor
     """``(κ [L, T], expert ids [L, T, b], selected [L, T, b] bool, retained weight sums [L, T])`` of
     L records with one :meth:`RoutingRecord.stack_key`: a handful of stacks for the whole batch
     instead of each record's own ``where`` and ``sum`` (a log of a 48-layer model reads them all at
-    once). Ids beyond κ are the candidates' where ``selected`` is False (−1 in read-form records)."""
+    once). Where ``selected`` is False an id is a valid expert that was not selected (the candidate
+    beyond κ; 0 for a read-form record's −1), so that the ids index per-expert bins as they are."""
     first = records[0]
     budgets = torch.stack([record.budgets for record in records])
     if first._kept is not None:
@@ -146,6 +147,7 @@ def stacked_records(records: Sequence[RoutingRecord]) -> tuple[torch.Tensor, tor
     else:
         ids = torch.stack([record.expert_ids for record in records])
         selected = ids >= 0
+        ids = ids.clamp(min=0)  # a valid expert under every unselected slot, as the candidates are
     if first._gate_weights is not None:
         sums = torch.stack([record._gate_weights for record in records]).sum(dim=-1)
     else:
