@@ -255,7 +255,7 @@ def model_routing_metrics(
     include_static: bool = True,
     per_layer: bool = True,
 ) -> dict[str, float]:
-    """:func:`routing_metrics` of the routers an adapter enumerates (one host sync per layer).
+    """:func:`routing_metrics` of the routers an adapter enumerates (one device read for all layers).
 
     Args:
         sites: the adapter's routers (:class:`~elastic_moe_plugin.core.records.RouterSite`).

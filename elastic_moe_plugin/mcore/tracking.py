@@ -106,7 +106,7 @@ def _moe_config_of_chunks(model) -> Any | None:
 
 
 def routing_metrics(model, *, include_static: bool = True, per_layer: bool = True) -> dict[str, float]:
-    """Flat scalars of the model's routers (one host sync per layer; logging steps only).
+    """Flat scalars of the model's routers (one device read for all layers; logging steps only).
 
     Returns ``{"elastic_moe/layer_<i>/<name>": value, "elastic_moe/<name>": mean over layers}``
     as :func:`elastic_moe_plugin.core.metrics.model_routing_metrics` defines them, named after
