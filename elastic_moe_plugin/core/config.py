@@ -281,6 +281,9 @@ class ElasticConfig:
 
     _spellings: Mapping[str, Spelling] = field(init=False, repr=False, compare=False)
     _explicit: frozenset[str] = field(init=False, repr=False, compare=False)
+    # resolve()'s schedules by (num_experts, topk, num_layers): the config never changes, and the
+    # metrics of every logging step resolve it again (the checks cost more than the log's reads)
+    _resolved: dict[tuple[int | None, int, int | None], BudgetSchedule] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         build = _BUILD.get()
@@ -289,6 +292,7 @@ class ElasticConfig:
             build = _Build({}, frozenset(name for name, default in defaults.items() if getattr(self, name) != default))
         object.__setattr__(self, "_spellings", dict(build.spellings))
         object.__setattr__(self, "_explicit", build.explicit)
+        object.__setattr__(self, "_resolved", {})
         model = build.model
         self._check_types(model)
         try_layers, problem = (None, None) if self._layers_mean_all() else _parse_layer_items(self.layers)
@@ -621,6 +625,8 @@ class ElasticConfig:
     def resolve(self, *, num_experts: int | None, topk: int, num_layers: int | None = None) -> BudgetSchedule:
         """Check this config against a model and return its schedule (the point mass at the
         model's top-k in ``mode="top_p"``, whose per-token budgets come from the probabilities).
+        The config is immutable, so a shape that passed is not checked again: the schedule is
+        kept per ``(num_experts, topk, num_layers)``.
 
         ``num_experts`` / ``num_layers`` None: not known (``elastic-moe schedule`` without ``--experts``);
         the checks that need them are left out.
@@ -631,7 +637,15 @@ class ElasticConfig:
                 ``top_p_max_experts`` exceeds the experts, or a selected layer index is >= ``num_layers``.
                 ``error.fixes`` lists the changes the message suggests, each accepted by this model.
         """
-        model = ModelShape(topk, num_experts, num_layers)
+        key = (num_experts, topk, num_layers)
+        schedule = self._resolved.get(key)
+        if schedule is None:
+            schedule = self._resolved[key] = self._checked_schedule(ModelShape(topk, num_experts, num_layers))
+        return schedule
+
+    def _checked_schedule(self, model: ModelShape) -> BudgetSchedule:
+        """:meth:`resolve` without its memo: every check against ``model``, then the schedule."""
+        topk, num_experts, num_layers = model.topk, model.num_experts, model.num_layers
         if self.mode == "top_p":
             # The budget is read off the probabilities, not sampled: the schedule does not apply.
             if num_experts is not None and self.top_p_max_experts is not None and self.top_p_max_experts > num_experts:

@@ -82,6 +82,20 @@ def test_resolve_against_a_model():
         ElasticConfig(schedule="1-4").resolve(num_experts=8, topk=2)
 
 
+def test_resolve_keeps_a_shape_that_passed_and_checks_every_other_one_each_time():
+    config = ElasticConfig(layers="3-7")
+    first = config.resolve(num_experts=64, topk=8, num_layers=16)
+    assert config.resolve(num_experts=64, topk=8, num_layers=16) is first  # kept, not built again
+    assert config.resolve(num_experts=64, topk=2, num_layers=16) == BudgetSchedule(1, 3, 2)  # another shape
+    for _ in range(2):  # a refused shape is refused again: errors are never kept
+        with pytest.raises(ConfigError, match=r"selects layer\(s\) \[6, 7\]"):
+            config.resolve(num_experts=64, topk=8, num_layers=6)
+    # the memo is the instance's: an equal config resolves on its own, and replace() starts empty
+    assert ElasticConfig(layers="3-7").resolve(num_experts=64, topk=8, num_layers=16) is not first
+    assert config.replace(sigma=3.0).resolve(num_experts=64, topk=8, num_layers=16) == BudgetSchedule(6, 10, 8, 3.0)
+    assert config == ElasticConfig(layers="3-7")  # the memo is not compared
+
+
 def test_yaml_round_trip(tmp_path):
     path = tmp_path / "elastic.yaml"
     path.write_text("schedule: 5-11\nsigma: 3.0\nlayers: '3-7'\ngate: renormalized\nsampling: balanced\n")
