@@ -75,8 +75,13 @@ def record_statistics(layer_records: Mapping[int, RoutingRecord], num_experts: i
     All layers at once: records of one :meth:`~RoutingRecord.stack_key` are stacked to [L, T, b]
     and reduced together, the counts of every layer in one ``scatter_add_`` (layer l's expert e in
     bin l·E + e, each slot adding 1 if selected, else 0), and everything is read in one device
-    read: a log runs the same ~20 operators for 2 layers or 48, where one pass per layer ran ~25
-    each (on a GPU, a kernel launch each). float64 throughout.
+    read: a log runs the same operators for 2 layers or 48, where one pass per layer ran ~25 each
+    (on a GPU, a kernel launch each). float64 throughout.
+
+    When the host has a record's κ histogram n [b+1] (``RoutingRecord.budget_counts``, κ drawn on
+    the host), the κ terms come from it with no device op: T = Σ n, mean κ = Σ_r r·n_r / T, the
+    share κ ≠ k = (T − n_k) / T, and mean_e c_e = Σκ / E (every selected slot is one of the Σκ
+    kept slots). Each is a ratio of exact integers, rounded once, as the device's float64 means.
     """
     groups: dict[tuple, list[int]] = {}
     for layer, record in layer_records.items():
@@ -84,22 +89,60 @@ def record_statistics(layer_records: Mapping[int, RoutingRecord], num_experts: i
             groups.setdefault(record.stack_key(), []).append(layer)
     if not groups:
         return {}
-    order, rows = [], []
+    order, rows, host_terms = [], [], []
     for layers in groups.values():
-        budgets, ids, selected, sums = records.stacked_records([layer_records[layer] for layer in layers])
+        group = [layer_records[layer] for layer in layers]
+        on_host = group[0].budget_counts is not None
+        budgets, ids, selected, sums = records.stacked_records(group, with_budgets=not on_host)
         num_layers = len(layers)
         bins = (ids + _layer_offsets(num_layers, num_experts, ids.device)).reshape(-1)
         per_expert = torch.zeros(num_layers * num_experts, dtype=torch.float64, device=ids.device)
         per_expert = per_expert.scatter_add_(0, bins, selected.reshape(-1).to(torch.float64)).view(num_layers, num_experts)
-        sums = sums.double()
-        rows.append(torch.stack([
-            sums.mean(dim=1), sums.amin(dim=1), per_expert.amax(dim=1), per_expert.mean(dim=1),
-            per_expert.std(dim=1, correction=0), (budgets != topk).mean(dim=1, dtype=torch.float64),
-            budgets.mean(dim=1, dtype=torch.float64),
-        ], dim=1))
+        # stack promotes the float32 minimum to float64 exactly
+        columns = [sums.mean(dim=1, dtype=torch.float64), sums.amin(dim=1), per_expert.amax(dim=1),
+                   per_expert.std(dim=1, correction=0)]
+        if not on_host:
+            columns += [per_expert.mean(dim=1), (budgets != topk).mean(dim=1, dtype=torch.float64),
+                        budgets.mean(dim=1, dtype=torch.float64)]
+        rows.append(torch.stack(columns, dim=1))
+        host_terms.extend([_host_budget_terms(record.budget_counts, num_experts, topk) if on_host else None
+                           for record in group])
         order.extend(layers)
-    values = (rows[0] if len(rows) == 1 else torch.cat([row.to(rows[0].device) for row in rows])).tolist()
-    return dict(zip(order, map(tuple, values)))
+    return {layer: _statistics_of(values, terms)
+            for layer, values, terms in zip(order, _read_rows(rows), host_terms)}
+
+
+def _read_rows(rows: list[torch.Tensor]) -> list[list[float]]:
+    """The rows of every group's [L_g, columns_g] statistics, in one device read."""
+    if len(rows) == 1:
+        return rows[0].tolist()
+    device = rows[0].device
+    flat = torch.cat([row.to(device).reshape(-1) for row in rows]).tolist()
+    values, start = [], 0
+    for row in rows:
+        layers, width = row.shape
+        values.extend(flat[start + i * width : start + (i + 1) * width] for i in range(layers))
+        start += layers * width
+    return values
+
+
+def _host_budget_terms(counts, num_experts: int, topk: int) -> tuple[float, float, float]:
+    """(mean_e c_e, share κ ≠ k, mean κ) from κ's histogram n [b+1] on the host (exact integers)."""
+    histogram = counts.tolist()
+    tokens = sum(histogram)
+    total = sum(budget * count for budget, count in enumerate(histogram))
+    at_k = histogram[topk] if topk < len(histogram) else 0
+    return total / num_experts, (tokens - at_k) / tokens, total / tokens
+
+
+def _statistics_of(values: list[float], host_terms: tuple[float, float, float] | None) -> tuple[float, ...]:
+    # RECORD_STATISTICS order: the device's four, then c_e's mean, κ ≠ k, mean κ from either side
+    if host_terms is None:
+        sum_mean, sum_min, expert_max, expert_std, expert_mean, changed, kappa_mean = values
+    else:
+        sum_mean, sum_min, expert_max, expert_std = values
+        expert_mean, changed, kappa_mean = host_terms
+    return sum_mean, sum_min, expert_max, expert_mean, expert_std, changed, kappa_mean
 
 
 @functools.lru_cache(maxsize=32)

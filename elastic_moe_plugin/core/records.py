@@ -52,6 +52,9 @@ class RoutingRecord:
         capacity_dropped: BoolTensor [T, b], True where a selected slot of ``expert_ids`` was
             dropped by the capacity factor (Megatron's ``moe_expert_capacity_factor``); None when
             no capacity factor is set. ``expert_ids`` keep the selection before drops.
+        budget_counts: κ's histogram [b+1] (int64 numpy, index = κ) of these T tokens when the host
+            has it (κ drawn there: the draw's ``BudgetDraw.counts``), else None. With it, a log
+            takes mean κ and the share κ ≠ k from the host instead of reducing κ on the device.
 
     A forward stores only what it already holds (:meth:`of_forward`: κ, the candidate ids, the
     kept mask and the gate weights, all detached references, no copy); ``expert_ids`` =
@@ -59,19 +62,20 @@ class RoutingRecord:
     computed when first read (a logging step), then kept. Read-only.
     """
 
-    __slots__ = ("budgets", "capacity_dropped", "_candidate_ids", "_kept", "_gate_weights", "_expert_ids",
-                 "_retained_weight_sums")
+    __slots__ = ("budgets", "capacity_dropped", "budget_counts", "_candidate_ids", "_kept", "_gate_weights",
+                 "_expert_ids", "_retained_weight_sums")
 
     def __init__(self, budgets: torch.Tensor, expert_ids: torch.Tensor, retained_weight_sums: torch.Tensor,
                  capacity_dropped: torch.Tensor | None = None) -> None:
         """A record from its read forms (tests, synthetic records); a forward uses :meth:`of_forward`."""
-        self._set(budgets=budgets, capacity_dropped=capacity_dropped, _candidate_ids=None, _kept=None,
+        self._set(budgets=budgets, capacity_dropped=capacity_dropped, budget_counts=None, _candidate_ids=None, _kept=None,
                   _gate_weights=None, _expert_ids=expert_ids, _retained_weight_sums=retained_weight_sums)
 
     @classmethod
     def of_forward(cls, budgets: torch.Tensor, candidate_ids: torch.Tensor, kept: torch.Tensor,
                    gate_weights: torch.Tensor | None = None, *, retained_weight_sums: torch.Tensor | None = None,
-                   capacity_dropped: torch.Tensor | None = None) -> "RoutingRecord":
+                   capacity_dropped: torch.Tensor | None = None,
+                   budget_counts: np.ndarray | None = None) -> "RoutingRecord":
         """The record of one forward, from what the forward holds (nothing computed or copied; the
         float tensors detached, the integer and bool ones, which cannot require grad, as they are).
 
@@ -80,6 +84,7 @@ class RoutingRecord:
             gate_weights: [T, b] kept gate weights before any scaling factor (0 beyond κ_t), or
                 None with ``retained_weight_sums`` [T] given instead (a caller that has the sums).
             capacity_dropped: [T, b] bool, or None without a capacity factor.
+            budget_counts: κ's histogram [b+1] (int64 numpy) when the host has it, else None.
         """
         if (gate_weights is None) == (retained_weight_sums is None):
             raise TypeError("RoutingRecord.of_forward takes exactly one of gate_weights [T, b] and "
@@ -90,6 +95,7 @@ class RoutingRecord:
         assign = object.__setattr__
         assign(record, "budgets", budgets)
         assign(record, "capacity_dropped", capacity_dropped)
+        assign(record, "budget_counts", budget_counts)
         assign(record, "_candidate_ids", candidate_ids)
         assign(record, "_kept", kept)
         assign(record, "_gate_weights", None if gate_weights is None else gate_weights.detach())
@@ -127,20 +133,24 @@ class RoutingRecord:
 
     def stack_key(self) -> tuple:
         """Records with one key stack into one [L, T, b] batch (:func:`stacked_records`): T, b, the
-        device, and whether the record holds the forward's own tensors or its read forms."""
+        device, whether the record holds the forward's own tensors or its read forms, and whether
+        the host has its κ histogram."""
         ids = self._candidate_ids if self._kept is not None else self.expert_ids
         weights = self._gate_weights if self._gate_weights is not None else self.retained_weight_sums
-        return tuple(ids.shape), ids.device, self._kept is not None, self._gate_weights is not None, weights.dtype
+        return (tuple(ids.shape), ids.device, self._kept is not None, self._gate_weights is not None, weights.dtype,
+                self.budget_counts is not None)
 
 
-def stacked_records(records: Sequence[RoutingRecord]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def stacked_records(records: Sequence[RoutingRecord], *, with_budgets: bool = True
+                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(κ [L, T], expert ids [L, T, b], selected [L, T, b] bool, retained weight sums [L, T])`` of
     L records with one :meth:`RoutingRecord.stack_key`: a handful of stacks for the whole batch
     instead of each record's own ``where`` and ``sum`` (a log of a 48-layer model reads them all at
     once). Where ``selected`` is False an id is a valid expert that was not selected (the candidate
-    beyond κ; 0 for a read-form record's −1), so that the ids index per-expert bins as they are."""
+    beyond κ; 0 for a read-form record's −1), so that the ids index per-expert bins as they are.
+    κ is None unless ``with_budgets`` (a caller with the host's κ histograms needs no κ stack)."""
     first = records[0]
-    budgets = torch.stack([record.budgets for record in records])
+    budgets = torch.stack([record.budgets for record in records]) if with_budgets else None
     if first._kept is not None:
         ids = torch.stack([record._candidate_ids for record in records])
         selected = torch.stack([record._kept for record in records])
@@ -246,14 +256,18 @@ def remember(
             ``BudgetDraw.counts``): then the router's histogram is a :class:`HostHistogram`, added
             to on the host with no device op; else (top-p κ, computed on the device) a device
             tensor, added to by one ``scatter_add_``. :func:`budget_histograms` reads both as tensors.
+            The record keeps it too (``RoutingRecord.budget_counts``). Of other than b + 1 bins, it
+            is ignored and κ counted on the device.
     """
+    if host_counts is not None and len(host_counts) != width + 1:
+        host_counts = None  # a histogram of other bins (a caller's own): count κ on the device
     router.__dict__[RECORD_ATTR] = RoutingRecord.of_forward(
         budgets, candidate_ids, kept, gate_weights, retained_weight_sums=retained_weight_sums,
-        capacity_dropped=capacity_dropped)
+        capacity_dropped=capacity_dropped, budget_counts=host_counts)
     if not count:
         return
     histogram = router.__dict__.get(HISTOGRAM_ATTR)
-    if host_counts is not None and len(host_counts) == width + 1:
+    if host_counts is not None:
         if not isinstance(histogram, HostHistogram) or histogram.bins != width + 1:
             histogram = router.__dict__[HISTOGRAM_ATTR] = HostHistogram(width + 1)
         histogram.add(host_counts)

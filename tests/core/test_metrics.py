@@ -1,6 +1,7 @@
 """Routing metrics from routing records (``core.metrics``): the capacity-drop shares, the layer means and the
 batched record statistics, by hand."""
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -74,14 +75,17 @@ def test_without_per_layer_values_every_name_is_its_mean_over_the_layers_that_gi
                                                                      if key in flat}
 
 
-def _forward_record(seed: int, tokens: int = 6, width: int = 4, num_experts: int = 5) -> RoutingRecord:
-    """A record as a forward stores it: κ, the candidates by rank, the kept mask, the gate weights."""
+def _forward_record(seed: int, tokens: int = 6, width: int = 4, num_experts: int = 5,
+                    host_counts: bool = False) -> RoutingRecord:
+    """A record as a forward stores it: κ, the candidates by rank, the kept mask, the gate weights,
+    and with ``host_counts`` κ's histogram on the host (as a κ drawn there leaves it)."""
     generator = torch.Generator().manual_seed(seed)
     budgets = torch.randint(1, width + 1, (tokens,), generator=generator)
     candidate_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:width] for _ in range(tokens)])
     kept = torch.arange(width) < budgets[:, None]
     weights = torch.rand(tokens, width, generator=generator) * kept
-    return RoutingRecord.of_forward(budgets, candidate_ids, kept, weights)
+    counts = np.bincount(budgets.numpy(), minlength=width + 1) if host_counts else None
+    return RoutingRecord.of_forward(budgets, candidate_ids, kept, weights, budget_counts=counts)
 
 
 def _hand_statistics(record: RoutingRecord, num_experts: int, topk: int) -> tuple[float, ...]:
@@ -114,6 +118,24 @@ def test_record_statistics_of_stacked_layers_are_each_layers_own_by_hand():
         assert values == pytest.approx(record_statistics({layer: layer_records[layer]}, 5, 2)[layer], rel=1e-15, abs=0)
 
 
+def test_record_statistics_take_the_kappa_terms_from_the_hosts_histogram_bit_for_bit():
+    """A record whose κ histogram the host has: mean κ, the share κ ≠ k and the mean tokens per
+    expert come from it, equal to the device's reduction bit for bit, beside device-only records of
+    the same shape (another batch) and against the hand computation."""
+    host = {layer: _forward_record(layer, host_counts=True) for layer in (0, 1, 2)}
+    device = {layer: _forward_record(layer) for layer in (0, 1, 2)}
+    assert record_statistics(host, 5, 2) == record_statistics(device, 5, 2)  # exact
+    mixed = {0: host[0], 1: device[1], 2: host[2], 3: _forward_record(3, tokens=9, host_counts=True)}
+    statistics = record_statistics(mixed, num_experts=5, topk=2)
+    assert list(statistics) == [0, 2, 1, 3]  # one batch per stack key, in order of first appearance
+    for layer, values in statistics.items():
+        assert values == pytest.approx(_hand_statistics(mixed[layer], 5, 2), rel=1e-12, abs=1e-12), layer
+        # as the layer read alone (a std over a batch may differ in the last bit, as for device records)
+        assert values == pytest.approx(record_statistics({layer: mixed[layer]}, 5, 2)[layer], rel=1e-15, abs=0)
+    # k outside the histogram's bins: every token has κ ≠ k
+    assert record_statistics({0: host[0]}, 5, 7)[0][5] == 1.0
+
+
 class _OperatorCalls(TorchDispatchMode):
     """Counts the aten operators that run (on a GPU, each a kernel launch or a copy)."""
 
@@ -129,11 +151,13 @@ class _OperatorCalls(TorchDispatchMode):
 def test_a_log_runs_the_same_operators_for_two_layers_or_twelve():
     """One batch per shape: the operators of a log do not grow with the number of layers (one
     pass per layer ran ~25 each)."""
-    def operators(num_layers: int) -> int:
-        layer_records = {layer: _forward_record(layer) for layer in range(num_layers)}
+    def operators(num_layers: int, host_counts: bool = False) -> int:
+        layer_records = {layer: _forward_record(layer, host_counts=host_counts) for layer in range(num_layers)}
         record_statistics(layer_records, num_experts=5, topk=2)  # the per-shape offsets, made once
         with _OperatorCalls() as counter:
             record_statistics(layer_records, num_experts=5, topk=2)
         return counter.count
 
-    assert operators(2) == operators(12) <= 22
+    assert operators(2) == operators(12) <= 21
+    # κ drawn on the host (both adapters' default): no κ stack and no κ reductions
+    assert operators(2, host_counts=True) == operators(12, host_counts=True) <= 16
