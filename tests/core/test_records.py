@@ -8,6 +8,7 @@ plan via ``plan.cached_plan``). Every expectation is written out by hand.
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 
 from elastic_moe_plugin import BudgetSchedule, ElasticConfig
@@ -124,6 +125,7 @@ def test_host_counted_histograms_add_up_fold_reset_and_copy_exactly():
     records.remember(router, width, torch.tensor([1, 2]), ids, kept, kept.float(), count=False,  # a recompute
                      host_counts=np.array([0, 1, 1, 0]))
     assert records.budget_histograms(sites)[0].tolist() == [0, 1, 1, 0]
+    assert records.routing_records(sites)[0].budget_counts.tolist() == [0, 1, 1, 0]  # the record keeps them too
     copied_sites = [RouterSite("copy", copied, 0, 2, 4)]
     assert records.budget_histograms(copied_sites)[0].tolist() == expected.tolist()  # the copy kept its own counts
     # the copy's record too (a read-only record used to make copy.deepcopy of a trained router raise)
@@ -138,3 +140,11 @@ def test_device_counted_histograms_count_the_budgets_tensor():
     histogram = records.budget_histograms(sites)[0]
     assert isinstance(sites[0].router.__dict__[records.HISTOGRAM_ATTR], torch.Tensor)
     assert histogram.tolist() == [0, 1, 1, 2]
+    assert records.routing_records(sites)[0].budget_counts is None
+    # host counts of other than b + 1 bins are not this router's histogram: κ is counted on the device
+    width = SCHEDULE.high
+    records.remember(sites[0].router, width, torch.tensor([1, 2]), torch.arange(width).repeat(2, 1),
+                     torch.ones(2, width, dtype=torch.bool), torch.ones(2, width), count=True,
+                     host_counts=np.zeros(width + 3, dtype=np.int64))
+    assert records.routing_records(sites)[0].budget_counts is None
+    assert records.budget_histograms(sites)[0].tolist() == [0, 2, 2, 2]
