@@ -172,16 +172,17 @@ def layer_metrics(
     total = float(sum(counts))
     if total > 0:
         metrics["mean_kappa"] = float(sum(budget * count for budget, count in enumerate(counts))) / total
-        for budget in schedule.budgets:
-            metrics[f"kappa_frac_{budget}"] = counts[budget] / total if budget < len(counts) else 0.0
+        fraction_names, rank_rows = _histogram_names(schedule)
+        for budget, name in fraction_names:
+            metrics[name] = counts[budget] / total if budget < len(counts) else 0.0
         at_least = 0
         survival = [0.0] * len(counts)
         for budget in range(len(counts) - 1, -1, -1):
             at_least += counts[budget]
             survival[budget] = at_least / total
-        for rank in range(1, schedule.high + 1):
-            metrics[f"exposure_rank_{rank}"] = survival[rank] if rank < len(survival) else 0.0
-            metrics[f"survival_rank_{rank}"] = schedule.survival(rank)
+        for rank, exposure_name, survival_name, scheduled in rank_rows:
+            metrics[exposure_name] = survival[rank] if rank < len(survival) else 0.0
+            metrics[survival_name] = scheduled
     if record is not None and statistics is None:
         statistics = record_statistics({0: record}, num_experts, schedule.center).get(0)
     if statistics is not None:
@@ -196,6 +197,15 @@ def layer_metrics(
         if record.capacity_dropped is not None:
             metrics.update(capacity_drop_shares(record, schedule.center))
     return metrics
+
+
+@functools.lru_cache(maxsize=16)
+def _histogram_names(schedule: BudgetSchedule) -> tuple[tuple[tuple[int, str], ...], tuple[tuple[int, str, str, float], ...]]:
+    # per schedule, once: ((κ, "kappa_frac_κ"), ...) and ((r, "exposure_rank_r", "survival_rank_r", a(r)), ...)
+    fractions = tuple((budget, f"kappa_frac_{budget}") for budget in schedule.budgets)
+    ranks = tuple((rank, f"exposure_rank_{rank}", f"survival_rank_{rank}", schedule.survival(rank))
+                  for rank in range(1, schedule.high + 1))
+    return fractions, ranks
 
 
 @functools.lru_cache(maxsize=16)
