@@ -129,10 +129,14 @@ def _read_rows(rows: list[torch.Tensor]) -> list[list[float]]:
 def _host_budget_terms(counts, num_experts: int, topk: int) -> tuple[float, float, float]:
     """(mean_e c_e, share κ ≠ k, mean κ) from κ's histogram n [b+1] on the host (exact integers)."""
     histogram = counts.tolist()
-    tokens = sum(histogram)
-    total = sum(budget * count for budget, count in enumerate(histogram))
+    tokens, total = _tokens_and_budget_sum(histogram)
     at_k = histogram[topk] if topk < len(histogram) else 0
     return total / num_experts, (tokens - at_k) / tokens, total / tokens
+
+
+def _tokens_and_budget_sum(counts: list[int]) -> tuple[int, int]:
+    """(T, Σκ) of a κ histogram's integer counts (index = κ), exactly."""
+    return sum(counts), sum(budget * count for budget, count in enumerate(counts))
 
 
 def _statistics_of(values: list[float], host_terms: tuple[float, float, float] | None) -> tuple[float, ...]:
@@ -169,9 +173,9 @@ def layer_metrics(
     """
     metrics: dict[str, float] = {}
     counts = histogram.tolist() if histogram is not None else []
-    total = float(sum(counts))
+    total, budget_sum = _tokens_and_budget_sum(counts)
     if total > 0:
-        metrics["mean_kappa"] = float(sum(budget * count for budget, count in enumerate(counts))) / total
+        metrics["mean_kappa"] = budget_sum / total
         fraction_names, rank_rows = _histogram_names(schedule)
         for budget, name in fraction_names:
             metrics[name] = counts[budget] / total if budget < len(counts) else 0.0
