@@ -11,7 +11,9 @@ training without logging pays nothing.
 
 Per layer:
     mean_kappa, kappa_frac_{r}          the κ histogram since the last reset, normalised
-    exposure_rank_{r}, survival_rank_{r}  observed P(κ ≥ r) against the schedule's a(r)
+    exposure_rank_{r}, survival_rank_{r}  observed P(κ ≥ r) against the schedule's a(r) (a
+                                        constant of the config: a means-only log leaves it out,
+                                        see :data:`SCHEDULE_CONSTANTS`)
     retained_weight_sum_mean / _min     Σ kept gate weights per token (1 for renormalised gates)
     tokens_per_expert_max_over_mean     load imbalance of the latest step (1 = perfectly even)
     tokens_per_expert_cv                coefficient of variation of the per-expert counts
@@ -162,6 +164,8 @@ def layer_metrics(
     schedule: BudgetSchedule,
     num_experts: int,
     statistics: tuple[float, ...] | None = None,
+    *,
+    with_survival: bool = True,
 ) -> dict[str, float]:
     """Scalars for one layer (see the module docstring). Reads the κ histogram [b+1] (on the host
     when κ was drawn there, else one device read), then the record's statistics (one device read),
@@ -170,6 +174,7 @@ def layer_metrics(
 
     The histogram's shares are computed on the host from its integer counts: each sum is exact in
     float64, so the values equal :func:`observed_survival`'s and the device's divisions bit for bit.
+    ``with_survival=False`` leaves out the schedule's a(r) (``survival_rank_<r>``, constants).
     """
     metrics: dict[str, float] = {}
     counts = histogram.tolist() if histogram is not None else []
@@ -186,7 +191,8 @@ def layer_metrics(
             survival[budget] = at_least / total
         for rank, exposure_name, survival_name, scheduled in rank_rows:
             metrics[exposure_name] = survival[rank] if rank < len(survival) else 0.0
-            metrics[survival_name] = scheduled
+            if with_survival:
+                metrics[survival_name] = scheduled
     if record is not None and statistics is None:
         statistics = record_statistics({0: record}, num_experts, schedule.center).get(0)
     if statistics is not None:
@@ -213,9 +219,11 @@ def _histogram_names(schedule: BudgetSchedule) -> tuple[tuple[tuple[int, str], .
 
 
 @functools.lru_cache(maxsize=16)
-def metric_names(schedule: BudgetSchedule, num_experts: int, with_capacity: bool = False) -> tuple[str, ...]:
+def metric_names(schedule: BudgetSchedule, num_experts: int, with_capacity: bool = False,
+                 with_survival: bool = True) -> tuple[str, ...]:
     """Every per-layer name :func:`layer_metrics` gives an elastic layer of ``schedule``, sorted,
-    with the ``capacity_dropped_frac*`` shares when ``with_capacity`` (a capacity factor is set).
+    with the ``capacity_dropped_frac*`` shares when ``with_capacity`` (a capacity factor is set),
+    without the schedule's constants (:data:`SCHEDULE_CONSTANTS`) unless ``with_survival``.
 
     The names depend on the schedule only, never on the data, so every rank can list them, a
     pipeline stage without elastic layers included: a report that all-reduces each name over the
@@ -228,17 +236,20 @@ def metric_names(schedule: BudgetSchedule, num_experts: int, with_capacity: bool
     ids[0, : min(schedule.center, num_experts)] = torch.arange(min(schedule.center, num_experts))
     record = RoutingRecord(budgets=torch.tensor([schedule.center]), expert_ids=ids, retained_weight_sums=torch.ones(1),
                            capacity_dropped=torch.zeros((1, width), dtype=torch.bool) if with_capacity else None)
-    return tuple(sorted(layer_metrics(record, histogram, schedule, num_experts)))
+    return tuple(sorted(layer_metrics(record, histogram, schedule, num_experts, with_survival=with_survival)))
 
 
-def static_layer_metrics(topk: int, schedule: BudgetSchedule) -> dict[str, float]:
+def static_layer_metrics(topk: int, schedule: BudgetSchedule, *, with_survival: bool = True) -> dict[str, float]:
     """Scalars of a layer that routes stock top-``topk`` in training (κ = k for every token), under
-    the names :func:`layer_metrics` gives an elastic layer of ``schedule`` (module docstring)."""
+    the names :func:`layer_metrics` gives an elastic layer of ``schedule`` (module docstring);
+    ``with_survival=False``: without ``survival_rank_<r>``."""
     metrics = {"mean_kappa": float(topk), "topk_set_changed_frac": 0.0}
     for budget in schedule.budgets:
         metrics[f"kappa_frac_{budget}"] = 1.0 if budget == topk else 0.0
     for rank in range(1, max(schedule.high, topk) + 1):
-        metrics[f"exposure_rank_{rank}"] = metrics[f"survival_rank_{rank}"] = 1.0 if rank <= topk else 0.0
+        metrics[f"exposure_rank_{rank}"] = 1.0 if rank <= topk else 0.0
+        if with_survival:
+            metrics[f"survival_rank_{rank}"] = metrics[f"exposure_rank_{rank}"]
     return metrics
 
 
@@ -255,6 +266,19 @@ def capacity_drop_shares(record: RoutingRecord, topk: int) -> dict[str, float]:
                           for count in (dropped[:, columns].sum(), selected[:, columns].sum())]).tolist()
     return {"capacity_dropped_frac" + name: (counts[2 * i] / counts[2 * i + 1] if counts[2 * i + 1] else 0.0)
             for i, name in enumerate(parts)}
+
+
+#: Per-layer names whose value is a constant of the config, the same at every step: the schedule's
+#: a(r) (paper Eq. 7). A means-only log (Megatron's default, no per-layer logging) leaves them out:
+#: each scalar a trainer logs costs its training thread about 33 µs a step with TensorBoard, whose
+#: writer thread checksums every event in pure Python under the GIL (docs/performance.md).
+#: ``elastic-moe schedule`` prints them, and the per-layer logs keep them.
+SCHEDULE_CONSTANTS = ("survival_rank_",)
+
+
+def is_schedule_constant(name: str) -> bool:
+    """Whether the per-layer metric ``name`` is one of :data:`SCHEDULE_CONSTANTS`."""
+    return name.startswith(SCHEDULE_CONSTANTS)
 
 
 #: the layer means written next to the per-layer values (every name's, without them)
@@ -278,18 +302,19 @@ def routing_metrics(
 
     A layer mean is over the layers that give the name (the minimum for
     ``retained_weight_sum_min``). With ``per_layer`` (default) the flat dict holds every layer's
-    values and the means of :data:`SUMMARY_NAMES`; without, the mean of every name and no
-    per-layer value, as Megatron logs its MoE metrics unless ``moe_per_layer_logging`` is set."""
+    values and the means of :data:`SUMMARY_NAMES`; without, the mean of every name but the
+    schedule's constants (:data:`SCHEDULE_CONSTANTS`) and no per-layer value, as Megatron logs its
+    MoE metrics unless ``moe_per_layer_logging`` is set."""
     flat: dict[str, float] = {}
     per_name: dict[str, list[float]] = {}
     static_layers = {layer: k for layer, k in (static_layers or {}).items() if layer not in records and layer not in histograms}
     statistics = record_statistics(records, num_experts, schedule.center)
     for layer in sorted(set(records) | set(histograms) | set(static_layers)):
         if layer in static_layers:
-            values = static_layer_metrics(static_layers[layer], schedule)
+            values = static_layer_metrics(static_layers[layer], schedule, with_survival=per_layer)
         else:
             values = layer_metrics(records.get(layer), histograms.get(layer), schedule, num_experts,
-                                   statistics.get(layer))
+                                   statistics.get(layer), with_survival=per_layer)
         for name, value in values.items():
             if per_layer:
                 flat[f"{PREFIX}/layer_{layer}/{name}"] = value
@@ -321,7 +346,8 @@ def model_routing_metrics(
             :func:`~elastic_moe_plugin.core.records.trained_schedule` (the routers' cached plans).
         include_static: report the static layers at κ = k (False: elastic layers only, as
             Megatron's tracker path, whose layer mean divides by the elastic layers).
-        per_layer: every layer's values (default), else only the layer mean of every name.
+        per_layer: every layer's values (default), else only the layer mean of every name but
+            the schedule's constants (:data:`SCHEDULE_CONSTANTS`).
 
     Returns:
         ``{"elastic_moe/layer_<i>/<name>": ..., "elastic_moe/<name>": ...}``; ``{}`` before the

@@ -129,8 +129,9 @@ def per_layer_logging(model) -> bool:
     """Whether the run logs MoE metrics per layer: ``TransformerConfig.moe_per_layer_logging`` of
     the model's routers (Megatron-LM ``--moe-per-layer-logging``; ``megatron sft``
     ``--megatron_extra_kwargs '{"moe_per_layer_logging": true}'``), Megatron's own switch for its
-    aux losses. Off, a log holds the layer means only: 31 scalars of a 6-10 schedule, not 31 per
-    layer (1488 for 48 layers), each one a TensorBoard/W&B write at every logging step.
+    aux losses. Off, a log holds the layer means only, the schedule's constants left out
+    (``core.metrics.SCHEDULE_CONSTANTS``): 21 scalars of a 6-10 schedule, where per-layer logging
+    writes 31 per layer (1488 for 48 layers), each one a TensorBoard/W&B write at every logging step.
 
     The switch is read from the routers' config (else, on a stage without routers, from the first
     MoE ``TransformerConfig`` of the chunks) whether or not the patch is applied at the time: a

@@ -173,12 +173,15 @@ def _schedule(config, megatron_args) -> BudgetSchedule | None:
 
 def reported_metrics(schedule: BudgetSchedule, megatron_args) -> list[str]:
     """The metric names a logging step reports: all of ``core.metrics.metric_names`` when the run
-    writes TensorBoard or W&B (``--tensorboard-dir``, ``--wandb-project``), else only
+    writes TensorBoard or W&B (``--tensorboard-dir``, ``--wandb-project``; the schedule's constants,
+    ``core.metrics.SCHEDULE_CONSTANTS``, only with ``--moe-per-layer-logging``), else only
     :data:`CONSOLE_METRICS`, the ones the console line shows (the rest would be reduced and then
     dropped). Decided from Megatron-LM's arguments, identical on every rank, not from the writers,
     which only the last rank holds: every rank must enter the same all-reduces."""
     with_capacity = getattr(megatron_args, "moe_expert_capacity_factor", None) is not None
-    every = metrics.metric_names(schedule, int(megatron_args.num_experts), with_capacity)
+    # the schedule's constants only where a layer's values are written (--moe-per-layer-logging)
+    per_layer = bool(getattr(megatron_args, "moe_per_layer_logging", False))
+    every = metrics.metric_names(schedule, int(megatron_args.num_experts), with_capacity, with_survival=per_layer)
     if getattr(megatron_args, "tensorboard_dir", None) or getattr(megatron_args, "wandb_project", None):
         return every
     return [name for name in every if name in CONSOLE_METRICS]

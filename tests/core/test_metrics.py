@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin import BudgetSchedule
-from elastic_moe_plugin.core.metrics import layer_metrics, record_statistics, routing_metrics
+from elastic_moe_plugin.core.metrics import is_schedule_constant, layer_metrics, record_statistics, routing_metrics
 from elastic_moe_plugin.core.records import RoutingRecord
 
 # 4 tokens, b = 4 slots, k = 2: κ = (1, 2, 3, 4); slot j holds router rank j + 1
@@ -51,8 +51,9 @@ def test_no_capacity_factor_means_no_drop_metrics_and_no_token_beyond_k_means_ze
 
 
 def test_without_per_layer_values_every_name_is_its_mean_over_the_layers_that_give_it():
-    """``per_layer=False`` (Megatron's layout without ``moe_per_layer_logging``): one value per name,
-    the mean over the layers that report it (the minimum for ``retained_weight_sum_min``), by hand:
+    """``per_layer=False`` (Megatron's layout without ``moe_per_layer_logging``): one value per name
+    but the schedule's constants (``survival_rank_<r>``, a(r) of the config), the mean over the
+    layers that report it (the minimum for ``retained_weight_sum_min``), by hand:
     layer 0 holds κ = (1, 2, 3, 4) with retained sums 1, layer 1 κ = (2, 2) with sums 0.5 and 0.7,
     layer 2 is static at κ = k = 2 (no record, so no weight or load value)."""
     second = RoutingRecord(budgets=torch.tensor([2, 2]), expert_ids=torch.tensor([[0, 1, -1, -1], [2, 3, -1, -1]]),
@@ -62,7 +63,10 @@ def test_without_per_layer_values_every_name_is_its_mean_over_the_layers_that_gi
     flat = routing_metrics(records, histograms, SCHEDULE, 4, {2: 2}, per_layer=False)
     per_layer = routing_metrics(records, histograms, SCHEDULE, 4, {2: 2})
     names = {key.split("/")[-1] for key in per_layer if key.startswith("elastic_moe/layer_")}
-    assert set(flat) == {f"elastic_moe/{name}" for name in names}  # every name, nothing per layer
+    survival = {f"survival_rank_{rank}" for rank in (1, 2, 3)}
+    assert survival <= names  # a layer's values keep a(r), next to its observed exposure
+    assert set(flat) == {f"elastic_moe/{name}" for name in names - survival}  # the rest, nothing per layer
+    assert not any(is_schedule_constant(name) for name in names - survival)
     assert flat["elastic_moe/mean_kappa"] == pytest.approx((2.5 + 2 + 2) / 3)
     assert flat["elastic_moe/kappa_frac_2"] == pytest.approx((1 / 4 + 1 + 1) / 3)
     assert flat["elastic_moe/kappa_frac_3"] == pytest.approx((1 / 4 + 0 + 0) / 3)  # layer 0's 4 is outside 1-3

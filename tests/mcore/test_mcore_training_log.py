@@ -49,11 +49,28 @@ def test_a_run_without_tensorboard_or_wandb_reports_only_the_console_metrics(wri
     """Decided by the arguments (the same on every rank), not by the writers, which only the last
     rank holds; the console's metrics are always among the reported ones."""
     schedule = ElasticConfig(schedule="6-10").budget_schedule(8)
-    megatron_args = types.SimpleNamespace(num_experts=16, moe_expert_capacity_factor=None, **writers)
+    megatron_args = types.SimpleNamespace(num_experts=16, moe_expert_capacity_factor=None, moe_per_layer_logging=True,
+                                          **writers)
     reported = training_log.reported_metrics(schedule, megatron_args)
     every = metrics.metric_names(schedule, 16, False)
     assert reported == (every if reports_every_metric else list(training_log.CONSOLE_METRICS))
     assert set(training_log.CONSOLE_METRICS) <= set(every) and len(every) > len(training_log.CONSOLE_METRICS)
+
+
+@pytest.mark.parametrize("per_layer_logging", [False, True])
+def test_the_schedules_constants_are_reported_only_with_per_layer_logging(per_layer_logging):
+    """survival_rank_<r> is the schedule's a(r), the same at every step: a log of layer means leaves
+    it out (each scalar costs the training thread a TensorBoard write), per-layer logging keeps it."""
+    schedule = ElasticConfig(schedule="6-10").budget_schedule(8)
+    megatron_args = types.SimpleNamespace(num_experts=16, moe_expert_capacity_factor=None, tensorboard_dir="/tmp/tb",
+                                          moe_per_layer_logging=per_layer_logging)
+    reported = training_log.reported_metrics(schedule, megatron_args)
+    every = metrics.metric_names(schedule, 16, False)
+    survival = [f"survival_rank_{rank}" for rank in range(1, 11)]
+    assert set(survival) <= set(every) and len(every) == 31  # 1 + 5 κ shares + 10 + 10 ranks + 5 statistics
+    expected = every if per_layer_logging else [name for name in every if name not in survival]
+    assert list(reported) == list(expected)
+    assert len(reported) == (31 if per_layer_logging else 21)
 
 
 def test_a_training_log_without_an_iteration_argument_is_refused_with_the_way_out():

@@ -436,6 +436,7 @@ def test_two_ranks_with_expert_parallelism_route_elastically(runs):
     # without moe_per_layer_logging a log holds the layer means only, as Megatron-SWIFT's MoE losses;
     # the last rank writes it: per step, the mean over both layers of that rank's κ shares
     assert not [key for row in rows for key in row if key.startswith("elastic_moe/layer_")]
+    assert not [key for row in rows for key in row if "survival_rank" in key]  # nor the schedule's a(r)
     writer = forwards[max(records)]
     for step, row in enumerate(rows):
         for budget in schedule.budgets:

@@ -117,6 +117,8 @@ def test_megatron_callback_is_registered_and_logs_routing_metrics(swift_runs):
     # moe_per_layer_logging unset (Megatron's default): the layer means only, as Megatron-SWIFT logs
     # its MoE losses; each mean share is two layers' counts over 2·tokens
     assert not [key for key in logs if key.startswith("elastic_moe/layer_")], sorted(logs)
+    # nor the schedule's constants a(r); the observed exposure stays
+    assert not [key for key in logs if "survival_rank" in key] and "elastic_moe/exposure_rank_3" in logs
     mean_shares = [logs[f"elastic_moe/kappa_frac_{budget}"] for budget in (1, 2, 3)]
     assert sum(mean_shares) == pytest.approx(1.0)
     assert all(share * 2 * tokens == pytest.approx(round(share * 2 * tokens)) for share in mean_shares)
@@ -135,6 +137,7 @@ def test_megatron_callback_is_registered_and_logs_routing_metrics(swift_runs):
         assert abs(logs[f"{prefix}mean_kappa"] - 2.0) < 0.2
         assert logs[f"{prefix}retained_weight_sum_mean"] == pytest.approx(1.0, abs=1e-5)  # renormalised
         assert 1.0 <= logs[f"{prefix}tokens_per_expert_max_over_mean"] < 8
+        assert f"{prefix}survival_rank_3" in logs  # a layer's values keep a(r) next to its exposure
     assert logs["elastic_moe/mean_kappa"] == pytest.approx(
         (logs["elastic_moe/layer_0/mean_kappa"] + logs["elastic_moe/layer_1/mean_kappa"]) / 2)
     assert not data["megatron_second_log_has_kappa_frac"]  # histograms reset after each log
