@@ -45,7 +45,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                           "sft runs (separate peak RSS; default: one run per round that switches between static and "
                           "elastic blocks of 5 or 10 steps, timed in the one process)")
     e2e.add_argument("--work", type=Path, default=None,
-                     help="folder for the tiny models and the runs' logs (default: a new temporary folder)")
+                     help="folder for the tiny models and the runs' logs (default: a new temporary folder); one that "
+                          "holds an earlier bench's runs is refused")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -102,6 +102,20 @@ def test_bad_options_are_refused_before_anything_runs(capsys):
     assert "--steps 4 --warmup 4: the warm-up must leave timed steps" in capsys.readouterr().err
 
 
+def test_a_work_folder_holding_an_earlier_benchs_runs_is_refused_with_a_fix_that_is_accepted(tmp_path, capsys):
+    from elastic_moe_plugin.tools.bench import e2e
+
+    (tmp_path / "megatron_sft" / "assets").mkdir(parents=True)  # the tiny model alone: reused, accepted
+    e2e.E2EOptions(work=tmp_path).check()
+    (tmp_path / "megatron_sft" / "interleaved_0").mkdir()
+    assert main(["bench", "--only", "e2e", "--work", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (f"--work {tmp_path}: it holds the runs of an earlier bench ({tmp_path / 'megatron_sft' / 'interleaved_0'}): "
+            f"pass a new or empty folder, e.g. --work {tmp_path / 'next'}, or remove {tmp_path / 'megatron_sft'}.") in err
+    e2e.E2EOptions(work=tmp_path / "next").check()  # the fix it spells is accepted
+    e2e.E2EOptions(work=tmp_path, launchers=("swift_sft",)).check()  # another launcher's runs are no clash
+
+
 def test_an_interleaved_run_too_short_for_two_blocks_is_refused_with_a_fix_that_is_accepted(capsys):
     from elastic_moe_plugin.tools.bench import e2e
 

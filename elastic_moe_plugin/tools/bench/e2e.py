@@ -104,6 +104,15 @@ class E2EOptions:
         if self.hidden is not None and (self.hidden < 8 or self.hidden % 4):
             raise ValueError(f"--hidden {self.hidden}: a multiple of 4 (the tiny model's 4 heads), at least 8, "
                              f"e.g. --hidden 256.")
+        if self.work is not None:
+            # runs go to WORK/<launcher>/<run>; an earlier bench's would be mixed with these, or stop
+            # this one midway (its folders exist): refuse before anything runs
+            runs = sorted(path for launcher in self.launchers if (self.work / launcher).is_dir()
+                          for path in (self.work / launcher).iterdir() if path.name != "assets")
+            if runs:
+                raise ValueError(f"--work {self.work}: it holds the runs of an earlier bench ({runs[0]}"
+                                 f"{f' and {len(runs) - 1} more' if len(runs) > 1 else ''}): pass a new or empty "
+                                 f"folder, e.g. --work {self.work / 'next'}, or remove {runs[0].parent}.")
 
 
 class Launcher(Protocol):
