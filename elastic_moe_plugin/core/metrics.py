@@ -164,8 +164,6 @@ def layer_metrics(
     schedule: BudgetSchedule,
     num_experts: int,
     statistics: tuple[float, ...] | None = None,
-    *,
-    with_survival: bool = True,
 ) -> dict[str, float]:
     """Scalars for one layer (see the module docstring). Reads the κ histogram [b+1] (on the host
     when κ was drawn there, else one device read), then the record's statistics (one device read),
@@ -174,7 +172,6 @@ def layer_metrics(
 
     The histogram's shares are computed on the host from its integer counts: each sum is exact in
     float64, so the values equal :func:`observed_survival`'s and the device's divisions bit for bit.
-    ``with_survival=False`` leaves out the schedule's a(r) (``survival_rank_<r>``, constants).
     """
     metrics: dict[str, float] = {}
     counts = histogram.tolist() if histogram is not None else []
@@ -191,8 +188,7 @@ def layer_metrics(
             survival[budget] = at_least / total
         for rank, exposure_name, survival_name, scheduled in rank_rows:
             metrics[exposure_name] = survival[rank] if rank < len(survival) else 0.0
-            if with_survival:
-                metrics[survival_name] = scheduled
+            metrics[survival_name] = scheduled
     if record is not None and statistics is None:
         statistics = record_statistics({0: record}, num_experts, schedule.center).get(0)
     if statistics is not None:
@@ -236,20 +232,18 @@ def metric_names(schedule: BudgetSchedule, num_experts: int, with_capacity: bool
     ids[0, : min(schedule.center, num_experts)] = torch.arange(min(schedule.center, num_experts))
     record = RoutingRecord(budgets=torch.tensor([schedule.center]), expert_ids=ids, retained_weight_sums=torch.ones(1),
                            capacity_dropped=torch.zeros((1, width), dtype=torch.bool) if with_capacity else None)
-    return tuple(sorted(layer_metrics(record, histogram, schedule, num_experts, with_survival=with_survival)))
+    names = layer_metrics(record, histogram, schedule, num_experts)
+    return tuple(sorted(name for name in names if with_survival or not is_schedule_constant(name)))
 
 
-def static_layer_metrics(topk: int, schedule: BudgetSchedule, *, with_survival: bool = True) -> dict[str, float]:
+def static_layer_metrics(topk: int, schedule: BudgetSchedule) -> dict[str, float]:
     """Scalars of a layer that routes stock top-``topk`` in training (κ = k for every token), under
-    the names :func:`layer_metrics` gives an elastic layer of ``schedule`` (module docstring);
-    ``with_survival=False``: without ``survival_rank_<r>``."""
+    the names :func:`layer_metrics` gives an elastic layer of ``schedule`` (module docstring)."""
     metrics = {"mean_kappa": float(topk), "topk_set_changed_frac": 0.0}
     for budget in schedule.budgets:
         metrics[f"kappa_frac_{budget}"] = 1.0 if budget == topk else 0.0
     for rank in range(1, max(schedule.high, topk) + 1):
-        metrics[f"exposure_rank_{rank}"] = 1.0 if rank <= topk else 0.0
-        if with_survival:
-            metrics[f"survival_rank_{rank}"] = metrics[f"exposure_rank_{rank}"]
+        metrics[f"exposure_rank_{rank}"] = metrics[f"survival_rank_{rank}"] = 1.0 if rank <= topk else 0.0
     return metrics
 
 
@@ -311,15 +305,16 @@ def routing_metrics(
     statistics = record_statistics(records, num_experts, schedule.center)
     for layer in sorted(set(records) | set(histograms) | set(static_layers)):
         if layer in static_layers:
-            values = static_layer_metrics(static_layers[layer], schedule, with_survival=per_layer)
+            values = static_layer_metrics(static_layers[layer], schedule)
         else:
             values = layer_metrics(records.get(layer), histograms.get(layer), schedule, num_experts,
-                                   statistics.get(layer), with_survival=per_layer)
+                                   statistics.get(layer))
         for name, value in values.items():
             if per_layer:
                 flat[f"{PREFIX}/layer_{layer}/{name}"] = value
             per_name.setdefault(name, []).append(value)
-    for name in (SUMMARY_NAMES if per_layer else sorted(per_name)):
+    means = SUMMARY_NAMES if per_layer else sorted(name for name in per_name if not is_schedule_constant(name))
+    for name in means:
         if per_name.get(name):
             across_layers = min if name == "retained_weight_sum_min" else _mean
             flat[f"{PREFIX}/{name}"] = across_layers(per_name[name])

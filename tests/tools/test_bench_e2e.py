@@ -14,6 +14,7 @@ import importlib.util
 import io
 import json
 import math
+import shutil
 import statistics
 
 import pytest
@@ -114,6 +115,12 @@ def test_a_work_folder_holding_an_earlier_benchs_runs_is_refused_with_a_fix_that
             f"pass a new or empty folder, e.g. --work {tmp_path / 'next'}, or remove {tmp_path / 'megatron_sft'}.") in err
     e2e.E2EOptions(work=tmp_path / "next").check()  # the fix it spells is accepted
     e2e.E2EOptions(work=tmp_path, launchers=("swift_sft",)).check()  # another launcher's runs are no clash
+    (tmp_path / "megatron_lm" / "interleaved_0").mkdir(parents=True)  # two launchers' runs: both folders named
+    with pytest.raises(ValueError, match=r"and 1 more\): .* or remove \S*megatron_lm \S*megatron_sft\.$"):
+        e2e.E2EOptions(work=tmp_path).check()
+    shutil.rmtree(tmp_path / "megatron_lm")
+    shutil.rmtree(tmp_path / "megatron_sft")
+    e2e.E2EOptions(work=tmp_path).check()  # the other fix, the folders removed, is accepted too
 
 
 def test_an_interleaved_run_too_short_for_two_blocks_is_refused_with_a_fix_that_is_accepted(capsys):

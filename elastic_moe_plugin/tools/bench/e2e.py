@@ -110,9 +110,10 @@ class E2EOptions:
             runs = sorted(path for launcher in self.launchers if (self.work / launcher).is_dir()
                           for path in (self.work / launcher).iterdir() if path.name != "assets")
             if runs:
+                folders = " ".join(str(folder) for folder in sorted({path.parent for path in runs}))
                 raise ValueError(f"--work {self.work}: it holds the runs of an earlier bench ({runs[0]}"
                                  f"{f' and {len(runs) - 1} more' if len(runs) > 1 else ''}): pass a new or empty "
-                                 f"folder, e.g. --work {self.work / 'next'}, or remove {runs[0].parent}.")
+                                 f"folder, e.g. --work {self.work / 'next'}, or remove {folders}.")
 
 
 class Launcher(Protocol):
