@@ -1,4 +1,5 @@
-"""Which ms-swift command this process runs, and how ms-swift reads its arguments.
+"""Which ms-swift command this process runs, which frameworks it can import, and how ms-swift reads
+its arguments.
 
 Standard library only: the ``--plugin`` start-up hook (:mod:`.plugin_flag`) and the plugin itself
 (:func:`elastic_moe_plugin.swift.install`, which does nothing in a command that does not train) both
@@ -67,6 +68,17 @@ def swift_entry(argv: list[str], orig_argv: list[str]) -> SwiftEntry | None:
     return SwiftEntry(route, megatron, head)
 
 
+def importable(name: str) -> bool:
+    """Whether module ``name`` can be imported, found without importing it (its parent packages are
+    imported): the plugin patches and registers only for the frameworks this process has."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def argument_groups(argv: list[str]) -> list[tuple[str | None, list[str]]]:
     """Split arguments into ``(flag, values)`` groups, as ms-swift's parser reads them: a flag is a
     word starting with ``--`` (``--flag=value`` is the flag with one value); its values are the words
@@ -83,4 +95,4 @@ def argument_groups(argv: list[str]) -> list[tuple[str | None, list[str]]]:
     return groups
 
 
-__all__ = ["TRAINING_ROUTES", "SwiftEntry", "argument_groups", "swift_entry"]
+__all__ = ["TRAINING_ROUTES", "SwiftEntry", "argument_groups", "importable", "swift_entry"]

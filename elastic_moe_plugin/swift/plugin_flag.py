@@ -40,8 +40,9 @@ An unknown plugin name stops the process with exit status 2 and a message listin
 It also warns, on rank 0 of a training route, when ``ELASTIC_MOE_*`` variables are set but no
 elastic-moe plugin is loaded (such a run would train plain top-k and exit 0).
 
-This module imports only the standard library and :mod:`elastic_moe_plugin.swift`'s light
-``__init__`` (no torch): in a non-swift process the ``.pth`` line imports nothing at all.
+This module imports only the standard library and the package's light modules (``__init__``,
+:mod:`.entry`, :mod:`.names`; no torch): in a non-swift process the ``.pth`` line imports nothing at
+all.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class SwiftPlugin(NamedTuple):
 
 def known_plugins() -> dict[str, SwiftPlugin]:
     """``{name: SwiftPlugin}`` of the plugins this package ships (one today)."""
-    from elastic_moe_plugin.swift import CALLBACK_NAME, PLUGIN_FILE
+    from elastic_moe_plugin.swift.names import CALLBACK_NAME, PLUGIN_FILE
 
     return {"elastic_moe": SwiftPlugin(
         name="elastic_moe", file=str(PLUGIN_FILE), callbacks=(CALLBACK_NAME,),
@@ -152,13 +153,28 @@ def rewrite(argv: list[str], route: str, *, known: dict[str, SwiftPlugin] | None
             file nor a plugin name, names no known plugin; or ``--plugin`` has no value.
     """
     known = known_plugins() if known is None else known
-    groups = argument_groups(argv)
     named: list[SwiftPlugin] = []
+    kept, first_plugin_group = _take_plugin_flags(argument_groups(argv), known, named)
+    # ms-swift keeps the last occurrence of a list flag: extend that one
+    last = {flag: index for index, (flag, _) in enumerate(kept) if flag in (EXTERNAL_PLUGINS_FLAG, CALLBACKS_FLAG)}
+    if EXTERNAL_PLUGINS_FLAG in last:
+        _replace_plugin_names(kept[last[EXTERNAL_PLUGINS_FLAG]][1], known, named)
+    if not named:
+        return Rewrite(argv=list(argv))
+    _add_flags(kept, last, first_plugin_group, named, route)
+    new_argv = [word for flag, values in kept for word in ([flag] if flag else []) + values]
+    return Rewrite(argv=new_argv, named=named)
 
-    def add(plugin: SwiftPlugin) -> None:
-        if plugin not in named:
-            named.append(plugin)
 
+def _add_named(named: list[SwiftPlugin], plugin: SwiftPlugin) -> None:
+    if plugin not in named:
+        named.append(plugin)
+
+
+def _take_plugin_flags(groups: list[tuple[str | None, list[str]]], known: dict[str, SwiftPlugin],
+                       named: list[SwiftPlugin]) -> tuple[list[tuple[str | None, list[str]]], int | None]:
+    """The groups other than ``--plugin`` (copies), and where the first ``--plugin`` stood among them
+    (None: there was none); the plugins those flags name are added to ``named``."""
     first_plugin_group = None
     kept: list[tuple[str | None, list[str]]] = []
     for flag, values in groups:
@@ -170,27 +186,32 @@ def rewrite(argv: list[str], route: str, *, known: dict[str, SwiftPlugin] | None
             for value in values:
                 if value not in known:
                     raise _unknown(value, known, PLUGIN_FLAG)
-                add(known[value])
+                _add_named(named, known[value])
             if first_plugin_group is None:
                 first_plugin_group = len(kept)
             continue
         kept.append((flag, list(values)))
+    return kept, first_plugin_group
 
-    # ms-swift keeps the last occurrence of a list flag: extend that one
-    last = {flag: index for index, (flag, _) in enumerate(kept) if flag in (EXTERNAL_PLUGINS_FLAG, CALLBACKS_FLAG)}
-    if EXTERNAL_PLUGINS_FLAG in last:
-        values = kept[last[EXTERNAL_PLUGINS_FLAG]][1]
-        for position, value in enumerate(values):
-            if os.path.isfile(value):
-                continue
-            if value in known:
-                add(known[value])
-                values[position] = known[value].file
-            elif _looks_like_name(value):
-                raise _unknown(value, known, EXTERNAL_PLUGINS_FLAG)
-    if not named:
-        return Rewrite(argv=list(argv))
 
+def _replace_plugin_names(values: list[str], known: dict[str, SwiftPlugin], named: list[SwiftPlugin]) -> None:
+    """In the values of an ``--external_plugins``, replace each plugin name by the plugin's file (added
+    to ``named``); a file stays as it is."""
+    for position, value in enumerate(values):
+        if os.path.isfile(value):
+            continue
+        if value in known:
+            _add_named(named, known[value])
+            values[position] = known[value].file
+        elif _looks_like_name(value):
+            raise _unknown(value, known, EXTERNAL_PLUGINS_FLAG)
+
+
+def _add_flags(kept: list[tuple[str | None, list[str]]], last: dict[str | None, int], first_plugin_group: int | None,
+               named: list[SwiftPlugin], route: str) -> None:
+    """Put the files of ``named`` into the last ``--external_plugins`` of ``kept`` (a new one where the
+    first ``--plugin`` stood, else at the end) and, on a training route, their callbacks into the last
+    ``--callbacks`` (a new one right after it); ``last`` holds where those flags are in ``kept``."""
     files = [plugin.file for plugin in named]
     if EXTERNAL_PLUGINS_FLAG in last:
         values = kept[last[EXTERNAL_PLUGINS_FLAG]][1]
@@ -209,8 +230,6 @@ def rewrite(argv: list[str], route: str, *, known: dict[str, SwiftPlugin] | None
             values += [name for name in callbacks if name not in values]
         else:
             kept.insert(last[EXTERNAL_PLUGINS_FLAG] + 1, (CALLBACKS_FLAG, callbacks))
-    new_argv = [word for flag, values in kept for word in ([flag] if flag else []) + values]
-    return Rewrite(argv=new_argv, named=named)
 
 
 # ---------------------------------------------------------------------------------- the hook
@@ -232,7 +251,7 @@ def loads_elastic_moe(argv: list[str]) -> bool:
     """Whether the ``--external_plugins`` ms-swift will use (the last one) loads an elastic-moe plugin
     file: the packaged one, or any file that imports ``elastic_moe_plugin`` (``patches/elastic_moe.py``
     of a checkout, a user's own plugin)."""
-    from elastic_moe_plugin.swift import PLUGIN_FILE
+    from elastic_moe_plugin.swift.names import PLUGIN_FILE
 
     values = next((values for flag, values in reversed(argument_groups(argv)) if flag == EXTERNAL_PLUGINS_FLAG), [])
     ours = os.path.realpath(PLUGIN_FILE)
