@@ -71,6 +71,24 @@ def moe_tracker() -> MoETracker:
     return MoETracker()
 
 
+# -------------------------------------------------------------------------------- forced κ
+def force_budgets(monkeypatch, budgets_for: Callable[[int], torch.Tensor]) -> None:
+    """Every elastic draw of κ on the Megatron path returns ``budgets_for(T)`` [T] instead of drawing
+    from the stream, as a draw would (κ, Σκ and κ's histogram known on the host): replaces
+    ``mcore.budget_rng.STREAM.draw`` for the test."""
+    import numpy as np
+
+    from elastic_moe_plugin.core.budget_stream import BudgetDraw
+    from elastic_moe_plugin.mcore import budget_rng
+
+    def draw(schedule, sampling, shard, num_tokens, device):
+        budgets = budgets_for(num_tokens)
+        host = budgets.numpy()
+        return BudgetDraw(budgets, host, int(host.sum()), np.bincount(host, minlength=schedule.high + 1))
+
+    monkeypatch.setattr(budget_rng.STREAM, "draw", draw)
+
+
 # -------------------------------------------------------------------------------- host syncs
 def in_megatron_rng_fork() -> bool:
     """The sync counters skip the host-only read of Megatron's RNG-tracker fork

@@ -201,17 +201,17 @@ def _top_level_definitions(path: Path) -> dict[str, set[str]]:
     return found
 
 
-def test_core_gates_holds_only_what_routing_runs():
-    """Every definition in ``core/gates.py`` is reachable from what the adapters' routing imports
-    from it; the lab's reference conventions live in ``tools/gates_lab``."""
-    definitions = _top_level_definitions(ROOT / "core" / "gates.py")
+def test_the_routing_core_holds_only_what_the_doors_run():
+    """Every definition in ``core/routing.py`` is reachable from what the doors' routing and load
+    balancing import from it; the gate lab's own instruments live in ``tools/gates_lab``."""
+    definitions = _top_level_definitions(ROOT / "core" / "routing.py")
     definitions.pop("__all__", None)
     roots: set[str] = set()
-    for module in ("elastic_moe_plugin.mcore.routing", "elastic_moe_plugin.hf.routing"):
+    for module in ("elastic_moe_plugin.mcore.routing", "elastic_moe_plugin.mcore.aux_loss", "elastic_moe_plugin.hf.routing"):
         tree = ast.parse(MODULES[module].read_text())
         roots |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                  and node.module == "elastic_moe_plugin.core.gates" for alias in node.names}
-    assert roots, "routing imports nothing from core.gates"
+                  and node.module == "elastic_moe_plugin.core.routing" for alias in node.names}
+    assert roots, "the doors import nothing from core.routing"
     reached, frontier = set(), list(roots)
     while frontier:
         name = frontier.pop()

@@ -11,50 +11,46 @@ The draw (:meth:`BudgetStream.draw`), on the host::
     key      = seed + 2^64 · shard                       (128 bits; seed, shard < 2^64)
     block_j  = Philox4x64-10(key, counter · 2^64 + j)    (j = 1, 2, ...: four 64-bit words x each)
     u_t      = (x_t >> 11) · 2^-53                        (t = 0..T-1, the t-th word; u_t in [0, 1))
-    κ        = BudgetSchedule.host_budgets_from_uniforms(u, sampling)
+    κ        = BudgetSchedule.budgets_from_uniforms(u, sampling)
     counter  ← counter + 1                                (whatever T, T = 0 included)
 
-Philox4x64-10 (Salmon et al., SC'11, "Parallel random numbers: as easy as 1, 2, 3") is numpy's
-``numpy.random.Philox``; ``numpy.random.Generator.random`` forms ``u`` exactly as written. What this
-gives, and what the adapters' guarantees rest on (``docs/parallelism.md#randomness``):
+Philox4x64-10 (Salmon et al., SC'11) is numpy's ``numpy.random.Philox``; ``Generator.random``
+forms ``u`` exactly as written. The doors' guarantees rest on what this gives
+(``docs/parallelism.md#randomness``): O(T) work on every rank whatever the number of shards; ranks
+in step whatever their T (the counter advances by one per draw); no two draws or shards share
+uniforms (Philox is a bijection of the counter for each key), while tensor-parallel peers that
+pass the same shard draw the same κ; token t's uniform does not depend on T; and the same κ on
+every device type (κ is computed on the host and copied to the device).
 
-- **O(T) on every rank.** A rank generates its own T uniforms only: time and memory do not grow
-  with the number of shards (data × context × sequence parallel size).
-- **In step whatever T.** The counter advances by 1 per draw on every rank, so ranks with
-  different T (padding-free batches, uneven context-parallel chunks, a last partial batch) keep
-  identical stream states, and one saved state restores every rank.
-- **No two draws share uniforms.** Philox is a bijection of the counter for each key: two shards
-  (different keys) or two draws (counter ranges ``[c·2^64 + 1, c·2^64 + ⌈T/4⌉]``, disjoint while
-  T < 2^66) never produce the same words from the same (key, counter) pair. Tensor-parallel peers
-  holding the same tokens pass the same shard, hence draw the same κ.
-- **Token t's uniform does not depend on T.** ``u_t`` of draw c on shard s is the same whether the
-  shard holds T = t + 1 tokens or more: iid κ_t depends on (seed, c, s, t) only.
-- **The same κ on every device type.** κ is computed on the CPU and copied to the device; a GPU
-  run and a CPU run with the same seed draw the same κ.
+Where the stream lives (:class:`StreamHome`): a door keeps it where its framework saves and
+restores RNG state, as one of two homes. :class:`TrackedStream`: a named entry of an RNG-state
+tracker (Megatron's CUDA RNG tracker: checkpoints and activation recompute carry it).
+:class:`ProcessStream`: one stream per process, saved by the door with the trainer's own RNG
+files (transformers' Trainer). Either home draws the same way (:meth:`StreamHome.draw`): read
+the stream, take the draw from a block of draws made ahead, store the advanced stream.
 
-Cost on the host at T = 8192: about 60 µs for the uniforms, 20 µs for the iid mapping, 80 µs for
-the balanced one (measured by ``elastic-moe bench --only kappa``). Draws are made up to 64 at a
-time, consecutive counters of one (seed, shard), each still exactly its own draw
-(:class:`_DrawsAhead`): inside a training step, with the caches cold, one draw at a time cost ten
-times its warm cost. To a CUDA device κ travels by one non-blocking copy from pinned memory: no
-host sync, no kernel. Σκ, per-token κ and κ's histogram are then known on the host for free:
-:class:`BudgetDraw` carries them.
+Draws are made up to 64 at a time, consecutive counters of one (seed, shard), each still exactly
+its own draw (:class:`_DrawsAhead`): one numpy call maps a whole block, where a draw at a time
+between the model's kernels runs with the interpreter's and numpy's caches cold
+(``docs/performance.md#the-κ-draw``). To a CUDA device κ travels by one non-blocking copy from
+pinned memory: no host sync, no kernel. Σκ, per-token κ and κ's histogram are then known on the
+host for free: :class:`BudgetDraw` carries them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from elastic_moe_plugin.core.schedule import BudgetSchedule, SamplingMode
+from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET, BudgetSchedule, SamplingMode
 
 _WORD = 1 << 64
-
-#: the router attribute holding the :class:`BudgetDraw` of its latest draw (both adapters set it)
-LATEST_DRAW_ATTR = "_elastic_budget_draw"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +84,8 @@ class BudgetStream:
     counter: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("seed", "counter"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _WORD:
-                raise ValueError(f"BudgetStream.{name}={value!r} is invalid: expected an integer in [0, 2^64).")
+        _check_index("BudgetStream.seed", self.seed)
+        _check_index("BudgetStream.counter", self.counter)
 
     @classmethod
     def seeded(cls, seed: int) -> "BudgetStream":
@@ -104,7 +98,9 @@ class BudgetStream:
         module docstring's formula); the stream itself does not advance."""
         _check_index("shard", shard)
         _check_index("num_tokens", num_tokens)
-        return _philox_generator(self.seed, shard, self.counter).random(num_tokens)
+        uniforms = np.empty(num_tokens, dtype=np.float64)
+        _philox(self.seed, shard).at_counter(self.counter).random(out=uniforms)
+        return uniforms
 
     def draw(self, schedule: BudgetSchedule, sampling: SamplingMode, shard: int, num_tokens: int,
              device: torch.device | str = "cpu") -> tuple[BudgetDraw, "BudgetStream"]:
@@ -112,19 +108,17 @@ class BudgetStream:
 
         A static schedule generates no uniforms (κ ≡ k) but advances the counter all the same, so
         ranks stay in step. The device copy is non-blocking from pinned memory on CUDA, none on
-        the CPU (:func:`to_device`).
+        the CPU (:func:`to_device`). One draw on its own; a :class:`StreamHome` draws the same κ
+        from blocks made ahead.
         """
         _check_index("shard", shard)
         _check_index("num_tokens", num_tokens)
         if schedule.is_static:
-            host = np.full(num_tokens, schedule.low, dtype=np.int64)
-            drawn, advanced = BudgetDraw(torch.from_numpy(host), host, num_tokens * schedule.low), self.advanced()
+            drawn = _static_draw(schedule, num_tokens)
         else:
-            block = _draws_ahead(self.seed, shard, self.counter, num_tokens)
-            drawn, advanced = block.draw(self.counter, num_tokens, schedule, sampling), block.advanced[self.counter - block.first]
-        if getattr(device, "type", device) != "cpu":
-            drawn = dataclasses.replace(drawn, budgets=_host_tensor_to_device(drawn.budgets, torch.device(device)))
-        return drawn, advanced
+            drawn = _DrawsAhead(self.seed, shard, self.counter, 1, num_tokens).draw(self.counter, num_tokens,
+                                                                                  schedule, sampling)
+        return _on_device(drawn, device), self.advanced()
 
     def advanced(self) -> "BudgetStream":
         """This stream one draw on (counter + 1 modulo 2^64), without re-validating the seed."""
@@ -161,134 +155,330 @@ class BudgetStream:
         return cls(int.from_bytes(raw[:8], "little"), offset // 4)
 
 
-class _PhiloxGenerators(threading.local):
-    """One numpy Philox generator per key, per thread, re-aimed at each draw's counter by setting its
-    state: constructing ``np.random.Philox(key=..., counter=...)`` from Python ints costs about 3x
-    as much (48 against 17 µs inside a router loop on the CI machine), once per router call."""
-
-    def __init__(self) -> None:
-        self.by_key: dict[int, tuple[np.random.Philox, np.random.Generator, np.ndarray]] = {}
+def _check_index(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _WORD:
+        raise ValueError(f"{name}={value!r} is invalid: expected an integer in [0, 2^64).")
 
 
-_GENERATORS = _PhiloxGenerators()
-_CACHED_KEYS = 64  # distinct (seed, shard) keys kept per thread; a rank uses one or two
+# ---------------------------------------------------------------------------------- the draws
+class _Philox:
+    """numpy's Philox4x64-10 under one key, re-aimed at a draw's counter by setting its state
+    (cheaper than constructing a generator from Python ints for every draw of a block)."""
+
+    __slots__ = ("bits", "generator", "key_words")
+
+    def __init__(self, key: int) -> None:
+        self.bits = np.random.Philox(key=key)
+        self.generator = np.random.Generator(self.bits)
+        self.key_words = np.array([key & (_WORD - 1), key >> 64], dtype=np.uint64)
+
+    def at_counter(self, counter: int) -> np.random.Generator:
+        """The generator whose next words are ``Philox4x64-10(key, counter·2^64 + j)``, j = 1, 2, ...
+        (the module docstring's blocks; the 256-bit counter counter·2^64 as four little-endian
+        64-bit words, with an empty output buffer)."""
+        self.bits.state = {"bit_generator": "Philox",
+                           "state": {"counter": np.array([0, counter, 0, 0], dtype=np.uint64), "key": self.key_words},
+                           "buffer": np.zeros(4, dtype=np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
+        return self.generator
 
 
-def _philox_generator(seed: int, shard: int, counter: int) -> np.random.Generator:
-    """A generator whose next words are ``Philox4x64-10(seed + 2^64·shard, counter·2^64 + j)``,
-    j = 1, 2, ... (the module docstring's blocks; what ``np.random.Philox(key=, counter=counter << 64)``
-    produces)."""
-    key = seed + (shard << 64)
-    cached = _GENERATORS.by_key.get(key)
-    if cached is None:
-        if len(_GENERATORS.by_key) >= _CACHED_KEYS:
-            _GENERATORS.by_key.clear()
-        bits = np.random.Philox(key=key)
-        key_words = np.array([key & (_WORD - 1), key >> 64], dtype=np.uint64)
-        cached = _GENERATORS.by_key[key] = (bits, np.random.Generator(bits), key_words)
-    bits, generator, key_words = cached
-    # the 256-bit counter counter·2^64 as four little-endian 64-bit words; an empty output buffer
-    bits.state = {"bit_generator": "Philox", "state": {"counter": np.array([0, counter, 0, 0], dtype=np.uint64),
-                                                       "key": key_words},
-                  "buffer": np.zeros(4, dtype=np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
-    return generator
+def _philox(seed: int, shard: int) -> _Philox:
+    return _Philox(seed + (shard << 64))
+
+
+def _static_draw(schedule: BudgetSchedule, num_tokens: int) -> BudgetDraw:
+    host = np.full(num_tokens, schedule.low, dtype=np.int64)
+    return BudgetDraw(torch.from_numpy(host), host, num_tokens * schedule.low)
+
+
+def _on_device(drawn: BudgetDraw, device: torch.device | str) -> BudgetDraw:
+    if getattr(device, "type", device) == "cpu":
+        return drawn
+    return dataclasses.replace(drawn, budgets=_host_tensor_to_device(drawn.budgets, torch.device(device)))
+
+
+def _histograms(budgets: np.ndarray, bins: int) -> np.ndarray:
+    """κ's histogram per row of ``budgets`` [depth, T]: [depth, bins], in one bincount (row i's κ
+    counted in bins [i·bins, (i+1)·bins))."""
+    depth = budgets.shape[0]
+    offsets = (np.arange(depth, dtype=np.int64) * bins)[:, None]
+    return np.bincount((budgets + offsets).ravel(), minlength=depth * bins).reshape(depth, bins)
 
 
 class _DrawsAhead:
     """Up to :data:`_AHEAD_DRAWS` consecutive draws of one (seed, shard) key, made together: their
-    uniforms, and their κ under each schedule that asked for them, as finished CPU draws.
-
-    Why ahead. One draw is a few microseconds of numpy when its code is warm, but a router call
-    runs it between the model's own kernels, with the interpreter's and numpy's caches cold: ten
-    times as long there (about 270 µs per draw inside a Megatron MoE layer's forward at T = 256 on
-    the CI machine, against 18 µs in a loop of draws). Making the next draws in one loop, and
-    mapping them to κ with one numpy call, pays the warm cost once per block.
+    uniforms, and their κ under each (schedule, sampling) that asked for them, as finished CPU draws.
 
     What a row holds is the draw itself, not an approximation of it: row i is the uniforms of
     counter ``first + i`` at the block's width, and the uniforms of a draw of T <= width tokens are
     the first T of the row (token t's uniform does not depend on T: the module docstring). iid κ
     maps token by token, so the first T entries of a mapped row are the κ of the shorter draw;
-    balanced κ ranks all T uniforms together and is mapped per draw from the row's first T.
+    balanced κ ranks all T uniforms together, so a row is mapped at the block's width and a shorter
+    draw is mapped on its own from the row's first T.
 
     Rows are read-only by contract: a draw's κ, numpy and CPU tensor, is a view of one.
     """
 
-    __slots__ = ("first", "uniforms", "advanced", "mapped")
+    __slots__ = ("seed", "shard", "first", "uniforms", "mapped")
 
     def __init__(self, seed: int, shard: int, first: int, depth: int, width: int) -> None:
-        self.first = first
+        self.seed, self.shard, self.first = seed, shard, first
         self.uniforms = np.empty((depth, width), dtype=np.float64)
+        philox = _philox(seed, shard)
         for row in range(depth):
-            _philox_generator(seed, shard, first + row).random(out=self.uniforms[row])
-        #: the stream after draw ``first + i``
-        self.advanced = tuple(BudgetStream(seed, first + row).advanced() for row in range(depth))
-        #: [(schedule, the iid draw of each row at the full width)], one entry per distinct schedule
-        #: that asked (a model's layers may differ)
-        self.mapped: list[tuple[BudgetSchedule, tuple[BudgetDraw, ...]]] = []
+            philox.at_counter(first + row).random(out=self.uniforms[row])
+        #: [(schedule, sampling, the draw of each row at the full width)], one entry per distinct
+        #: (schedule, sampling) that asked: a model's layers may differ
+        self.mapped: list[tuple[BudgetSchedule, str, tuple[BudgetDraw, ...]]] = []
 
-    def holds(self, counter: int, num_tokens: int) -> bool:
-        return 0 <= counter - self.first < self.uniforms.shape[0] and num_tokens <= self.uniforms.shape[1]
+    def holds(self, seed: int, shard: int, counter: int, num_tokens: int) -> bool:
+        return (seed == self.seed and shard == self.shard and 0 <= counter - self.first < self.uniforms.shape[0]
+                and num_tokens <= self.uniforms.shape[1])
 
     def draw(self, counter: int, num_tokens: int, schedule: BudgetSchedule, sampling: SamplingMode) -> BudgetDraw:
         """Draw ``counter`` of T tokens (:meth:`holds` it), its κ a CPU tensor."""
         row, bins = counter - self.first, schedule.high + 1
-        if sampling == "balanced":
-            budgets = schedule.host_budgets_from_uniforms(self.uniforms[row, :num_tokens], sampling)
+        if num_tokens < self.uniforms.shape[1] and sampling == "balanced":
+            budgets = schedule.budgets_from_uniforms(self.uniforms[row, :num_tokens], sampling)
             return BudgetDraw(torch.from_numpy(budgets), budgets, num_tokens * schedule.center,
                               np.bincount(budgets, minlength=bins))
-        for mapped_schedule, draws in self.mapped:
-            # equal, not only the same object: every layer resolves its own copy of one schedule,
-            # and 48 layers must not map (and keep) 48 copies of a block
-            if mapped_schedule is schedule or mapped_schedule == schedule:
-                break
-        else:
-            budgets = schedule.host_budgets_from_uniforms(self.uniforms, sampling)  # [depth, width]
-            depth = budgets.shape[0]
-            # every row's histogram in one bincount: row i's κ counted in bins [i·bins, (i+1)·bins)
-            offsets = (np.arange(depth, dtype=np.int64) * bins)[:, None]
-            counts = np.bincount((budgets + offsets).ravel(), minlength=depth * bins).reshape(depth, bins)
-            totals = (counts @ np.arange(bins, dtype=np.int64)).tolist()
-            draws = tuple(BudgetDraw(*row_draw) for row_draw in
-                          zip(torch.from_numpy(budgets).unbind(0), budgets, totals, counts))
-            self.mapped.append((schedule, draws))
-        drawn = draws[row]
+        drawn = self._mapped(schedule, sampling)[row]
         if num_tokens == self.uniforms.shape[1]:
             return drawn
         budgets = drawn.host_budgets[:num_tokens]
         counts = np.bincount(budgets, minlength=bins)
         return BudgetDraw(drawn.budgets[:num_tokens], budgets, int(counts @ np.arange(bins, dtype=np.int64)), counts)
 
+    def _mapped(self, schedule: BudgetSchedule, sampling: SamplingMode) -> tuple[BudgetDraw, ...]:
+        for mapped_schedule, mapped_sampling, draws in self.mapped:
+            # equal, not only the same object: every layer resolves its own copy of one schedule,
+            # and 48 layers must not map (and keep) 48 copies of a block
+            if mapped_sampling == sampling and (mapped_schedule is schedule or mapped_schedule == schedule):
+                return draws
+        if sampling == "balanced":
+            budgets = np.stack([schedule.budgets_from_uniforms(row, sampling) for row in self.uniforms])
+        else:
+            budgets = schedule.budgets_from_uniforms(self.uniforms, sampling)  # [depth, width]
+        counts = _histograms(budgets, schedule.high + 1)
+        totals = (counts @ np.arange(schedule.high + 1, dtype=np.int64)).tolist()
+        draws = tuple(BudgetDraw(*row) for row in zip(torch.from_numpy(budgets).unbind(0), budgets, totals, counts))
+        self.mapped.append((schedule, sampling, draws))
+        return draws
 
-class _DrawsAheadByKey(threading.local):
-    def __init__(self) -> None:
-        self.by_key: dict[int, _DrawsAhead] = {}
 
-
-_AHEAD = _DrawsAheadByKey()
 _AHEAD_DRAWS = 64  # draws generated together: two layers x two micro-batches use 4 per step
 _AHEAD_ELEMENTS = 1 << 18  # uniforms per block at most (2 MiB, plus 2 MiB of κ per schedule)
-_AHEAD_KEYS = 8  # blocks kept per thread (a rank draws on one or two keys): 32 MiB at most
 
 
-def _draws_ahead(seed: int, shard: int, counter: int, num_tokens: int) -> _DrawsAhead:
-    """The block holding draw ``counter`` of T tokens on this key: the cached one, or a new one.
+def _next_block(block: _DrawsAhead | None, seed: int, shard: int, counter: int, num_tokens: int) -> _DrawsAhead:
+    """The block holding draw ``counter`` of T tokens: ``block`` if it does, else a new one.
 
-    A new block starts at ``counter``, except for a draw behind the cached block (activation
-    recompute replays earlier counters), which gets a one-draw block of its own and leaves the
-    cached block in place for the draws ahead.
+    A new block starts at ``counter``; a draw behind the current block (activation recompute
+    replays earlier counters) gets a one-draw block of its own, and the caller keeps the current
+    block for the draws ahead (:meth:`StreamHome.draw`).
     """
-    key = seed + (shard << 64)
-    cached = _AHEAD.by_key.get(key)
-    if cached is not None and cached.holds(counter, num_tokens):
-        return cached
-    width = num_tokens if cached is None else max(num_tokens, cached.uniforms.shape[1])
-    if cached is not None and counter < cached.first and num_tokens <= cached.uniforms.shape[1]:
+    if block is not None and block.holds(seed, shard, counter, num_tokens):
+        return block
+    same_key = block is not None and block.seed == seed and block.shard == shard
+    width = max(num_tokens, block.uniforms.shape[1]) if same_key else num_tokens
+    if same_key and counter < block.first and num_tokens <= block.uniforms.shape[1]:
         return _DrawsAhead(seed, shard, counter, 1, num_tokens)
     depth = max(1, min(_AHEAD_DRAWS, _AHEAD_ELEMENTS // max(width, 1), _WORD - counter))
-    if len(_AHEAD.by_key) >= _AHEAD_KEYS:
-        _AHEAD.by_key.clear()
-    block = _AHEAD.by_key[key] = _DrawsAhead(seed, shard, counter, depth, width)
-    return block
+    return _DrawsAhead(seed, shard, counter, depth, width)
+
+
+# ---------------------------------------------------------------------------------- where it lives
+class StreamHome:
+    """Where a door keeps κ's stream: :meth:`load` and :meth:`store` a :class:`BudgetStream`, and
+    :meth:`draw` from it. One home serves every router of a process (or of a tracker), so its
+    block of draws made ahead follows the stream's counter across layers."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._block: _DrawsAhead | None = None
+
+    def load(self) -> BudgetStream:
+        raise NotImplementedError
+
+    def store(self, stream: BudgetStream, replaces: BudgetStream) -> None:
+        """Store ``stream`` as the next state, unless something else replaced ``replaces`` meanwhile."""
+        raise NotImplementedError
+
+    def draw(self, schedule: BudgetSchedule, sampling: SamplingMode, shard: int, num_tokens: int,
+             device: torch.device | str) -> BudgetDraw:
+        """κ [T] of this rank's token shard (on ``device`` and on the host); the stream advances by
+        one draw, whatever T (the module docstring)."""
+        with self._lock:
+            stream = self.load()
+            if schedule.is_static:
+                drawn = _static_draw(schedule, num_tokens)
+            else:
+                block = _next_block(self._block, stream.seed, shard, stream.counter, num_tokens)
+                if block.uniforms.shape[0] > 1 or self._block is None:
+                    self._block = block  # a one-draw block behind the current one is not kept
+                drawn = block.draw(stream.counter, num_tokens, schedule, sampling)
+            self.store(stream.advanced(), stream)
+        return _on_device(drawn, device)
+
+
+class ProcessStream(StreamHome):
+    """One stream per process, seeded from ``seed_source()`` (+ :data:`BUDGET_SEED_OFFSET`) at its
+    first draw unless :meth:`reseed` or :meth:`load_state_dict` set it."""
+
+    def __init__(self, seed_source: Callable[[], int]) -> None:
+        super().__init__()
+        self._seed_source = seed_source
+        self._stream: BudgetStream | None = None
+
+    def load(self) -> BudgetStream:
+        with self._lock:
+            if self._stream is None:
+                self._stream = BudgetStream.seeded(BUDGET_SEED_OFFSET + int(self._seed_source()))
+            return self._stream
+
+    def store(self, stream: BudgetStream, replaces: BudgetStream) -> None:
+        with self._lock:
+            if self._stream is replaces:  # a concurrent re-seed wins
+                self._stream = stream
+
+    def reseed(self, seed: int) -> None:
+        """Reset the stream to ``(BUDGET_SEED_OFFSET + seed, 0)``."""
+        with self._lock:
+            self._stream = BudgetStream.seeded(BUDGET_SEED_OFFSET + int(seed))
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"seed": int, "counter": int}``: the stream of the next draw."""
+        stream = self.load()
+        return {"seed": stream.seed, "counter": stream.counter}
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Restore :meth:`state_dict`'s stream; an empty dict forgets it (the next draw seeds anew).
+        False (and the stream forgotten) for a dict of another shape."""
+        with self._lock:
+            if state and "seed" in state and "counter" in state:
+                self._stream = BudgetStream(int(state["seed"]), int(state["counter"]))
+                return True
+            self._stream = None
+            return not state
+
+
+class TrackedStream(StreamHome):
+    """The stream as one named entry of an RNG-state tracker: an object whose ``states_`` dict (or
+    ``get_states()`` / ``set_states()``) maps names to generator states, uint8 state tensors or
+    ``torch.Generator`` objects (Megatron's CUDA RNG tracker). Whatever saves, restores or
+    snapshots the tracker's states then carries κ's stream with them.
+
+    The entry is the stream as the 16-byte state of a CUDA Philox generator
+    (:meth:`BudgetStream.to_state_tensor`), of the kind the tracker's other states are: a CPU
+    tensor, or a generator on their device holding it. A draw replaces the entry, never mutates
+    it, so a snapshot taken before keeps the old stream.
+
+    Args:
+        bind_tracker: returns the function that returns the tracker (called once, at the first use).
+        name: the entry's name.
+        seed_source: the seed of a newly registered stream (:data:`BUDGET_SEED_OFFSET` included).
+        logger: where a saved entry that is no stream state is reported.
+    """
+
+    def __init__(self, bind_tracker: Callable[[], Callable[[], Any]], name: str, seed_source: Callable[[], int],
+                 logger: logging.Logger) -> None:
+        super().__init__()
+        self._bind_tracker = bind_tracker
+        self._get_tracker: Callable[[], Any] | None = None
+        self.name = name
+        self._seed_source = seed_source
+        self._logger = logger
+        # the entry this process stored last and its stream: consecutive draws skip decoding it
+        self._last_entry: Any = None
+        self._last_stream: BudgetStream | None = None
+        self._entries_ahead = _EntriesAhead()
+
+    def tracker(self) -> Any:
+        """The tracker now (Megatron may replace it: looked up at every use)."""
+        if self._get_tracker is None:
+            self._get_tracker = self._bind_tracker()
+        return self._get_tracker()
+
+    def states(self) -> dict:
+        """The tracker's states without copying them (its ``states_`` dict; ``get_states()`` copies)."""
+        tracker = self.tracker()
+        states = getattr(tracker, "states_", None)
+        return states if isinstance(states, dict) else tracker.get_states()
+
+    def register(self) -> None:
+        """A fresh stream (counter 0, ``seed_source()``) unless the tracker holds one."""
+        if self.name not in self.tracker().get_states():
+            self.store(BudgetStream.seeded(self._seed_source()), None)
+
+    def load(self) -> BudgetStream:
+        entry = self.states().get(self.name)
+        if entry is not None and entry is self._last_entry:
+            return self._last_stream
+        if entry is not None:
+            try:
+                return BudgetStream.from_state(entry)
+            except ValueError as error:  # e.g. a checkpoint of a version that kept a generator state here
+                self._logger.warning("elastic-moe: the saved κ stream %r is not a stream state (%s); starting a "
+                                     "fresh one from seed %d.", self.name, error, self._seed_source())
+        stream = BudgetStream.seeded(self._seed_source())
+        self.store(stream, None)
+        return stream
+
+    def store(self, stream: BudgetStream, replaces: BudgetStream | None) -> None:
+        tracker = self.tracker()
+        entry = self._entry(stream)
+        states = getattr(tracker, "states_", None)
+        if isinstance(states, dict):
+            states[self.name] = entry  # what the tracker's own fork() does with its states
+        else:
+            tracker.set_states({**tracker.get_states(), self.name: entry})
+        self._last_entry, self._last_stream = entry, stream
+
+    def forget(self) -> None:
+        """Drop the entry: the next draw or :meth:`register` seeds a fresh stream."""
+        tracker = self.tracker()
+        states = tracker.get_states()
+        if self.name in states:
+            tracker.set_states({name: value for name, value in states.items() if name != self.name})
+        self._last_entry = self._last_stream = None
+
+    def _entry(self, stream: BudgetStream) -> Any:
+        device = self._generator_device()
+        if device is None:
+            return self._entries_ahead.get(stream)
+        generator = torch.Generator(device=device)
+        generator.set_state(stream.to_state_tensor())
+        return generator
+
+    def _generator_device(self) -> torch.device | None:
+        """The device of the tracker's ``torch.Generator`` states, None when it holds tensors (a
+        tracker's states are all of one kind: its first state other than ours decides)."""
+        for name, state in self.states().items():
+            if name != self.name:
+                return state.device if isinstance(state, torch.Generator) else None
+        return None
+
+
+class _EntriesAhead:
+    """The state tensors of the next :data:`_AHEAD_DRAWS` counters of one seed, made together (a
+    draw stores one per router call). Immutable by contract, as every entry is."""
+
+    __slots__ = ("seed", "first", "tensors")
+
+    def __init__(self) -> None:
+        self.seed, self.first, self.tensors = None, 0, ()
+
+    def get(self, stream: BudgetStream) -> torch.Tensor:
+        row = stream.counter - self.first
+        if stream.seed != self.seed or not 0 <= row < len(self.tensors):
+            self.seed, self.first, row = stream.seed, stream.counter, 0
+            last = min(stream.counter + _AHEAD_DRAWS, _LAST_OFFSET)
+            self.tensors = tuple(BudgetStream(stream.seed, counter).to_state_tensor()
+                                 for counter in range(stream.counter, last))
+        return self.tensors[row]
+
+
+_LAST_OFFSET = 1 << 62  # a state's offset 4·counter has 64 bits: counters below 2^62 have one
 
 
 def to_device(host: np.ndarray, device: torch.device | str) -> torch.Tensor:
@@ -309,15 +499,4 @@ def _host_tensor_to_device(host_tensor: torch.Tensor, device: torch.device) -> t
     return host_tensor.to(device)
 
 
-def latest_draw(router) -> BudgetDraw | None:
-    """The :class:`BudgetDraw` of ``router``'s latest elastic draw (κ and Σκ on the host), None
-    before its first one or for a router that draws no κ (top-p mode). Not used for routing yet."""
-    return router.__dict__.get(LATEST_DRAW_ATTR)
-
-
-def _check_index(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _WORD:
-        raise ValueError(f"{name}={value!r} is invalid: expected an integer in [0, 2^64).")
-
-
-__all__ = ["LATEST_DRAW_ATTR", "BudgetDraw", "BudgetStream", "latest_draw", "to_device"]
+__all__ = ["BudgetDraw", "BudgetStream", "ProcessStream", "StreamHome", "TrackedStream", "to_device"]

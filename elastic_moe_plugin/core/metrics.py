@@ -153,7 +153,7 @@ def _statistics_of(values: list[float], host_terms: tuple[float, float, float] |
 
 @functools.lru_cache(maxsize=32)
 def _layer_offsets(num_layers: int, num_experts: int, device: torch.device) -> torch.Tensor:
-    # [L, 1, 1]: l·E, made once per shape (outside inference mode, as core.gates' cached tensors)
+    # [L, 1, 1]: l·E, made once per shape (outside inference mode, as core.routing's cached tensors)
     with torch.inference_mode(False):
         return (torch.arange(num_layers, device=device) * num_experts).view(num_layers, 1, 1)
 

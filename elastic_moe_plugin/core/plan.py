@@ -1,4 +1,4 @@
-"""``LayerPlan``: how one router routes in training, resolved once per (config, router) and cached.
+"""``LayerPlan``: how one router routes in training, resolved once per (config, router) and kept in its state.
 
 Both adapters resolve a plan from an :class:`~elastic_moe_plugin.core.config.ElasticConfig` and
 the router they meet; ``None`` instead of a plan means "run the stock code" (eval mode, a static
@@ -10,16 +10,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Mapping
 
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 #: gate rules a plan may name (``docs/gates.md``): ``sigmoid_auto`` is Megatron's sigmoid /
 #: sqrtsoftplus rule (renormalise over the kept scores when κ_t > 1)
 PLAN_GATES: tuple[str, ...] = ("full_softmax", "renormalized", "sigmoid_auto")
-
-#: ``(key, plan)`` cached in a router's ``__dict__``: a plan is resolved once per key
-PLAN_CACHE_ATTR = "_elastic_plan_cache"
 
 logger = logging.getLogger("elastic_moe_plugin")
 _warned: set[str] = set()
@@ -49,33 +46,19 @@ class LayerPlan:
     top_p_width: int | None = None
     cast_weights_to_logits: bool = True
 
-    @property
-    def width(self) -> int:
-        """b: candidate slots per token, the schedule's high budget (or the top-p width)."""
-        return self.top_p_width if self.top_p is not None else self.schedule.high
+    #: b: candidate slots per token, the schedule's high budget (or the top-p width); a field, not
+    #: a property, because routers read it at every forward
+    width: int = dataclasses.field(init=False, repr=False, compare=False)
+    #: k when every token's κ is k whatever is drawn, so known on the host: a schedule whose whole
+    #: mass is on its center (``"static"``, or {k−1..k+1} with a vanishing σ). None when κ varies,
+    #: and always in ``mode="top_p"``, where κ comes from the probabilities.
+    fixed_budget: int | None = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def fixed_budget(self) -> int | None:
-        """k when every token's κ is k whatever is drawn, so known on the host: a schedule whose
-        whole mass is on its center (``"static"``, or {k−1..k+1} with a vanishing σ). None when κ
-        varies, and always in ``mode="top_p"``, where κ comes from the probabilities."""
-        if self.top_p is not None or self.schedule.probability(self.schedule.center) != 1.0:
-            return None
-        return self.schedule.center
-
-
-def cached_plan(router, key: Hashable, resolve: Callable[[], "LayerPlan | None"]) -> "LayerPlan | None":
-    """The plan cached on ``router`` for ``key``, else ``resolve()`` (cached; None is cached too).
-
-    ``key`` holds everything the plan depends on that can change between forwards (the patch
-    generation, the layer index), so a changed config or layer number re-resolves.
-    """
-    cached = router.__dict__.get(PLAN_CACHE_ATTR)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    plan = resolve()
-    router.__dict__[PLAN_CACHE_ATTR] = (key, plan)
-    return plan
+    def __post_init__(self) -> None:
+        schedule = self.schedule
+        object.__setattr__(self, "width", self.top_p_width if self.top_p is not None else schedule.high)
+        fixed = self.top_p is None and schedule.probability(schedule.center) == 1.0
+        object.__setattr__(self, "fixed_budget", schedule.center if fixed else None)
 
 
 def warn_if_top1_gate_is_constant(schedule: BudgetSchedule, gate: str, where: str) -> None:
@@ -168,5 +151,5 @@ def log_plan(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, int], f
     return line
 
 
-__all__ = ["PLAN_CACHE_ATTR", "PLAN_GATES", "RESOLVED_FROM_MODEL", "LayerPlan", "cached_plan", "describe_plans", "log_plan", "log_plan_once",
+__all__ = ["PLAN_GATES", "RESOLVED_FROM_MODEL", "LayerPlan", "describe_plans", "log_plan", "log_plan_once",
            "warn_if_top1_gate_is_constant"]

@@ -1,11 +1,8 @@
-"""Routing records and κ histograms on elastic routers, and the one front end both adapters read them through.
+"""Routing records and κ histograms of elastic routers, and the one front end both doors read them through.
 
-After every training forward an elastic router holds (in its ``__dict__``, so no parameter,
-buffer or state-dict key is added) the latest :class:`RoutingRecord` and a running κ histogram
-[b+1] (index = κ) since the last reset. Keeping them costs no device op and no host sync when κ
-was drawn on the host (the draw's histogram is added to a numpy array), one small ``scatter_add_``
-per layer when the device computed κ (top-p); the record holds references to the forward's own
-tensors and derives its logging tensors when read;
+After every training forward an elastic router's state (:class:`~.router_state.RouterState`)
+holds what it routed and a running κ histogram [b+1] (index = κ) since the last reset; here they
+become :class:`RoutingRecord` objects, built at the first read, and
 :mod:`~elastic_moe_plugin.core.metrics` turns them into logged scalars only when a logger asks.
 
 The front end. An adapter only enumerates its routers, as :class:`RouterSite` rows in model order
@@ -34,11 +31,9 @@ import numpy as np
 import torch
 
 from elastic_moe_plugin.core.config import ElasticConfig
-from elastic_moe_plugin.core.plan import PLAN_CACHE_ATTR, LayerPlan
+from elastic_moe_plugin.core.plan import LayerPlan
+from elastic_moe_plugin.core.router_state import STATE_ATTR, HostHistogram, RouterState
 from elastic_moe_plugin.core.schedule import BudgetSchedule
-
-RECORD_ATTR = "_elastic_record"
-HISTOGRAM_ATTR = "_elastic_budget_histogram"
 
 
 class RoutingRecord:
@@ -165,43 +160,6 @@ def stacked_records(records: Sequence[RoutingRecord], *, with_budgets: bool = Tr
     return budgets, ids, selected, sums
 
 
-class HostHistogram:
-    """A running κ histogram [bins] counted on the host, from draws whose histograms the host has.
-
-    Adding is appending a reference (a numpy in-place add costs tens of microseconds inside a
-    router call with the caches cold); the pending counts are summed when the histogram is read,
-    or every :data:`_PENDING_FOLD` additions, so memory stays bounded without a reader.
-    """
-
-    __slots__ = ("bins", "counts", "pending")
-
-    def __init__(self, bins: int) -> None:
-        self.bins = bins
-        self.counts = np.zeros(bins, dtype=np.int64)
-        self.pending: list[np.ndarray] = []
-
-    def add(self, counts: np.ndarray) -> None:
-        self.pending.append(counts)
-        if len(self.pending) >= _PENDING_FOLD:
-            self.fold()
-
-    def fold(self) -> np.ndarray:
-        """The counts so far (int64 [bins]), the pending ones added in."""
-        if self.pending:
-            # one pending draw (a log every step, one micro-batch) is one in-place add; np.sum of a
-            # list first builds a 2-D array (~50 µs in a log whose caches the step left cold)
-            self.counts += self.pending[0] if len(self.pending) == 1 else np.sum(self.pending, axis=0)
-            self.pending.clear()
-        return self.counts
-
-    def zero(self) -> None:
-        self.pending.clear()
-        self.counts[:] = 0
-
-
-_PENDING_FOLD = 256
-
-
 def _restore_record(*values: Any) -> RoutingRecord:
     record = RoutingRecord.__new__(RoutingRecord)
     record._set(**dict(zip(RoutingRecord.__slots__, values)))
@@ -214,7 +172,7 @@ class RouterSite:
 
     Attributes:
         name: the router's qualified module name (error messages name it).
-        router: the module; its ``__dict__`` holds the record, the κ histogram and the cached plan.
+        router: the module; its :class:`~.router_state.RouterState` holds what the readers read.
         layer_index: the 0-based decoder-layer index the adapter knows, or None (then the router's
             position among the enumerated routers stands in).
         topk: k, the router's static top-k (what a static layer routes with).
@@ -226,57 +184,6 @@ class RouterSite:
     layer_index: int | None
     topk: int
     num_experts: int
-
-
-def remember(
-    router: torch.nn.Module,
-    width: int,
-    budgets: torch.Tensor,
-    candidate_ids: torch.Tensor,
-    kept: torch.Tensor,
-    gate_weights: torch.Tensor | None = None,
-    *,
-    count: bool,
-    retained_weight_sums: torch.Tensor | None = None,
-    capacity_dropped: torch.Tensor | None = None,
-    host_counts: np.ndarray | None = None,
-) -> None:
-    """Store this forward's record on ``router``; with ``count``, add κ [T] to its histogram [b+1].
-
-    The record holds references to what the forward already has (:meth:`RoutingRecord.of_forward`);
-    the logging tensors derived from them are computed only when a logger reads them.
-
-    Args:
-        width: b, the candidate slots per token (the histogram has b + 1 bins).
-        budgets: κ [T] (LongTensor).
-        candidate_ids: [T, b] expert ids by router rank; kept: [T, b] bool, slot j kept iff j < κ_t.
-        gate_weights: [T, b], the kept gate weights before any scaling factor (0 beyond κ_t); or
-            None and ``retained_weight_sums`` [T] (their per-token sums) instead.
-        count: False for a forward that replays a step already counted (activation recompute).
-        capacity_dropped: [T, b] bool, kept slots that a capacity factor dropped; None without one.
-        host_counts: κ's histogram [b+1] (int64 numpy) when the host knows it (a κ draw's
-            ``BudgetDraw.counts``): then the router's histogram is a :class:`HostHistogram`, added
-            to on the host with no device op; else (top-p κ, computed on the device) a device
-            tensor, added to by one ``scatter_add_``. :func:`budget_histograms` reads both as tensors.
-            The record keeps it too (``RoutingRecord.budget_counts``). Of other than b + 1 bins, it
-            is ignored and κ counted on the device.
-    """
-    if host_counts is not None and len(host_counts) != width + 1:
-        host_counts = None  # a histogram of other bins (a caller's own): count κ on the device
-    router.__dict__[RECORD_ATTR] = RoutingRecord.of_forward(
-        budgets, candidate_ids, kept, gate_weights, retained_weight_sums=retained_weight_sums,
-        capacity_dropped=capacity_dropped, budget_counts=host_counts)
-    if not count:
-        return
-    histogram = router.__dict__.get(HISTOGRAM_ATTR)
-    if host_counts is not None:
-        if not isinstance(histogram, HostHistogram) or histogram.bins != width + 1:
-            histogram = router.__dict__[HISTOGRAM_ATTR] = HostHistogram(width + 1)
-        histogram.add(host_counts)
-        return
-    if not isinstance(histogram, torch.Tensor) or histogram.numel() != width + 1 or histogram.device != budgets.device:
-        histogram = router.__dict__[HISTOGRAM_ATTR] = torch.zeros(width + 1, dtype=torch.long, device=budgets.device)
-    histogram.scatter_add_(0, budgets, torch.ones_like(budgets))
 
 
 # ---------------------------------------------------------------------------------- by layer
@@ -306,9 +213,24 @@ def _by_layer(entries: Iterable[tuple[int, RouterSite, Any]]) -> dict[int, Any]:
     return dict(sorted(values.items()))
 
 
-def _held(sites: Sequence[RouterSite], attribute: str) -> dict[int, Any]:
-    return _by_layer((index, site, site.router.__dict__[attribute]) for index, site in _indexed(sites)
-                    if site.router.__dict__.get(attribute) is not None)
+def _states(sites: Sequence[RouterSite]) -> Iterator[tuple[int, RouterSite, RouterState]]:
+    for index, site in _indexed(sites):
+        state = site.router.__dict__.get(STATE_ATTR)
+        if state is not None:
+            yield index, site, state
+
+
+def latest_record(router: torch.nn.Module) -> RoutingRecord | None:
+    """The :class:`RoutingRecord` of ``router``'s latest elastic training forward, None before one
+    (built from its state at the first read, then kept until the next forward)."""
+    state = router.__dict__.get(STATE_ATTR)
+    if state is None or state.routed is None:
+        return None
+    if state.record is None:
+        budgets, ids, kept, gate_weights, capacity_dropped, budget_counts = state.routed
+        state.record = RoutingRecord.of_forward(budgets, ids, kept, gate_weights, capacity_dropped=capacity_dropped,
+                                                budget_counts=budget_counts)
+    return state.record
 
 
 def routing_records(sites: Sequence[RouterSite]) -> dict[int, RoutingRecord]:
@@ -317,7 +239,13 @@ def routing_records(sites: Sequence[RouterSite]) -> dict[int, RoutingRecord]:
     Raises:
         ValueError: two of those routers share a layer index.
     """
-    return _held(sites, RECORD_ATTR)
+    return _by_layer((index, site, latest_record(site.router)) for index, site, state in _states(sites)
+                     if state.routed is not None)
+
+
+def _histograms(sites: Sequence[RouterSite]) -> dict[int, HostHistogram | torch.Tensor]:
+    return _by_layer((index, site, state.histogram) for index, site, state in _states(sites)
+                     if state.histogram is not None)
 
 
 def budget_histograms(sites: Sequence[RouterSite]) -> dict[int, torch.Tensor]:
@@ -327,35 +255,35 @@ def budget_histograms(sites: Sequence[RouterSite]) -> dict[int, torch.Tensor]:
         ValueError: two routers holding a histogram share a layer index.
     """
     return {layer: torch.from_numpy(histogram.fold()) if isinstance(histogram, HostHistogram) else histogram
-            for layer, histogram in _held(sites, HISTOGRAM_ATTR).items()}
+            for layer, histogram in _histograms(sites).items()}
 
 
 def reset_budget_histograms(sites: Sequence[RouterSite]) -> None:
     """Zero the κ histograms in place, so the next log covers only the steps after this one."""
-    for histogram in _held(sites, HISTOGRAM_ATTR).values():
+    for histogram in _histograms(sites).values():
         if isinstance(histogram, HostHistogram):
             histogram.zero()
         else:
             histogram.zero_()
 
 
-def _cached_plan(router: torch.nn.Module) -> tuple[bool, LayerPlan | None]:
+def _resolved_plan(router: torch.nn.Module) -> tuple[bool, LayerPlan | None]:
     """``(True, plan)`` when ``router`` resolved a training plan (``plan`` None: it routed stock
     top-k), ``(False, None)`` before its first training forward under the patch."""
-    cached = router.__dict__.get(PLAN_CACHE_ATTR)
-    return (False, None) if cached is None else (True, cached[1])
+    state = router.__dict__.get(STATE_ATTR)
+    return (False, None) if state is None or state.generation is None else (True, state.plan)
 
 
 def static_layers(sites: Sequence[RouterSite]) -> dict[int, int]:
     """``{layer index: k}`` of the routers that ran a training forward as stock top-k (outside
-    ``ElasticConfig.layers``, or a ``static`` schedule): their cached plan is None.
+    ``ElasticConfig.layers``, or a ``static`` schedule): their resolved plan is None.
 
     Raises:
         ValueError: two of those routers share a layer index.
     """
     rows = []
     for index, site in _indexed(sites):
-        resolved, plan = _cached_plan(site.router)
+        resolved, plan = _resolved_plan(site.router)
         if resolved and plan is None:
             rows.append((index, site, site.topk))
     return _by_layer(rows)
@@ -367,7 +295,7 @@ def trained_schedule(sites: Sequence[RouterSite]) -> tuple[BudgetSchedule, int] 
     training forward yet), the point mass at the first static layer's k (else the first router's).
     None without routers."""
     for site in sites:
-        _, plan = _cached_plan(site.router)
+        _, plan = _resolved_plan(site.router)
         if plan is not None:
             return plan.schedule, site.num_experts
     if not sites:
@@ -398,6 +326,6 @@ def model_plans(
 
 
 __all__ = [
-    "HISTOGRAM_ATTR", "RECORD_ATTR", "RouterSite", "RoutingRecord", "budget_histograms", "model_plans", "remember",
+    "HostHistogram", "RouterSite", "RoutingRecord", "budget_histograms", "latest_record", "model_plans",
     "reset_budget_histograms", "routing_records", "stacked_records", "static_layers", "trained_schedule",
 ]

@@ -16,14 +16,12 @@ Vocabulary
       q(j) = a(j) - a(j + 1)
       Σ_{j > k0} a(j) = ½ · E|κ - k0|       (for a schedule with E[κ] = k0)
 
-:meth:`BudgetSchedule.sample` draws from the generator it is given (torch's default generator
-when none). In training the adapters draw κ from a stream of their own instead, the counter-based
-:mod:`elastic_moe_plugin.core.budget_stream` (seeded with ``BUDGET_SEED_OFFSET`` + the framework's
-seed, addressed by (seed, draw counter, token shard)), whose uniforms they map with
-:meth:`BudgetSchedule.host_budgets_from_uniforms`; its state lives where their framework saves and
-replays RNG state: a named state of Megatron's RNG tracker
-(:mod:`elastic_moe_plugin.mcore.budget_rng`), the Trainer's ``rng_state`` files
-(:mod:`elastic_moe_plugin.hf.budget_rng`). A private generator that nothing saves or replays would
+:meth:`BudgetSchedule.budgets_from_uniforms` is the one map from uniforms to κ.
+:meth:`BudgetSchedule.sample` feeds it uniforms from a torch generator (the gate lab, analyses); in
+training the doors feed it uniforms of κ's own counter-based stream instead
+(:mod:`elastic_moe_plugin.core.budget_stream`, seeded with ``BUDGET_SEED_OFFSET`` + the framework's
+seed), whose state lives where the framework saves and replays RNG state (Megatron's RNG tracker,
+the Trainer's ``rng_state`` files). A private generator that nothing saves or replays would
 silently break recompute and resume.
 """
 
@@ -86,6 +84,11 @@ class BudgetSchedule:
     allow_off_center: bool = False
     budgets: tuple[int, ...] = field(init=False, repr=False)
     pmf: tuple[float, ...] = field(init=False, repr=False)
+    #: low == high: the point mass, κ ≡ center (a field, not a property: routers read it per forward)
+    is_static: bool = field(init=False, repr=False, compare=False)
+    #: low + high == 2·center: E[κ] = center, so training is compute-matched with static top-k (and
+    #: ``"balanced"`` sampling can hit Σκ = T·center exactly)
+    is_symmetric: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("low", "high", "center"):
@@ -115,6 +118,8 @@ class BudgetSchedule:
         total = math.fsum(weights)
         object.__setattr__(self, "budgets", budgets)
         object.__setattr__(self, "pmf", tuple(w / total for w in weights))
+        object.__setattr__(self, "is_static", self.low == self.high)
+        object.__setattr__(self, "is_symmetric", self.low + self.high == 2 * self.center)
         if not self.is_symmetric and not self.allow_off_center:
             raise ValueError(
                 f"schedule '{self.low}-{self.high}' around center={self.center} has mean {self.mean:.4f}, "
@@ -170,17 +175,6 @@ class BudgetSchedule:
         return cls(low, high, center, sigma, allow_off_center=allow_off_center)
 
     # ------------------------------------------------------------------ statistics
-    @property
-    def is_symmetric(self) -> bool:
-        """low + high == 2·center: E[κ] = center, so training is compute-matched with static top-k
-        (and ``"balanced"`` sampling can hit Σκ = T·center exactly)."""
-        return self.low + self.high == 2 * self.center
-
-    @property
-    def is_static(self) -> bool:
-        """True for the point mass (κ ≡ center)."""
-        return self.low == self.high
-
     @property
     def mean(self) -> float:
         """E[κ] = Σ_r r·q(r)."""
@@ -266,72 +260,52 @@ class BudgetSchedule:
             ``"balanced"``: a uniformly random permutation of a fixed budget multiset whose
                 counts follow q (rounded symmetrically) and whose sum is *exactly*
                 ``num_tokens * center``. Every micro-batch then dispatches exactly as many pairs
-                as static top-k, so buffer sizes are static and need no host sync. Trade-off:
-                budgets of tokens in one micro-batch are no longer independent (they are drawn
-                without replacement), and the pmf holds only up to rounding for small T.
+                as static top-k, so buffer sizes are static. Trade-off: budgets of tokens in one
+                micro-batch are no longer independent (they are drawn without replacement), and
+                the pmf holds only up to rounding for small T.
 
-        Both modes consume ``num_tokens`` uniforms from ``generator`` (torch's default generator
-        when None) and never synchronise with the host.
+        Both modes consume ``num_tokens`` float64 uniforms from ``generator`` (torch's default CPU
+        generator when None) and map them on the host with :meth:`budgets_from_uniforms`. For the
+        gate lab and analyses; training draws κ from its own counter-based stream
+        (:mod:`elastic_moe_plugin.core.budget_stream`), which maps its uniforms the same way.
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens!r} is invalid: expected an integer >= 0.")
-        uniforms = torch.rand(num_tokens, generator=generator, device=device, dtype=torch.float64)
-        return self.budgets_from_uniforms(uniforms, mode)
+        if mode not in SAMPLING_MODES:
+            raise ValueError(f"sampling='{mode}' is not a sampling mode: expected one of {SAMPLING_MODES}.")
+        uniforms = torch.rand(num_tokens, generator=generator, dtype=torch.float64)
+        budgets = torch.from_numpy(self.budgets_from_uniforms(uniforms.numpy(), mode))
+        return budgets if device is None else budgets.to(device)
 
-    def budgets_from_uniforms(self, uniforms: torch.Tensor, mode: SamplingMode = "iid") -> torch.Tensor:
-        """Map uniforms u [T] in [0, 1) to budgets κ [T] (LongTensor, same device).
+    def budgets_from_uniforms(self, uniforms, mode: SamplingMode = "iid"):
+        """Map uniforms u in [0, 1) to budgets κ (int64): the one mapping of the package.
 
-        ``"iid"`` inverts the CDF: κ = low + #{r : CDF(r) <= u}. ``"balanced"`` permutes the
-        sorted :meth:`balanced_counts` multiset m by the order of the uniforms, κ = m[argsort(u)]
-        (a stable sort: ties go by token index), a uniformly random permutation of m. Separating the uniforms from the mapping
-        lets the adapters draw the uniforms from κ's own counter-based stream
-        (:mod:`elastic_moe_plugin.core.budget_stream`), which maps them on the host with
-        :meth:`host_budgets_from_uniforms`, the same rule.
+        ``"iid"`` inverts the CDF token by token: κ = low + #{r < high : CDF(r) <= u} (u of any
+        shape). ``"balanced"`` permutes the sorted :meth:`balanced_counts` multiset m by the order
+        of the T uniforms, κ = m[argsort(u)], a uniformly random permutation of m; ties go by token
+        index (u of shape [T]).
+
+        ``uniforms``: a float64 numpy array (returns numpy), or a tensor (returns a tensor on its
+        device, mapped on the host).
         """
-        if mode == "iid":
-            if self.is_static:
-                return torch.full(uniforms.shape, self.low, dtype=torch.long, device=uniforms.device)
-            cdf = _inner_cdf(self.pmf, uniforms.device)
-            return torch.searchsorted(cdf, uniforms.to(torch.float64), right=True) + self.low
-        if mode == "balanced":
-            if uniforms.dim() != 1:
-                raise ValueError(f"balanced sampling needs uniforms of shape [T], got {tuple(uniforms.shape)}.")
-            multiset = _balanced_multiset(self, uniforms.numel(), uniforms.device)
-            if self.is_static:
-                return multiset.clone()
-            return multiset[torch.argsort(uniforms, stable=True)]
-        raise ValueError(f"sampling='{mode}' is not a sampling mode: expected one of {SAMPLING_MODES}.")
-
-    def host_budgets_from_uniforms(self, uniforms: np.ndarray, mode: SamplingMode = "iid") -> np.ndarray:
-        """:meth:`budgets_from_uniforms` on the host: u [T] float64 (numpy) to κ [T] int64 (numpy).
-
-        The same rule, value for value (``tests/core/test_budget_stream.py``). Balanced ranks with
-        numpy's quicksort (5x faster than a stable sort at T = 8192) and falls back to the stable
-        sort only when two uniforms are equal, so ties still go by token index.
-        """
+        if isinstance(uniforms, torch.Tensor):
+            host = uniforms.detach().to("cpu", torch.float64).numpy()
+            return torch.from_numpy(self.budgets_from_uniforms(host, mode)).to(uniforms.device)
         if mode == "iid":
             if self.is_static:
                 return np.full(uniforms.shape, self.low, dtype=np.int64)
-            cdf = _host_cdf(self.pmf)
-            if cdf.size > 32 or uniforms.size < _SEARCHSORTED_BELOW:
-                return np.add(np.searchsorted(cdf, uniforms, side="right"), self.low, dtype=np.int64)
-            # #{r : CDF(r) <= u} by one comparison per threshold: 2x faster than numpy's searchsorted
-            # on unsorted u from T ~ 2048 up, for the narrow supports of budget schedules (the same count)
-            budgets = np.full(uniforms.shape, self.low, dtype=np.int64)
-            for threshold in cdf.tolist():
-                budgets += uniforms >= threshold
-            return budgets
+            return np.add(np.searchsorted(_cumulative(self.pmf), uniforms, side="right"), self.low, dtype=np.int64)
         if mode == "balanced":
             if uniforms.ndim != 1:
                 raise ValueError(f"balanced sampling needs uniforms of shape [T], got {tuple(uniforms.shape)}.")
             counts = self.balanced_counts(uniforms.size) if not self.is_static else {self.low: uniforms.size}
-            multiset = _host_multiset(tuple(sorted(counts.items())))
+            multiset = _multiset(tuple(sorted(counts.items())))
             if self.is_static:
                 return multiset.copy()
             order = np.argsort(uniforms, kind="quicksort")
             ranked = uniforms[order]
             if ranked.size > 1 and bool(np.any(ranked[1:] == ranked[:-1])):
-                order = np.argsort(uniforms, kind="stable")
+                order = np.argsort(uniforms, kind="stable")  # ties by token index, as the docstring says
             return multiset[order]
         raise ValueError(f"sampling='{mode}' is not a sampling mode: expected one of {SAMPLING_MODES}.")
 
@@ -374,45 +348,17 @@ def _balanced_counts_cached(
     return tuple(sorted(counts.items()))
 
 
-def _balanced_multiset(schedule: BudgetSchedule, num_tokens: int, device: torch.device) -> torch.Tensor:
-    counts = schedule.balanced_counts(num_tokens) if not schedule.is_static else {schedule.low: num_tokens}
-    return _multiset_tensor(tuple(sorted(counts.items())), str(device))
-
-
 @functools.lru_cache(maxsize=64)
-def _multiset_tensor(counts: tuple[tuple[int, int], ...], device: str) -> torch.Tensor:
-    # Filled on the device: a host->device copy of pageable memory would wait for the stream, once
-    # per new token count (variable-length micro-batches miss this cache).
-    return torch.cat([torch.full((count,), budget, dtype=torch.long, device=device) for budget, count in counts])
-
-
-#: below this many tokens one searchsorted call beats a comparison per CDF threshold (fewer numpy
-#: calls; measured inside a router loop on the CI machine: 12.6 against 23.4 µs at T = 256, even at
-#: T = 2048, 51 against 103 µs the other way at T = 8192)
-_SEARCHSORTED_BELOW = 2048
-
-
-@functools.lru_cache(maxsize=64)
-def _host_cdf(pmf: tuple[float, ...]) -> np.ndarray:
-    # the float64 values of _cdf_cached's (torch.cumsum and np.cumsum add in the same order)
+def _cumulative(pmf: tuple[float, ...]) -> np.ndarray:
+    """CDF(low), ..., CDF(high - 1) as a read-only float64 array (the iid thresholds)."""
     cdf = np.cumsum(np.asarray(pmf, dtype=np.float64))[:-1]
     cdf.flags.writeable = False
     return cdf
 
 
 @functools.lru_cache(maxsize=64)
-def _host_multiset(counts: tuple[tuple[int, int], ...]) -> np.ndarray:
+def _multiset(counts: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The sorted budget multiset of ``((κ, n_κ), ...)``, read-only: shared by every draw of one T."""
     multiset = np.repeat(np.asarray([b for b, _ in counts], dtype=np.int64), [n for _, n in counts])
-    multiset.flags.writeable = False  # shared by every draw of this T
+    multiset.flags.writeable = False
     return multiset
-
-
-@functools.lru_cache(maxsize=64)
-def _cdf_cached(pmf: tuple[float, ...], device: str) -> torch.Tensor:
-    cumulative = torch.cumsum(torch.tensor(pmf, dtype=torch.float64), 0)
-    return cumulative[:-1].contiguous().to(device)
-
-
-def _inner_cdf(pmf: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """CDF(low..high-1) as a float64 tensor on ``device`` (cached: no per-step host->device copy)."""
-    return _cdf_cached(pmf, str(device))

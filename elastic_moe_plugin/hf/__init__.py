@@ -24,7 +24,7 @@ MiniMax, Mellum), :mod:`.patch` (what is patched, the lifecycle, plans and start
 from elastic_moe_plugin.core.errors import UnsupportedTransformersError
 from elastic_moe_plugin.core.records import RoutingRecord
 from elastic_moe_plugin.core.plan import LayerPlan
-from elastic_moe_plugin.hf.families import FAMILIES, RouterFamily, covered_router_classes
+from elastic_moe_plugin.hf.families import FAMILIES, RouterFamily, covered_router_classes, set_layer_index
 from elastic_moe_plugin.hf.patch import (
     ALLOW_UNSUPPORTED_ENV,
     SUPPORTED_TRANSFORMERS_RANGE,
@@ -40,7 +40,6 @@ from elastic_moe_plugin.hf.patch import (
     remove,
     resolve_plan,
     tag_layers,
-    training_plan,
     transformers_version,
     validate_model,
     validate_router,
@@ -59,6 +58,6 @@ __all__ = [
     "RoutingRecord", "UnsupportedTransformersError", "active_config", "apply", "budget_histograms",
     "check_transformers_version", "covered_router_classes", "elastic_routing", "gate_for", "is_applied",
     "log_plan", "model_plans", "patched", "patched_symbols", "realised_load_balancing_loss", "remove", "reset_budget_histograms",
-    "resolve_plan", "routing_metrics", "routing_records", "static_layers", "tag_layers", "training_plan",
+    "resolve_plan", "routing_metrics", "routing_records", "set_layer_index", "static_layers", "tag_layers",
     "transformers_version", "validate_model", "validate_router",
 ]

@@ -38,41 +38,32 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from typing import Any
 
 import torch
 
-from elastic_moe_plugin.core.budget_stream import LATEST_DRAW_ATTR, BudgetDraw, BudgetStream
+from elastic_moe_plugin.core.budget_stream import BudgetDraw, ProcessStream
 from elastic_moe_plugin.core.patching import PATCH_MARKER, AttributePatches, unwrap
 from elastic_moe_plugin.core.plan import LayerPlan
-from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
+from elastic_moe_plugin.core.router_state import RouterState, ensure_state
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
 #: the key of κ's stream state in the Trainer's rng_state files
 RNG_STATE_KEY = "elastic_moe_budget"
-#: the tensor-parallel process group a router's tokens are shared over (set by tag_tensor_parallel)
-TP_GROUP_ATTR = "_elastic_tp_group"
-_TOKEN_SHARD_ATTR = "_elastic_token_shard"
-
-_LOCK = threading.Lock()
-_STREAM: list[BudgetStream | None] = [None]  # None: seeded from torch.initial_seed() at the first draw
+#: the process's κ stream (seeded from ``torch.initial_seed()`` at its first draw if nothing seeded it)
+STREAM = ProcessStream(torch.initial_seed)
 
 
-def current_stream() -> BudgetStream:
+def current_stream():
     """The stream of the next draw (seeded from ``torch.initial_seed()`` if nothing seeded it)."""
-    with _LOCK:
-        if _STREAM[0] is None:
-            _STREAM[0] = BudgetStream.seeded(BUDGET_SEED_OFFSET + torch.initial_seed())
-        return _STREAM[0]
+    return STREAM.load()
 
 
 def reseed(seed: int) -> None:
     """Reset the stream to ``(BUDGET_SEED_OFFSET + seed, 0)`` (what ``torch.manual_seed(seed)`` does
     while the patch is applied)."""
-    with _LOCK:
-        _STREAM[0] = BudgetStream.seeded(BUDGET_SEED_OFFSET + int(seed))
+    STREAM.reseed(seed)
 
 
 def token_shard(router: torch.nn.Module) -> tuple[int, int]:
@@ -83,14 +74,11 @@ def token_shard(router: torch.nn.Module) -> tuple[int, int]:
         ValueError: the tensor-parallel ranks are not a contiguous block of the world (transformers'
             meshes put ``tp`` innermost).
     """
-    cached = router.__dict__.get(_TOKEN_SHARD_ATTR)
-    if cached is not None:
-        return cached
     distributed = torch.distributed
     if not (distributed.is_available() and distributed.is_initialized()):
-        return 1, 0  # not cached: a process group may still come
+        return 1, 0
     world, rank = distributed.get_world_size(), distributed.get_rank()
-    group = router.__dict__.get(TP_GROUP_ATTR)
+    group = ensure_state(router).tensor_parallel_group
     tp_ranks = sorted(distributed.get_process_group_ranks(group)) if group is not None else [rank]
     tp = len(tp_ranks)
     if tp_ranks != list(range(tp_ranks[0], tp_ranks[0] + tp)) or tp_ranks[0] % tp:
@@ -99,8 +87,7 @@ def token_shard(router: torch.nn.Module) -> tuple[int, int]:
             f"(got {tp_ranks} of {world}); build the device mesh with 'tp' as its innermost dimension, as "
             f"transformers does."
         )
-    router.__dict__[_TOKEN_SHARD_ATTR] = shard = (world // tp, rank // tp)
-    return shard
+    return world // tp, rank // tp
 
 
 def tag_tensor_parallel(model: torch.nn.Module) -> int:
@@ -123,61 +110,64 @@ def tag_tensor_parallel(model: torch.nn.Module) -> int:
 
     group = tp_mesh.get_group()
     for _, router, _ in covered_routers(model):
-        router.__dict__[TP_GROUP_ATTR] = group
-        router.__dict__.pop(_TOKEN_SHARD_ATTR, None)
+        state = ensure_state(router)
+        state.tensor_parallel_group = group
+        state.generation = None  # re-resolved at the next forward, with the new shard
     return tp_mesh.size()
 
 
 def draw(router: torch.nn.Module, plan: LayerPlan, num_tokens: int, device: torch.device, *,
          replay: bool) -> BudgetDraw:
-    """One router forward's draw (κ [T] on ``device`` and on the host, Σκ): a fresh draw, or with
-    ``replay`` (a checkpoint's recompute) the router's latest one. The draw is kept on the router
-    (``core.budget_stream.latest_draw``).
+    """One router forward's draw under ``plan`` (κ [T] on ``device`` and on the host, Σκ): a fresh
+    draw of the process's stream on the router's token shard, or with ``replay`` (a checkpoint's
+    recompute) the router's latest one (:func:`replayed_draw`). Kept as the router's latest draw.
 
     Raises:
         RuntimeError: a recompute finds no κ of that token count to replay.
     """
+    state = ensure_state(router)
     if replay:
-        latest = router.__dict__.get(LATEST_DRAW_ATTR)
-        budgets = None if latest is None else latest.budgets
-        if budgets is None or budgets.numel() != num_tokens or budgets.device != torch.device(device):
-            found = "none" if budgets is None else f"{budgets.numel()} tokens on {budgets.device}"
-            raise RuntimeError(
-                f"elastic-moe: a gradient-checkpointing recompute of {type(router).__name__} routes {num_tokens} tokens "
-                f"on {device}, but the router's latest forward drew κ for {found}. The recompute replays the κ of "
-                f"the router's latest forward, so each micro-batch's backward must run before the next forward of "
-                f"the same layer (as transformers' Trainer does); disable gradient checkpointing otherwise."
-            )
-        return latest
-    shard = token_shard(router)[1]
-    stream = current_stream()
-    budget_draw, advanced = stream.draw(plan.schedule, plan.sampling, shard, num_tokens, device)
-    with _LOCK:
-        if _STREAM[0] is stream:  # a concurrent re-seed wins
-            _STREAM[0] = advanced
-    router.__dict__[LATEST_DRAW_ATTR] = budget_draw
-    return budget_draw
+        return replayed_draw(router, state, num_tokens, device)
+    state.latest_draw = STREAM.draw(plan.schedule, plan.sampling, token_shard(router)[1], num_tokens, device)
+    return state.latest_draw
+
+
+def replayed_draw(router: torch.nn.Module, state: RouterState, num_tokens: int, device: torch.device) -> BudgetDraw:
+    """The draw of the router's latest forward, for a gradient-checkpointing recompute.
+
+    Gradient checkpointing restores the default generators for the recompute, not κ's stream: the
+    recompute runs inside backward and reuses the κ the router drew in its latest forward. Exact
+    for every loop that runs a micro-batch's backward before the next forward of the same router
+    (the Trainer, accelerate, ms-swift).
+
+    Raises:
+        RuntimeError: the latest draw is of another token count or device (or there is none).
+    """
+    latest = state.latest_draw
+    budgets = None if latest is None else latest.budgets
+    if budgets is None or budgets.numel() != num_tokens or budgets.device != torch.device(device):
+        found = "none" if budgets is None else f"{budgets.numel()} tokens on {budgets.device}"
+        raise RuntimeError(
+            f"elastic-moe: a gradient-checkpointing recompute of {type(router).__name__} routes {num_tokens} tokens "
+            f"on {device}, but the router's latest forward drew κ for {found}. The recompute replays the κ of "
+            f"the router's latest forward, so each micro-batch's backward must run before the next forward of "
+            f"the same layer (as transformers' Trainer does); disable gradient checkpointing otherwise."
+        )
+    return latest
 
 
 def state_dict() -> dict[str, int]:
     """``{"seed": int, "counter": int}``: the stream of the next draw."""
-    stream = current_stream()
-    return {"seed": stream.seed, "counter": stream.counter}
+    return STREAM.state_dict()
 
 
 def load_state_dict(state: dict[str, Any]) -> None:
     """Restore :func:`state_dict`'s stream; an empty dict forgets it (the next draw seeds from
     ``torch.initial_seed()``). A state of the plugin's earlier generator-per-device format is
     ignored with a warning: the stream then starts afresh."""
-    with _LOCK:
-        if not state:
-            _STREAM[0] = None
-        elif "seed" in state and "counter" in state:
-            _STREAM[0] = BudgetStream(int(state["seed"]), int(state["counter"]))
-        else:
-            logger.warning("elastic-moe: the saved κ state (keys %s) predates the counter-based stream; κ's stream "
-                           "starts afresh from torch.initial_seed().", sorted(state))
-            _STREAM[0] = None
+    if not STREAM.load_state_dict(state):
+        logger.warning("elastic-moe: the saved κ state (keys %s) predates the counter-based stream; κ's stream "
+                       "starts afresh from torch.initial_seed().", sorted(state))
 
 
 def reset() -> None:
@@ -271,5 +261,5 @@ def install(patches: AttributePatches) -> None:
         patches.set(DistributedMixin, "maybe_distribute_model", _tagging_tensor_parallel(unwrap(found.__func__)))
 
 
-__all__ = ["RNG_STATE_KEY", "TP_GROUP_ATTR", "current_stream", "draw", "install", "load_state_dict",
+__all__ = ["RNG_STATE_KEY", "STREAM", "current_stream", "draw", "install", "load_state_dict", "replayed_draw",
            "reseed", "reset", "state_dict", "tag_tensor_parallel", "token_shard"]

@@ -2,7 +2,7 @@
 
 An elastic router (:func:`.routing.elastic_routing`) returns b candidate slots per token (b = the
 schedule's high budget): real expert ids, and a weight of exactly 0 in every slot j >= κ_t. It marks
-its ``top_k_index`` tensor with κ **on the host** (:func:`mark_kept_slots`; κ is drawn there, so
+its ``top_k_index`` tensor with κ **on the host** (:func:`.routing.mark_kept_slots`; κ is drawn there, so
 Σκ = P is a host int that cost no device read). The patched ``<Family>Experts.forward``
 (:func:`experts_forward`) looks the mark up and compacts the call to its P kept (token, expert)
 pairs: the pair index (:meth:`KeptSlots.pairs`, built on the host, one host-to-device copy) gathers
@@ -54,61 +54,19 @@ E = ``experts.num_experts`` (the local experts under expert parallelism).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from elastic_moe_plugin.core.budget_stream import to_device
+from elastic_moe_plugin.hf.routing import KeptSlots, kept_slots, mark_kept_slots
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
 
-@dataclasses.dataclass(frozen=True)
-class KeptSlots:
-    """What an elastic router dispatched in one call, attached to its ``top_k_index`` [T, b] tensor.
-
-    Attributes:
-        host_budgets: κ [T] (int64 numpy) on the host: slot j of token t is kept iff j < κ_t.
-        total: P = Σ_t κ_t, a host int.
-    """
-
-    host_budgets: np.ndarray
-    total: int
-
-    def pairs(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(positions [P], tokens [P])`` of the kept pairs, in token-major order: pair p is
-        (t, j) with j < κ_t, at flat slot position t·b + j of the [T, b] routing tensors.
-
-        Built on the host from κ (O(T·b) integer work there) and sent to ``device`` in one copy:
-        none on a CPU device, one non-blocking copy from pinned memory on CUDA
-        (:func:`~elastic_moe_plugin.core.budget_stream.to_device`). No host sync.
-        """
-        tokens, slots = np.nonzero(np.arange(width) < self.host_budgets[:, None])
-        index = to_device(np.stack([tokens * width + slots, tokens]), device)  # [2, P] int64
-        return index[0], index[1]
-
-
-#: top_k_index tensor → its KeptSlots. Keyed by identity and weakly: the mark dies with the tensor,
-#: and a tensor the MoE block rebuilt is unmarked (the stock forward then computes every slot).
-_MARKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _warned_implementations: set[str] = set()
-
-
-def mark_kept_slots(top_k_index: torch.Tensor, host_budgets: np.ndarray) -> None:
-    """Tell the experts that only slots j < κ_t of ``top_k_index`` [T, b] must be computed, κ [T]
-    given on the host."""
-    host_budgets = np.asarray(host_budgets, dtype=np.int64)
-    _MARKS[top_k_index] = KeptSlots(host_budgets=host_budgets, total=int(host_budgets.sum()))
-
-
-def kept_slots(top_k_index: torch.Tensor) -> KeptSlots | None:
-    """The mark of an elastic router's ``top_k_index``, or None (stock routing)."""
-    return _MARKS.get(top_k_index)
 
 
 # ------------------------------------------------------------------------------ the patched forward
@@ -332,7 +290,7 @@ def _router_output_keeps_the_mark(original: Callable) -> Callable:
         transformed = original(self, module, output, mesh, *args, **kwargs)
         slots = kept_slots(output[2]) if isinstance(output, tuple) and len(output) >= 3 else None
         if slots is not None:
-            _MARKS[transformed[2]] = slots  # elementwise remap: the same slots are kept
+            mark_kept_slots(transformed[2], slots.host_budgets)  # elementwise remap: the same slots are kept
         return transformed
 
     return transform_output_post_forward
@@ -355,4 +313,4 @@ def install_expert_parallel(patches) -> None:
         patches.wrap(router, "transform_output_post_forward", _router_output_keeps_the_mark)
 
 
-__all__ = ["KeptSlots", "experts_forward", "install_expert_parallel", "kept_slots", "mark_kept_slots"]
+__all__ = ["KeptSlots", "experts_forward", "install_expert_parallel", "kept_slots", "mark_kept_slots"]  # marks: .routing

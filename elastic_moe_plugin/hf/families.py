@@ -23,9 +23,7 @@ from typing import Any
 import torch
 
 from elastic_moe_plugin.core.patching import unwrap
-
-#: the 0-based decoder-layer index, set on a router by the patched decoder-layer ``__init__``
-LAYER_ATTR = "_elastic_layer_index"
+from elastic_moe_plugin.core.router_state import ensure_state, state_of
 # "...layers.<i>.mlp.gate": the ModuleList index of the decoder layer is its layer_idx.
 _ROUTER_NAME = re.compile(r"(?:^|\.)(\d+)\.mlp\.gate$")
 
@@ -166,9 +164,19 @@ def layer_index_from_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def set_layer_index(router: torch.nn.Module, index: int) -> None:
+    """Tag ``router`` with its 0-based decoder-layer index (what the patched decoder layer does at
+    construction, and :func:`~.patch.tag_layers` for a model built before ``apply``); its plan is
+    resolved again at its next training forward."""
+    state = ensure_state(router)
+    if state.layer_index != index:
+        state.layer_index, state.generation = index, None
+
+
 def router_layer_index(name: str, router: torch.nn.Module) -> int | None:
     """The 0-based layer index of a router: the tag set at construction, else its module path."""
-    index = router.__dict__.get(LAYER_ATTR)
+    state = state_of(router)
+    index = None if state is None else state.layer_index
     return index if index is not None else layer_index_from_name(name)
 
 

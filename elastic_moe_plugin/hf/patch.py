@@ -27,10 +27,10 @@ Nothing else is touched: parameters, buffers and state-dict keys are stock, so c
 interchangeable with unpatched transformers. The lifecycle (lock, idempotence,
 identity restore) is :class:`~elastic_moe_plugin.core.patching.PatchLifecycle`.
 
-Plans, the same three calls as in :mod:`elastic_moe_plugin.mcore.patch`: :func:`gate_for` (the
-weighing rule of a router under a config), :func:`resolve_plan` (a router's training plan,
-uncached: what the start-up plan line shows) and :func:`training_plan` (the plan of one forward,
-cached per router: what the patched router forward runs). Visibility follows one rule in both
+Plans, the same calls as in :mod:`elastic_moe_plugin.mcore.patch`: :func:`gate_for` (the weighing
+rule of a router under a config) and :func:`resolve_plan` (a router's training plan, uncached:
+what the start-up plan line shows, and what the patched forward resolves into the router's state
+once per patch generation, :func:`.routing.resolve_state`). Visibility follows one rule in both
 adapters: what another module of the package calls or the adapter package exports has no
 underscore and a docstring; what only this module uses is private.
 """
@@ -52,21 +52,22 @@ from elastic_moe_plugin.core.errors import ConfigError, UnsupportedTransformersE
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
 from elastic_moe_plugin.core import plan as core_plan
 from elastic_moe_plugin.core import records as core_records
-from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
+from elastic_moe_plugin.core.plan import LayerPlan, warn_if_top1_gate_is_constant
+from elastic_moe_plugin.core.router_state import state_of
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf.experts import experts_forward, install_expert_parallel
 from elastic_moe_plugin.hf.families import (
     FAMILIES,
-    LAYER_ATTR,
     RouterFamily,
     covered_router_classes,
     covered_routers,
     layer_index_from_name,
     load_family,
+    set_layer_index,
 )
 from elastic_moe_plugin.hf.records import router_sites
-from elastic_moe_plugin.hf.routing import dispatched_slots, elastic_routing, realised_load_balancing_loss
+from elastic_moe_plugin.hf.routing import dispatched_slots, patched_forward, realised_load_balancing_loss
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
@@ -104,7 +105,8 @@ def _install(config: ElasticConfig, patches: AttributePatches) -> None:
                 )
             logger.debug("elastic-moe: skipping %s: %s", family.name, loaded)
             continue
-        patches.wrap(loaded.router, "forward", functools.partial(_router_forward, family=family))
+        patches.wrap(loaded.router, "forward",
+                     functools.partial(patched_forward, family=family, lifecycle=_PATCH, resolve_plan=resolve_plan))
         patches.wrap(loaded.decoder_layer, "__init__", functools.partial(_layer_init, router_cls=loaded.router))
         if loaded.experts is not None:
             patches.wrap(loaded.experts, "forward", experts_forward)
@@ -132,17 +134,6 @@ _PATCH = PatchLifecycle("hf", _install, VERSION_GUARD, lambda: transformers_vers
 check_transformers_version = _PATCH.check_version
 
 
-def _router_forward(original: Callable, family: RouterFamily) -> Callable:
-    @functools.wraps(original)
-    def forward(self, hidden_states: torch.Tensor):
-        plan = training_plan(self, family, _PATCH.active_config(), _PATCH.generation)
-        if plan is None:
-            return original(self, hidden_states)
-        return elastic_routing(self, plan, hidden_states)
-
-    return forward
-
-
 def _layer_init(original: Callable, router_cls: type) -> Callable:
     signature = inspect.signature(original)
 
@@ -158,8 +149,8 @@ def _layer_init(original: Callable, router_cls: type) -> Callable:
             return
         layer_idx = arguments.get("layer_idx")
         if layer_idx is not None:
-            gate.__dict__[LAYER_ATTR] = int(layer_idx)
-        config = _PATCH.active_config()
+            set_layer_index(gate, int(layer_idx))
+        config = _PATCH.config
         if config is not None and config.enabled:
             num_layers = getattr(arguments.get("config"), "num_hidden_layers", None)
             validate_router(gate, config, num_layers=num_layers)
@@ -244,16 +235,6 @@ def validate_router(router: torch.nn.Module, config: ElasticConfig, *, num_layer
     return config.resolve(num_experts=int(router.num_experts), topk=int(router.top_k), num_layers=num_layers)
 
 
-def training_plan(router, family: RouterFamily, config: ElasticConfig | None, generation: int) -> LayerPlan | None:
-    """The plan for this forward, or None when the stock forward must run (eval mode, no or a
-    disabled config). Cached per router, keyed on the patch ``generation`` and the router's layer
-    tag: a new config or layer index re-resolves it (:func:`resolve_plan`)."""
-    if config is None or not router.training or not config.enabled:
-        return None
-    key = (generation, router.__dict__.get(LAYER_ATTR))
-    return cached_plan(router, key, lambda: resolve_plan(router, family, config))
-
-
 def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPlan | None:
     """The training plan of ``router`` under ``config`` (uncached), None for stock top-k: a static
     schedule, or a layer outside ``ElasticConfig.layers``.
@@ -265,7 +246,8 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
     schedule = validate_router(router, config)
     if schedule.is_static and config.mode != "top_p":
         return None
-    layer_index = router.__dict__.get(LAYER_ATTR)
+    state = state_of(router)
+    layer_index = None if state is None else state.layer_index
     if layer_index is None and config.layer_set is not None:
         raise ConfigError(
             f"layers={config.layers!r} needs each router's decoder-layer index, but this "
@@ -323,9 +305,9 @@ def tag_layers(model: torch.nn.Module) -> dict[str, int]:
         if index is None:
             raise ValueError(
                 f"cannot tell the decoder-layer index of router {name!r}: expected a module path ending in "
-                f"'<layers>.<i>.mlp.gate'. Set router.{LAYER_ATTR} = <0-based index> by hand."
+                f"'<layers>.<i>.mlp.gate'. Call elastic_moe_plugin.hf.set_layer_index(router, <0-based index>)."
             )
-        router.__dict__[LAYER_ATTR] = index
+        set_layer_index(router, index)
         tagged[name] = index
     if not found:
         names = ", ".join(family.router for family in FAMILIES)

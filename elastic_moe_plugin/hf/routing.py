@@ -1,24 +1,26 @@
-"""Elastic routing for one transformers router forward, and the load-balancing loss on what it dispatched.
+"""Elastic routing for one transformers router forward, the kept-slot marks the experts read, and the
+load-balancing loss on what was dispatched.
 
-One MoE layer in training (paper §3.2, Eq. 4-5; the gate weights follow ``docs/gates.md``)::
+One MoE layer in training (paper §3.2, Eq. 4-5; the routing core, :mod:`elastic_moe_plugin.core.routing`,
+does steps 3-4 under the family's :class:`~elastic_moe_plugin.core.routing.RoutingRule`)::
 
     (1) z [T, E] = x W^T                                  (the stock router logits)
     (2) κ [T] ~ q on {a..b}                              (one draw of κ's counter-based stream,
-                                                           on the host, hf.budget_rng: this
-                                                           process's token shard, saved by the
-                                                           Trainer, replayed by gradient
-                                                           checkpointing)
-    (3) p = softmax(z) in fp32; the top-b candidates by p, sorted by rank
-    (4) slot j (0-based) is kept iff j < κ_t; weights by core.gates.weigh_candidates:
+                                                           on the host: the router's state,
+                                                           core.router_state; a checkpoint's
+                                                           recompute replays the latest draw)
+    (3) the top-b candidates by the rule's selection (softmax in fp32, sorted by rank)
+    (4) slot j (0-based) is kept iff j < κ_t; weights by the rule (docs/gates.md):
             full_softmax  w = p_e                          (norm_topk_prob=False, OLMoE)
             renormalized  w = p_e / Σ_kept p               (norm_topk_prob=True, Qwen3, Mixtral)
     (5) return (z, w [T, b], ids [T, b]): real candidate ids, and weight exactly 0 in every slot
-        beyond κ_t; ids is marked with κ on the host, so the patched experts compact the call to
-        its Σκ kept pairs in every experts implementation, with shapes known on the host and no
-        host sync (:mod:`.experts`). Top-p mode computes κ on the device and reads it once.
+        beyond κ_t; ids is marked with κ on the host (:func:`mark_kept_slots`), so the patched
+        experts compact the call to its Σκ kept pairs in every experts implementation, with
+        shapes known on the host and no host sync (:mod:`.experts`). Top-p mode computes κ on
+        the device and reads it once.
     (6) remember the realised routing (ids, kept mask), weakly keyed by the z tensor transformers'
-        output recorder collects, for ``load_balancing_loss_func``; plus a routing record (references
-        to ids, kept mask and weights; nothing computed) and a bounded κ histogram per router
+        output recorder collects, for ``load_balancing_loss_func``; and, in the router's state,
+        what it routed and a bounded κ histogram
 
 The experts and the MoE blocks read the routing width from ``top_k_index.size(-1)``, never from
 ``config.num_experts_per_tok``, so a width b ≠ k needs no further patch (checked for 5.19).
@@ -29,17 +31,21 @@ b = the plan's width. Attention-mask polarity, as transformers uses it: 1 = real
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from elastic_moe_plugin.core import records
-from elastic_moe_plugin.core.gates import budget_mask, top_p_budgets, weigh_candidates
+from elastic_moe_plugin.core.budget_stream import to_device
 from elastic_moe_plugin.core.plan import LayerPlan
+from elastic_moe_plugin.core.router_state import STATE_ATTR, RouterState, ensure_state
+from elastic_moe_plugin.core.routing import RoutingRule, balancing_scores, route, score
 from elastic_moe_plugin.hf import budget_rng
-from elastic_moe_plugin.hf.experts import mark_kept_slots
 
 #: router_logits tensor → the slots dispatched for it: (candidate ids LongTensor [T, b], kept-slot
 #: mask BoolTensor [T, b]). Keyed by object identity (a tensor's == is elementwise) and weakly, so
@@ -47,10 +53,55 @@ from elastic_moe_plugin.hf.experts import mark_kept_slots
 _DISPATCHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+# ---------------------------------------------------------------------------------- the rule
+def routing_rule(plan: LayerPlan) -> RoutingRule:
+    """The routing rule of a covered (softmax → top-k) family under ``plan``: softmax scores in
+    fp32, top-b by probability, weights p (``full_softmax``) or p / Σ_kept p (``renormalized``),
+    cast to the logits' dtype unless the family keeps fp32 (Mixtral, MiniMax)."""
+    return RoutingRule(score_function="softmax", select_on="scores",
+                       normalization="none" if plan.gate == "full_softmax" else "kept_sum",
+                       weights_in_logits_dtype=plan.cast_weights_to_logits)
+
+
+# ---------------------------------------------------------------------------------- the forward
+def patched_forward(original: Callable, family: Any, lifecycle: Any,
+                    resolve_plan: Callable[[torch.nn.Module, Any, Any], LayerPlan | None]) -> Callable:
+    """The replacement of a covered router's ``forward``: the stock forward in eval mode, without
+    an active enabled config, and where the router's plan is None; else :func:`_elastic_forward`.
+
+    The router's state is resolved once per patch generation (``resolve_plan`` and the family's
+    rule, :func:`resolve_state`); a forward only reads it.
+    """
+
+    @functools.wraps(original)
+    def forward(self, hidden_states: torch.Tensor):
+        config = lifecycle.config
+        if config is None or not self.training or not config.enabled:
+            return original(self, hidden_states)
+        state = self.__dict__.get(STATE_ATTR)
+        if state is None or state.generation != lifecycle.generation:
+            state = resolve_state(self, resolve_plan(self, family, config), lifecycle.generation)
+        if state.plan is None:
+            return original(self, hidden_states)
+        return _elastic_forward(self, state, hidden_states)
+
+    return forward
+
+
+def resolve_state(router: torch.nn.Module, plan: LayerPlan | None, generation: Any) -> RouterState:
+    """The router's state with ``plan`` for ``generation``: its rule, the process's κ stream and
+    the router's token shard (:func:`.budget_rng.token_shard`)."""
+    state = ensure_state(router)
+    state.shard = budget_rng.token_shard(router)[1] if plan is not None else None
+    return state.resolved(generation, plan, routing_rule(plan) if plan is not None else None,
+                          stream=budget_rng.STREAM)
+
+
 def elastic_routing(
     router: torch.nn.Module, plan: LayerPlan, hidden_states: torch.Tensor, budgets: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Elastic replacement of a covered router's ``forward`` for one training call (steps 1-6).
+    """Elastic replacement of a covered router's ``forward`` for one training call under ``plan``
+    (steps 1-6), for a caller that holds a plan (the patched forward resolves its own).
 
     Args:
         hidden_states: ``[..., H]`` (the MoE block passes ``[T, H]``).
@@ -60,42 +111,38 @@ def elastic_routing(
         ``router_logits [T, E]`` (the logits' dtype), ``top_k_weights [T, b]`` (the logits' dtype, or
         fp32 where ``plan.cast_weights_to_logits`` is False), ``top_k_index LongTensor[T, b]``: the
         stock contract with width b; slots j >= κ_t have weight exactly 0, and ``top_k_index``
-        carries κ on the host for the experts (:func:`.experts.mark_kept_slots`).
+        carries κ on the host for the experts (:func:`mark_kept_slots`).
     """
-    hidden = hidden_states.reshape(-1, router.hidden_dim)
-    router_logits = F.linear(hidden, router.weight)  # (1) exactly as the stock router
-    num_tokens = router_logits.shape[0]
-    width = plan.width
+    state = ensure_state(router)
+    if state.plan is not plan:
+        resolve_state(router, plan, state.generation)
+    return _elastic_forward(router, state, hidden_states, budgets)
+
+
+def _elastic_forward(router: torch.nn.Module, state: RouterState, hidden_states: torch.Tensor,
+                     budgets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = state.plan
+    router_logits = F.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)  # (1) as stock
     recompute = _in_backward()
-    host_budgets = host_counts = None
-    if budgets is None and plan.top_p is None:  # (2) κ's own stream, on the host; a checkpoint's recompute replays
-        draw = budget_rng.draw(router, plan, num_tokens, router_logits.device, replay=recompute)
-        budgets, host_budgets, host_counts = draw.budgets, draw.host_budgets, draw.counts
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (3) as stock: fp32 softmax
-    candidates, candidate_ids = torch.topk(probs, width, dim=-1)  # sorted by rank, like stock top-k
-    if budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass
-        budgets = top_p_budgets(candidates.detach(), plan.top_p)
+    host_budgets = host_counts = probabilities = None
+    if budgets is None and plan.top_p is None:  # (2) κ's own stream, on the host
+        num_tokens, device = router_logits.shape[0], router_logits.device
+        drawn = budget_rng.replayed_draw(router, state, num_tokens, device) if recompute else \
+            state.draw(num_tokens, device)
+        budgets, host_budgets, host_counts = drawn.budgets, drawn.host_budgets, drawn.counts
+    elif budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass
+        probabilities = score(router_logits, "softmax")  # p in fp32: the scores and top-p's κ
+    routing = route(router_logits, state.rule, plan.width, budgets=budgets, top_p=plan.top_p,  # (3)-(4)
+                    probabilities=probabilities)
     if host_budgets is None:
         # κ was computed on the device (top-p mode) or given (tests): the experts size their work
         # from κ on the host, so read it once (a host sync on an accelerator, none on the CPU).
-        host_budgets = budgets.cpu().numpy()
-    kept = budget_mask(budgets, width)  # (4)
-    if plan.gate == "renormalized":
-        # The gradient reaches the kept logits only (w_i = softmax over the kept z), so a κ = 1 token
-        # has weight exactly 1 and gate gradient exactly 0 (docs/gates.md), not fp32 rounding residue.
-        selected_logits = torch.gather(router_logits, 1, candidate_ids).float()  # [T, b], no fp32 [T, E] copy
-        weights = weigh_candidates("renormalized", candidates, kept, selected_logits=selected_logits)
-    else:
-        weights = weigh_candidates(plan.gate, candidates, kept)
+        host_budgets = routing.budgets.cpu().numpy()
     # (6) A checkpoint's recompute replays the same κ; the step was counted in its first forward.
-    # The record keeps references; its logging tensors are derived when a logger reads them.
-    records.remember(router, width, budgets, candidate_ids, kept, weights, count=not recompute,
-                     host_counts=host_counts)
-    if plan.cast_weights_to_logits:
-        weights = weights.to(router_logits.dtype)
-    _DISPATCHED[router_logits] = (candidate_ids.detach(), kept)  # (6)
-    mark_kept_slots(candidate_ids, host_budgets)  # (5)
-    return router_logits, weights, candidate_ids  # (5)
+    state.remember(routing, count=not recompute, budget_counts=host_counts)
+    _DISPATCHED[router_logits] = (routing.ids.detach(), routing.kept)
+    mark_kept_slots(routing.ids, host_budgets)  # (5)
+    return router_logits, routing.weights, routing.ids
 
 
 def _in_backward() -> bool:
@@ -151,7 +198,8 @@ def realised_load_balancing_loss(
 
     for layer_gate, entry in zip(gate_logits, dispatched):
         # Stock P: softmax in the logits' dtype, then fp32 sums (kept identical to transformers).
-        routing_weights = torch.nn.functional.softmax(layer_gate.to(compute_device), dim=-1)
+        layer_gate = layer_gate.to(compute_device)
+        routing_weights = balancing_scores(layer_gate, "softmax", layer_gate.dtype)
         if entry is None:
             _, expert_ids = torch.topk(routing_weights, top_k, dim=-1)
             slot_weights = torch.ones(expert_ids.shape, dtype=torch.float32, device=compute_device)
@@ -176,4 +224,48 @@ def realised_load_balancing_loss(
     return overall_loss * num_experts
 
 
-__all__ = ["dispatched_slots", "elastic_routing", "realised_load_balancing_loss"]
+# ---------------------------------------------------------------------------------- kept-slot marks
+@dataclasses.dataclass(frozen=True)
+class KeptSlots:
+    """What an elastic router dispatched in one call, attached to its ``top_k_index`` [T, b] tensor.
+
+    Attributes:
+        host_budgets: κ [T] (int64 numpy) on the host: slot j of token t is kept iff j < κ_t.
+        total: P = Σ_t κ_t, a host int.
+    """
+
+    host_budgets: np.ndarray
+    total: int
+
+    def pairs(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions [P], tokens [P])`` of the kept pairs, in token-major order: pair p is
+        (t, j) with j < κ_t, at flat slot position t·b + j of the [T, b] routing tensors.
+
+        Built on the host from κ (O(T·b) integer work there) and sent to ``device`` in one copy:
+        none on a CPU device, one non-blocking copy from pinned memory on CUDA
+        (:func:`~elastic_moe_plugin.core.budget_stream.to_device`). No host sync.
+        """
+        tokens, slots = np.nonzero(np.arange(width) < self.host_budgets[:, None])
+        index = to_device(np.stack([tokens * width + slots, tokens]), device)  # [2, P] int64
+        return index[0], index[1]
+
+
+#: top_k_index tensor → its KeptSlots. Keyed by identity and weakly: the mark dies with the tensor,
+#: and a tensor the MoE block rebuilt is unmarked (the stock forward then computes every slot).
+_MARKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_kept_slots(top_k_index: torch.Tensor, host_budgets: np.ndarray) -> None:
+    """Tell the experts that only slots j < κ_t of ``top_k_index`` [T, b] must be computed, κ [T]
+    given on the host."""
+    host_budgets = np.asarray(host_budgets, dtype=np.int64)
+    _MARKS[top_k_index] = KeptSlots(host_budgets=host_budgets, total=int(host_budgets.sum()))
+
+
+def kept_slots(top_k_index: torch.Tensor) -> KeptSlots | None:
+    """The mark of an elastic router's ``top_k_index``, or None (stock routing)."""
+    return _MARKS.get(top_k_index)
+
+
+__all__ = ["KeptSlots", "dispatched_slots", "elastic_routing", "kept_slots", "mark_kept_slots", "patched_forward",
+           "realised_load_balancing_loss", "resolve_state", "routing_rule"]

@@ -60,7 +60,6 @@ from elastic_moe_plugin.mcore.patch import (
     patched_symbols,
     remove,
     resolve_plan,
-    training_plan,
     validate_router,
 )
 from elastic_moe_plugin.mcore.records import budget_histograms, reset_budget_histograms, routing_records, static_layers
@@ -82,5 +81,5 @@ __all__ = [
     "UnsupportedMegatronError", "active_config", "apply", "budget_histograms", "check_megatron_version",
     "elastic_router_spec", "elastic_routing", "gate_for", "is_applied", "log_plan", "log_routing_metrics",
     "megatron_core_version", "model_plans", "patched", "patched_symbols", "remove", "reset_budget_histograms",
-    "resolve_plan", "routing_metrics", "routing_records", "static_layers", "training_plan", "validate_router",
+    "resolve_plan", "routing_metrics", "routing_records", "static_layers", "validate_router",
 ]

@@ -26,6 +26,7 @@ import torch
 
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.plan import LayerPlan
+from elastic_moe_plugin.core.routing import balancing_scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,17 +83,13 @@ def aux_loss_scores(logits: torch.Tensor, score_function: str, padding_mask: tor
     sigmoid and sqrtsoftplus compute in the dtype stock computes them in (fp32 in megatron-core
     0.19, the logits' own dtype in 0.16: :func:`_stock_score_dtype`).
     """
-    if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32) if probabilities is None else probabilities
+    if score_function not in ("softmax", "sigmoid", "sqrtsoftplus"):
+        raise UnsupportedMegatronError(f"moe_router_score_function={score_function!r} is not supported.")
+    if score_function == "softmax" and probabilities is not None:
+        scores = probabilities
     else:
-        dtype = _stock_score_dtype(score_function, logits.dtype)
-        if score_function == "sigmoid":
-            raw = torch.sigmoid(logits.to(dtype))
-        elif score_function == "sqrtsoftplus":
-            raw = torch.nn.functional.softplus(logits.to(dtype)).sqrt()
-        else:
-            raise UnsupportedMegatronError(f"moe_router_score_function={score_function!r} is not supported.")
-        scores = raw / (raw.sum(dim=-1, keepdim=True) + 1e-20)
+        dtype = torch.float32 if score_function == "softmax" else _stock_score_dtype(score_function, logits.dtype)
+        scores = balancing_scores(logits, score_function, dtype)
     if padding_mask is not None:
         scores = scores * (~padding_mask).unsqueeze(-1)
     return scores

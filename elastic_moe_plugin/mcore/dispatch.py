@@ -1,6 +1,6 @@
 """Token-dispatcher fixes for a per-token budget κ (Megatron assumes a fixed k in a few places).
 
-An elastic router tags the ``routing_map`` it returns (:func:`mark_elastic`) with its candidate
+An elastic router tags the ``routing_map`` it returns (:func:`.routing.mark_elastic`) with its candidate
 width b and its sampling mode; the patched dispatcher methods below read the tag and otherwise run
 stock code untouched. Maps from static layers carry no tag, so those layers pay nothing.
 
@@ -67,30 +67,10 @@ import torch
 
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch, is_patched
+from elastic_moe_plugin.mcore.routing import BALANCED_ATTR, TOTAL_ATTR, WIDTH_ATTR, elastic_width, mark_elastic
 
-#: tensor attributes set on an elastic routing map
-WIDTH_ATTR = "_elastic_moe_width"
-BALANCED_ATTR = "_elastic_moe_balanced"
-TOTAL_ATTR = "_elastic_moe_total"
 #: ``ELASTIC_MOE_DEBUG=1`` checks the tag's host Σκ against the device's count (one read per layer)
 DEBUG_ENV = "ELASTIC_MOE_DEBUG"
-
-
-def mark_elastic(routing_map: torch.Tensor, width: int, balanced: bool, total: int | None = None) -> torch.Tensor:
-    """Tag ``routing_map`` [T, E] as routed with up to ``width`` experts per token.
-
-    ``total``: the map's True entries (Σ_t κ_t) when the host knows it without reading the device
-    (the host Σκ of the κ draw), else None; ``balanced`` maps without one count T·k.
-    """
-    setattr(routing_map, WIDTH_ATTR, int(width))
-    setattr(routing_map, BALANCED_ATTR, bool(balanced))
-    setattr(routing_map, TOTAL_ATTR, None if total is None else int(total))
-    return routing_map
-
-
-def elastic_width(routing_map: torch.Tensor) -> int | None:
-    """b if ``routing_map`` came from an elastic router, else None."""
-    return getattr(routing_map, WIDTH_ATTR, None)
 
 
 #: set on a flex dispatcher's manager for one ``dispatch_preprocess``: (b, balanced), or False for

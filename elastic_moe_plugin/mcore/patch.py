@@ -3,7 +3,7 @@
 What is patched (all on ``megatron.core.transformer.moe.router.TopKRouter``, so subclasses such as
 mcore-bridge's router and layers built from every stock spec are covered, whenever they were built):
 
-- ``TopKRouter.routing``: in training, elastic layers run :func:`.routing.elastic_routing`; in eval
+- ``TopKRouter.routing``: in training, elastic layers run :func:`.routing.elastic_forward`; in eval
   mode, in layers outside ``ElasticConfig.layers``, in MTP layers, and for ``schedule="static"``
   the original method runs unchanged, so results are bit-for-bit stock.
 - ``TopKRouter.__init__``: runs the original, then validates the config against the router's model
@@ -16,13 +16,12 @@ time, so rebinding the name would silently do nothing. The router's parameters a
 untouched, so checkpoints stay interchangeable with stock Megatron and transformers. The lifecycle
 (lock, idempotence, identity restore) is :class:`~elastic_moe_plugin.core.patching.PatchLifecycle`.
 
-Plans, the same three calls as in :mod:`elastic_moe_plugin.hf.patch`: :func:`gate_for` (the
-weighing rule of a router under a config), :func:`resolve_plan` (a router's training plan,
-uncached: what the start-up plan line of :func:`log_plan` shows) and :func:`training_plan` (the
-plan of one forward, cached per router: what the patched ``routing`` and ``ElasticTopKRouter``
-run). Visibility follows one rule in both adapters: what another module of the package calls or
-the adapter package exports has no underscore and a docstring; what only this module uses is
-private.
+Plans, the same calls as in :mod:`elastic_moe_plugin.hf.patch`: :func:`gate_for` (the weighing
+rule of a router under a config) and :func:`resolve_plan` (a router's training plan, uncached:
+what the start-up plan line of :func:`log_plan` shows, and what the patched ``routing`` and
+``ElasticTopKRouter`` resolve into the router's state, :func:`.routing.training_state`).
+Visibility follows one rule in both adapters: what another module of the package calls or the
+adapter package exports has no underscore and a docstring; what only this module uses is private.
 """
 
 from __future__ import annotations
@@ -41,10 +40,10 @@ from elastic_moe_plugin.core.errors import ConfigError, UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
 from elastic_moe_plugin.core import plan as core_plan
 from elastic_moe_plugin.core import records as core_records
-from elastic_moe_plugin.core.plan import LayerPlan, cached_plan, warn_if_top1_gate_is_constant
+from elastic_moe_plugin.core.plan import LayerPlan, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.mcore import budget_rng, dispatch
 from elastic_moe_plugin.mcore.records import is_mtp_router, router_sites
-from elastic_moe_plugin.mcore.routing import elastic_routing
+from elastic_moe_plugin.mcore.routing import patched_routing
 
 logger = logging.getLogger("elastic_moe_plugin.mcore")
 
@@ -75,7 +74,8 @@ def router_module():
 
 def _install(config: ElasticConfig, patches: AttributePatches) -> None:
     router_class = router_module().TopKRouter
-    patches.wrap(router_class, "routing", _patched_routing)
+    patches.wrap(router_class, "routing",
+                 functools.partial(patched_routing, lifecycle=_PATCH, resolve_plan=resolve_plan))
     patches.wrap(router_class, "__init__", _patched_init)
     dispatch.install(patches)
     patches.on_restore(dispatch.reinstall_spec_fixes)
@@ -87,23 +87,11 @@ _PATCH = PatchLifecycle("mcore", _install, VERSION_GUARD, lambda: megatron_core_
 check_megatron_version = _PATCH.check_version
 
 
-def _patched_routing(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
-        config = _PATCH.active_config()
-        plan = training_plan(self, config, _PATCH.generation) if config is not None else None
-        if plan is None:
-            return original(self, logits, padding_mask=padding_mask)
-        return elastic_routing(self, plan, logits, padding_mask)
-
-    return routing
-
-
 def _patched_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        config = _PATCH.active_config()
+        config = _PATCH.config
         if config is not None:
             validate_router(self, config)
             _ROUTERS.add(self)
@@ -354,32 +342,6 @@ def gate_for(router, config: ElasticConfig) -> str:
     if config.gate != "auto":
         return config.gate
     return "full_softmax" if router.config.moe_router_pre_softmax else "renormalized"
-
-
-def _plan_inputs(router) -> tuple:
-    """What a plan is resolved from that a caller can change on a built router.
-
-    Stock routing reads these at every forward (``router.score_function``; the config's top-k,
-    pre-softmax, group-limit and fusion flags), and Megatron's own unit tests change some of them
-    on a built router. Keying the cached plan on them makes the plan follow: a change re-resolves
-    the plan, and re-runs the start-up checks, at the next forward, so the gate rule always fits
-    the score function stock would use. Nine attribute reads per forward, no tensor work.
-    """
-    model = router.config
-    return (router.layer_number, router.score_function, model.moe_router_topk, model.num_moe_experts,
-            model.moe_router_pre_softmax, model.moe_router_num_groups, model.moe_router_group_topk,
-            getattr(model, "moe_router_fusion", False), getattr(model, "moe_enable_routing_replay", False))
-
-
-def training_plan(router, config: ElasticConfig, generation: int) -> LayerPlan | None:
-    """The plan for this forward, or None when the stock path must run.
-
-    Cached per router, keyed on the patch generation and :func:`_plan_inputs`: a new config, layer
-    number or routing option re-resolves it.
-    """
-    if not router.training or not config.enabled:
-        return None
-    return cached_plan(router, (generation, _plan_inputs(router)), lambda: resolve_plan(router, config))
 
 
 def resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:

@@ -2,7 +2,8 @@
 
 :func:`elastic_router_spec` deep-copies a layer/block/MoE ``ModuleSpec`` (a ``functools.partial``
 in megatron-core >= 0.19) and binds its MoE routers to an ``ElasticTopKRouter`` subclass carrying
-the config. Both routes share :func:`.routing.elastic_routing`, the plans and the validation.
+the config. Both routes share :func:`.routing.training_state` and :func:`.routing.elastic_forward`,
+the plans and the validation.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Callable
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.patching import unwrap
 from elastic_moe_plugin.mcore import dispatch
-from elastic_moe_plugin.mcore.patch import training_plan, check_megatron_version, router_module, validate_router
-from elastic_moe_plugin.mcore.routing import elastic_routing
+from elastic_moe_plugin.mcore.patch import check_megatron_version, resolve_plan, router_module, validate_router
+from elastic_moe_plugin.mcore.routing import elastic_forward, training_state
 
 
 def _stock_routing() -> Callable:
@@ -29,7 +30,7 @@ def _elastic_router_class():
         """A ``TopKRouter`` that routes elastically with its class's ``elastic_config``.
 
         Build one bound to a config with :meth:`with_config` (what :func:`elastic_router_spec`
-        does). Shares :func:`elastic_routing` with the monkey-patch.
+        does). Shares :func:`.routing.elastic_forward` with the monkey-patch.
         """
 
         elastic_config: ElasticConfig = ElasticConfig()
@@ -46,10 +47,11 @@ def _elastic_router_class():
             return type(cls.__name__, (cls,), {"elastic_config": config, "__module__": __name__})
 
         def routing(self, logits, padding_mask=None):
-            plan = training_plan(self, self.elastic_config, -id(self.elastic_config))
-            if plan is None:
+            # the generation of a spec router's plan: its class's config (which never changes)
+            state = training_state(self, self.elastic_config, -id(self.elastic_config), resolve_plan)
+            if state is None:
                 return _stock_routing()(self, logits, padding_mask=padding_mask)
-            return elastic_routing(self, plan, logits, padding_mask)
+            return elastic_forward(self, state, logits, padding_mask)
 
     return ElasticTopKRouter
 

@@ -27,6 +27,7 @@ import torch
 from elastic_moe_plugin import ElasticConfig
 from elastic_moe_plugin.core.errors import UnsupportedFrameworkError
 from elastic_moe_plugin.core.patching import PATCH_MARKER, unwrap
+from elastic_moe_plugin.core.records import latest_record
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -64,13 +65,13 @@ def _hf_stacked_routers():
     from transformers.models.olmoe.configuration_olmoe import OlmoeConfig
     from transformers.models.olmoe.modeling_olmoe import OlmoeForCausalLM
 
-    from elastic_moe_plugin.hf.families import LAYER_ATTR
+    from elastic_moe_plugin import hf
 
     config = OlmoeConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=2, vocab_size=64, num_experts=4, num_experts_per_tok=2)
     model = OlmoeForCausalLM(config).train()
     for layer in model.model.layers:
-        layer.mlp.gate.__dict__[LAYER_ATTR] = 0  # both routers claim decoder layer 0
+        hf.set_layer_index(layer.mlp.gate, 0)  # both routers claim decoder layer 0
     model(input_ids=torch.randint(0, 64, (1, 4)))
     return model
 
@@ -239,5 +240,5 @@ def test_two_routers_with_one_layer_index_are_an_error_naming_both(adapter):
         adapter.module.routing_records(model)
     with pytest.raises(ValueError, match="both have decoder-layer index"):
         adapter.module.budget_histograms(model)
-    names = [name for name, module in model.named_modules() if "_elastic_record" in module.__dict__]
+    names = [name for name, module in model.named_modules() if latest_record(module) is not None]
     assert len(names) == 2 and all(repr(name) in str(raised.value) for name in names)

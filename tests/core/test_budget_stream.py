@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_moe_plugin.core.budget_stream import BudgetStream, latest_draw, to_device
+from elastic_moe_plugin.core.budget_stream import BudgetStream, ProcessStream, to_device
+from elastic_moe_plugin.core.router_state import state_of
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 SCHEDULE = BudgetSchedule.parse("6-10", center=8)
@@ -96,16 +97,35 @@ def test_iid_budgets_follow_the_pmf():
         assert abs(observed - probability) < 4 * math.sqrt(probability * (1 - probability) / budgets.numel())
 
 
+def _hand_mapping(schedule, uniforms, sampling):
+    """κ of the uniforms by the schedule's rule, token by token: iid inverts the CDF (κ = low +
+    #{r < high : CDF(r) <= u}); balanced hands the sorted multiset of balanced_counts to the tokens
+    in the order of their uniforms, ties by token index."""
+    cdf, total = [], 0.0
+    for probability in schedule.pmf[:-1]:
+        total += probability
+        cdf.append(total)
+    if sampling == "iid":
+        return [schedule.low + sum(1 for threshold in cdf if threshold <= u) for u in uniforms]
+    multiset = [budget for budget, count in sorted(schedule.balanced_counts(len(uniforms)).items()) for _ in range(count)]
+    order = sorted(range(len(uniforms)), key=lambda t: (uniforms[t], t))
+    budgets = [0] * len(uniforms)
+    for rank, token in enumerate(order):
+        budgets[rank] = multiset[token]
+    return budgets
+
+
 @pytest.mark.parametrize("sampling", ["iid", "balanced"])
-def test_the_host_mapping_equals_budgets_from_uniforms_ties_included(sampling):
+def test_the_one_mapping_matches_the_hand_rule_ties_included(sampling):
     generator = torch.Generator().manual_seed(0)
-    for tokens in (1, 2, 5, 64, 1000, 2047, 2048, 5000):  # both sides of _SEARCHSORTED_BELOW
+    for tokens in (1, 2, 5, 64, 1000, 2049):
         uniforms = torch.rand(tokens, dtype=torch.float64, generator=generator)
-        if tokens > 4:  # ties: balanced ranks them by token index in both mappings
+        if tokens > 4:  # ties: balanced ranks them by token index
             uniforms[3] = uniforms[1] = uniforms[tokens - 1]
-        host = SCHEDULE.host_budgets_from_uniforms(uniforms.numpy(), sampling)
-        assert host.dtype == np.int64
-        assert host.tolist() == SCHEDULE.budgets_from_uniforms(uniforms, sampling).tolist(), tokens
+        mapped = SCHEDULE.budgets_from_uniforms(uniforms.numpy(), sampling)
+        assert mapped.dtype == np.int64
+        assert mapped.tolist() == _hand_mapping(SCHEDULE, uniforms.tolist(), sampling), tokens
+        assert torch.equal(SCHEDULE.budgets_from_uniforms(uniforms, sampling), torch.from_numpy(mapped))
 
 
 def test_the_state_tensor_is_a_cuda_philox_state_and_round_trips():
@@ -128,22 +148,29 @@ def test_cpu_budgets_are_the_host_array_and_nothing_is_kept_on_a_bare_module():
     on_cpu = to_device(host, "cpu")
     host[0] = 9
     assert on_cpu[0] == 9, "a CPU device gets the host array itself, no copy"
-    assert latest_draw(torch.nn.Linear(1, 1)) is None
+    assert state_of(torch.nn.Linear(1, 1)) is None
 
 
 def _reference_draw(schedule, sampling, seed, counter, shard, tokens):
     uniforms = np.array(_hand_uniforms(seed, counter, shard, tokens), dtype=np.float64)
-    return schedule.host_budgets_from_uniforms(uniforms, sampling)
+    return schedule.budgets_from_uniforms(uniforms, sampling)
+
+
+def _home_draw(home, seed, counter, schedule, sampling, shard, tokens):
+    """One draw of a stream home placed at (seed, counter); the home's stream after it."""
+    home.load_state_dict({"seed": seed, "counter": counter})
+    drawn = home.draw(schedule, sampling, shard, tokens, "cpu")
+    return drawn, home.load()
 
 
 def test_draws_made_ahead_are_each_their_own_draw():
-    """Draws come from blocks of consecutive counters made together: every pattern a training run
-    produces (consecutive layers, a recompute going back, a jump, T growing and shrinking, two
-    schedules in one model, balanced sampling, another shard, the last counters before 2^64) gives
-    the hand-computed κ of that very draw, with its own Σκ and histogram."""
+    """A stream home draws from blocks of consecutive counters made together: every pattern a
+    training run produces (consecutive layers, a recompute going back, a jump, T growing and
+    shrinking, two schedules in one model, balanced sampling, another shard, the last counters
+    before 2^64) gives the hand-computed κ of that very draw, with its own Σκ and histogram."""
     from elastic_moe_plugin.core import budget_stream
 
-    budget_stream._AHEAD.by_key.clear()
+    home = ProcessStream(lambda: 0)
     narrow = BudgetSchedule.parse("7-9", center=8)
     seed = 99
     pattern = [  # (counter, tokens, schedule, sampling, shard)
@@ -151,12 +178,13 @@ def test_draws_made_ahead_are_each_their_own_draw():
         (1, 24, SCHEDULE, "iid", 0),  # recompute: behind the block
         (4, 40, SCHEDULE, "iid", 0),  # T grows past the block's width
         (5, 7, SCHEDULE, "iid", 0), (6, 40, narrow, "iid", 0), (7, 33, SCHEDULE, "balanced", 0),
+        (8, 40, SCHEDULE, "balanced", 0),  # balanced at the block's width: mapped with the block
         (8, 24, SCHEDULE, "iid", 3), (9, 24, SCHEDULE, "iid", 0),
         (500, 24, SCHEDULE, "iid", 0),  # a jump (a resumed run)
         (MASK - 1, 12, SCHEDULE, "iid", 0), (MASK, 12, SCHEDULE, "iid", 0), (0, 12, SCHEDULE, "iid", 0),
     ]
     for counter, tokens, schedule, sampling, shard in pattern:
-        drawn, advanced = BudgetStream(seed, counter).draw(schedule, sampling, shard, tokens)
+        drawn, advanced = _home_draw(home, seed, counter, schedule, sampling, shard, tokens)
         expected = _reference_draw(schedule, sampling, seed, counter, shard, tokens)
         where = f"counter {counter}, T {tokens}, {schedule.spec} {sampling}, shard {shard}"
         assert drawn.host_budgets.tolist() == expected.tolist(), where
@@ -164,8 +192,7 @@ def test_draws_made_ahead_are_each_their_own_draw():
         assert drawn.total == int(expected.sum()), where
         assert drawn.counts.tolist() == np.bincount(expected, minlength=schedule.high + 1).tolist(), where
         assert advanced == BudgetStream(seed, (counter + 1) % (MASK + 1)), where
-    for block in budget_stream._AHEAD.by_key.values():
-        assert block.uniforms.size <= budget_stream._AHEAD_ELEMENTS
+        assert home._block.uniforms.size <= budget_stream._AHEAD_ELEMENTS
     static, _ = BudgetStream(seed, 3).draw(BudgetSchedule.static(8), "iid", 0, 5)
     assert static.host_budgets.tolist() == [8] * 5 and static.total == 40 and static.counts is None
 
@@ -174,24 +201,20 @@ def test_a_block_holds_at_most_its_element_budget():
     """A long draw gets fewer rows ahead: memory stays bounded whatever T."""
     from elastic_moe_plugin.core import budget_stream
 
-    budget_stream._AHEAD.by_key.clear()
+    home = ProcessStream(lambda: 0)
     tokens = budget_stream._AHEAD_ELEMENTS // 4 + 1
-    drawn, _ = BudgetStream(5, 0).draw(SCHEDULE, "iid", 0, tokens)
-    (block,) = budget_stream._AHEAD.by_key.values()
-    assert block.uniforms.shape == (3, tokens)
+    drawn, _ = _home_draw(home, 5, 0, SCHEDULE, "iid", 0, tokens)
+    assert home._block.uniforms.shape == (3, tokens)
     assert drawn.host_budgets[:9].tolist() == _reference_draw(SCHEDULE, "iid", 5, 0, 0, 9).tolist()
 
 
 def test_layers_with_equal_schedules_share_one_mapping_of_a_block():
     """Every layer resolves its own BudgetSchedule object: equal ones map a block once (48 layers
     would otherwise keep 48 copies of it), and each layer's draw is still its own counter's."""
-    from elastic_moe_plugin.core import budget_stream
-
-    budget_stream._AHEAD.by_key.clear()
+    home = ProcessStream(lambda: 0)
     layers = [BudgetSchedule.parse("6-10", center=8) for _ in range(5)]
     assert all(schedule == SCHEDULE and schedule is not SCHEDULE for schedule in layers)
     for counter, schedule in enumerate(layers):
-        drawn, _ = BudgetStream(3, counter).draw(schedule, "iid", 0, 16)
+        drawn, _ = _home_draw(home, 3, counter, schedule, "iid", 0, 16)
         assert drawn.host_budgets.tolist() == _reference_draw(schedule, "iid", 3, counter, 0, 16).tolist()
-    (block,) = budget_stream._AHEAD.by_key.values()
-    assert len(block.mapped) == 1
+    assert len(home._block.mapped) == 1 and home._block.first == 0

@@ -1,8 +1,8 @@
 """The records front end (``core.records``, ``core.metrics.model_routing_metrics``) on plain modules.
 
-No framework: the routers are bare ``torch.nn.Module`` objects carrying, in their ``__dict__``,
-what a training forward leaves there (a record and a κ histogram via ``records.remember``, a cached
-plan via ``plan.cached_plan``). Every expectation is written out by hand.
+No framework: the routers are bare ``torch.nn.Module`` objects carrying the state a training
+forward leaves (``core.router_state``: a resolved plan, what it routed and κ counted via
+``RouterState.remember``). Every expectation is written out by hand.
 """
 
 from __future__ import annotations
@@ -12,26 +12,33 @@ import numpy as np
 import torch
 
 from elastic_moe_plugin import BudgetSchedule, ElasticConfig
-from elastic_moe_plugin.core import metrics, plan, records
+from elastic_moe_plugin.core import metrics, plan, records, router_state
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.records import RouterSite
+from elastic_moe_plugin.core.router_state import ensure_state
+from elastic_moe_plugin.core.routing import Routing
 
 SCHEDULE = BudgetSchedule.parse("1-3", 2)
 ELASTIC = LayerPlan(schedule=SCHEDULE, gate="renormalized", sampling="iid", layer_index=None)
 
 
+def _remember(router, budgets, ids, kept, gate_weights, **keywords):
+    """``RouterState.remember`` of one forward that routed ``budgets`` [T] to ``ids`` / ``kept`` [T, b]."""
+    routing = Routing(ids, kept, budgets, gate_weights, gate_weights)
+    ensure_state(router).remember(routing, **keywords)
+
+
 def _elastic(router, budgets):
-    """What an elastic training forward leaves on ``router``: its plan, a record, κ counted."""
-    plan.cached_plan(router, "key", lambda: ELASTIC)
+    """What an elastic training forward leaves on ``router``: its plan, what it routed, κ counted."""
+    ensure_state(router).resolved("generation", ELASTIC, None)
     width = SCHEDULE.high
     ids = torch.arange(width).repeat(len(budgets), 1)
     kept = torch.arange(width).unsqueeze(0) < torch.tensor(budgets).unsqueeze(1)
-    records.remember(router, width, torch.tensor(budgets), ids, kept, kept.float() / torch.tensor(budgets)[:, None],
-                     count=True)
+    _remember(router, torch.tensor(budgets), ids, kept, kept.float() / torch.tensor(budgets)[:, None], count=True)
 
 
 def _static(router):
-    plan.cached_plan(router, "key", lambda: None)  # a stock top-k forward caches the None plan
+    ensure_state(router).resolved("generation", None, None)  # a stock top-k forward resolves the None plan
 
 
 def _sites(*layer_indices):
@@ -110,20 +117,19 @@ def test_host_counted_histograms_add_up_fold_reset_and_copy_exactly():
     ids = torch.arange(width).repeat(2, 1)
     kept = torch.ones(2, width, dtype=torch.bool)
     expected = np.zeros(width + 1, dtype=np.int64)
-    for step in range(records._PENDING_FOLD + 7):
+    for step in range(router_state._PENDING_FOLD + 7):
         counts = np.array([0, step % 3, 1, step % 5], dtype=np.int64)
         expected += counts
-        records.remember(router, width, torch.tensor([1, 2]), ids, kept, kept.float(), count=True, host_counts=counts)
+        _remember(router, torch.tensor([1, 2]), ids, kept, kept.float(), count=True, budget_counts=counts)
         if step == 100:
             assert records.budget_histograms(sites)[0].tolist() == expected.tolist()  # a read folds the pending ones
     assert records.budget_histograms(sites)[0].tolist() == expected.tolist()
     copied = copy.deepcopy(router)
     records.reset_budget_histograms(sites)
     assert records.budget_histograms(sites)[0].tolist() == [0, 0, 0, 0]
-    records.remember(router, width, torch.tensor([1, 2]), ids, kept, kept.float(), count=True,
-                     host_counts=np.array([0, 1, 1, 0]))
-    records.remember(router, width, torch.tensor([1, 2]), ids, kept, kept.float(), count=False,  # a recompute
-                     host_counts=np.array([0, 1, 1, 0]))
+    _remember(router, torch.tensor([1, 2]), ids, kept, kept.float(), count=True, budget_counts=np.array([0, 1, 1, 0]))
+    _remember(router, torch.tensor([1, 2]), ids, kept, kept.float(), count=False,  # a recompute
+              budget_counts=np.array([0, 1, 1, 0]))
     assert records.budget_histograms(sites)[0].tolist() == [0, 1, 1, 0]
     assert records.routing_records(sites)[0].budget_counts.tolist() == [0, 1, 1, 0]  # the record keeps them too
     copied_sites = [RouterSite("copy", copied, 0, 2, 4)]
@@ -138,13 +144,13 @@ def test_device_counted_histograms_count_the_budgets_tensor():
     sites = _sites(0)
     _elastic(sites[0].router, [3, 1, 3, 2])
     histogram = records.budget_histograms(sites)[0]
-    assert isinstance(sites[0].router.__dict__[records.HISTOGRAM_ATTR], torch.Tensor)
+    assert isinstance(ensure_state(sites[0].router).histogram, torch.Tensor)
     assert histogram.tolist() == [0, 1, 1, 2]
     assert records.routing_records(sites)[0].budget_counts is None
     # host counts of other than b + 1 bins are not this router's histogram: κ is counted on the device
     width = SCHEDULE.high
-    records.remember(sites[0].router, width, torch.tensor([1, 2]), torch.arange(width).repeat(2, 1),
-                     torch.ones(2, width, dtype=torch.bool), torch.ones(2, width), count=True,
-                     host_counts=np.zeros(width + 3, dtype=np.int64))
+    _remember(sites[0].router, torch.tensor([1, 2]), torch.arange(width).repeat(2, 1),
+              torch.ones(2, width, dtype=torch.bool), torch.ones(2, width), count=True,
+              budget_counts=np.zeros(width + 3, dtype=np.int64))
     assert records.routing_records(sites)[0].budget_counts is None
     assert records.budget_histograms(sites)[0].tolist() == [0, 2, 2, 2]

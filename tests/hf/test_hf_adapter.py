@@ -22,6 +22,8 @@ from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET, BudgetSchedule
 from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf import families as hf_families
 from elastic_moe_plugin.hf import patch as hf_patch
+from elastic_moe_plugin.core.records import latest_record
+from elastic_moe_plugin.core.router_state import state_of
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 
@@ -174,7 +176,7 @@ def test_top_p_mode_keeps_the_smallest_set_reaching_p(tiny, cap):
     router = _router(tiny, topk=2, norm=False)
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(11)) * 0.5
     _, weights, ids = router(x)
-    record = router._elastic_record
+    record = latest_record(router)
     probs = torch.softmax(x @ router.weight.detach().T, dim=-1, dtype=torch.float32)
     order_probs, order = torch.sort(probs, dim=-1, descending=True)
     width = cap or 8
@@ -277,7 +279,7 @@ def test_budgets_follow_the_schedule_pmf(tiny):
     torch.manual_seed(5)
     with torch.no_grad():
         _, weights, ids = router(x)
-    budgets = router._elastic_record.budgets
+    budgets = latest_record(router).budgets
     # what is dispatched with a non-zero weight is exactly κ_t experts per token
     assert torch.equal((weights > 0).sum(-1), budgets)
     assert weights.shape == ids.shape == (20000, 6)
@@ -296,7 +298,7 @@ def test_kept_experts_are_top_kappa_and_weights_match_reference(tiny, norm):
     x = torch.randn(512, 64, generator=torch.Generator().manual_seed(6))
     torch.manual_seed(8)
     logits, weights, ids = router(x)
-    record = router._elastic_record
+    record = latest_record(router)
     kappa = record.budgets
     # reference: sort the fp32 full softmax by hand
     probs = torch.softmax(x @ router.weight.detach().T, dim=-1, dtype=torch.float32)
@@ -321,7 +323,7 @@ def test_renormalized_single_expert_tokens_get_weight_one_and_no_gate_gradient(t
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(9))
     torch.manual_seed(10)
     _, weights, _ = router(x)
-    single = router._elastic_record.budgets == 1
+    single = latest_record(router).budgets == 1
     assert single.any() and torch.all(weights[single, 0] == 1.0)
     router.zero_grad()
     (weights[single] * torch.randn(weights[single].shape)).sum().backward()
@@ -368,7 +370,7 @@ def test_moe_block_equals_dense_reference_for_every_experts_implementation(tiny,
     torch.manual_seed(12)
     budget_rng.reset()
     y = block(x)
-    budgets = block.gate._elastic_record.budgets
+    budgets = latest_record(block.gate).budgets
     # κ is draw 0 of its own stream, seeded with BUDGET_SEED_OFFSET + torch.initial_seed(), on shard 0
     expected = BudgetStream(BUDGET_SEED_OFFSET + 12).draw(BudgetSchedule.parse("1-3", center=2), "iid", 0, 16)[0]
     assert torch.equal(budgets, expected.budgets)
@@ -392,9 +394,9 @@ def test_router_returns_real_candidates_and_marks_the_kept_slots(tiny, impl):
     router = model.model.layers[0].mlp.gate
     torch.manual_seed(14)
     _, weights, ids = router(torch.randn(64, 64, generator=torch.Generator().manual_seed(15)))
-    kept = torch.arange(3) < router._elastic_record.budgets[:, None]
+    kept = torch.arange(3) < latest_record(router).budgets[:, None]
     assert (~kept).any()
-    assert torch.equal(ids[kept], router._elastic_record.expert_ids[kept])
+    assert torch.equal(ids[kept], latest_record(router).expert_ids[kept])
     assert torch.all((ids >= 0) & (ids < E)) and torch.all(ids.sort(-1).values.diff(dim=-1) != 0)
     assert torch.all(weights[~kept] == 0.0)
     mark = hf_experts.kept_slots(ids)
@@ -488,7 +490,7 @@ def test_layer_selection_and_records_are_keyed_by_layer_index(tiny):
     hf.apply(ElasticConfig(schedule="1-3", layers="1"))
     model = tiny.model("olmoe")
     gates = [layer.mlp.gate for layer in model.model.layers]
-    assert [gate._elastic_layer_index for gate in gates] == [0, 1]
+    assert [state_of(gate).layer_index for gate in gates] == [0, 1]
     torch.manual_seed(16)
     model(**tiny.inputs("olmoe"))
     records = hf.routing_records(model)
@@ -521,7 +523,7 @@ def test_model_built_before_apply_is_covered_and_tagged_on_request(tiny):
     hf.apply(config, model=model)
     assert hf.tag_layers(model) == {"model.layers.0.mlp.gate": 0, "model.layers.1.mlp.gate": 1}
     for layer in model.model.layers:
-        layer.mlp.gate.__dict__.pop("_elastic_record", None)
+        state_of(layer.mlp.gate).routed = None  # forget the records of the forward before
     model(**inputs)
     assert list(hf.routing_records(model)) == [1]
 

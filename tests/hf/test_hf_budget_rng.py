@@ -24,6 +24,7 @@ from elastic_moe_plugin import ElasticConfig, hf
 from elastic_moe_plugin.core.budget_stream import BudgetStream
 from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
 from elastic_moe_plugin.hf import budget_rng
+from elastic_moe_plugin.core.records import latest_record
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 
@@ -40,14 +41,14 @@ def test_kappa_and_the_default_generator_leave_each_other_alone(tiny):
     budget_rng.reset()
     before = torch.default_generator.get_state()
     router(hidden)
-    first = router._elastic_record.budgets.clone()
+    first = latest_record(router).budgets.clone()
     assert torch.equal(torch.default_generator.get_state(), before), "drawing κ moved the default generator"
 
     torch.manual_seed(5)
     budget_rng.reset()
     torch.rand(1000)  # dropout, data shuffling, ...
     router(hidden)
-    assert torch.equal(router._elastic_record.budgets, first), "another consumer of the default generator moved κ"
+    assert torch.equal(latest_record(router).budgets, first), "another consumer of the default generator moved κ"
     assert len(set(first.tolist())) == 3
 
 

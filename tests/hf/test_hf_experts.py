@@ -23,6 +23,7 @@ from transformers.integrations import moe  # noqa: E402
 from elastic_moe_plugin import ElasticConfig, hf  # noqa: E402
 from elastic_moe_plugin.hf import experts as hf_experts  # noqa: E402
 from elastic_moe_plugin.hf import budget_rng  # noqa: E402
+from elastic_moe_plugin.core.records import latest_record
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 
@@ -343,7 +344,7 @@ def _counted_block_step(impl: str, schedule: str | None, sampling: str = "iid", 
     budget_rng.reset()
     with _ActivationRows(block, BLOCK_HIDDEN, BLOCK_FFN) as counted:
         block(x).square().sum().backward()
-    record = block.gate.__dict__.get("_elastic_record")
+    record = latest_record(block.gate)
     counted.expert_ids = None if record is None else record.expert_ids[record.expert_ids >= 0]  # the kept pairs' experts
     return counted, None if record is None else int(record.budgets.sum())
 
@@ -482,5 +483,5 @@ def test_a_standalone_block_without_an_implementation_runs_the_eager_loop_on_kap
     hf.apply(ElasticConfig(schedule=SCHEDULE))
     with caplog.at_level(logging.WARNING, logger="elastic_moe_plugin.hf"), expert_rows(block) as counted:
         block(_embeds())
-    assert counted.rows == {"experts": int(block.gate._elastic_record.budgets.sum())}
+    assert counted.rows == {"experts": int(latest_record(block.gate).budgets.sum())}
     assert not [record for record in caplog.records if "experts implementation" in record.getMessage()]

@@ -126,8 +126,9 @@ def test_the_host_realised_sum_normalises_as_the_devices_count(kind, make_config
                                                    moe_tracker)
     assert torch.equal(host_map, device_map) and len(set(host_map.sum(dim=1).tolist())) > 1
     torch.testing.assert_close(host, device, rtol=4e-7, atol=0)
-    # the gradient scales by the same factor: elements cancelled near 0 compare against the largest
-    torch.testing.assert_close(host_grad, device_grad, rtol=4e-7, atol=4e-7 * float(device_grad.abs().max()))
+    # the gradient scales by the same factor, through a few more fp32 ops (each within half an ulp,
+    # 6e-8): elements cancelled near 0 compare against the largest, to about 16 ulps of it
+    torch.testing.assert_close(host_grad, device_grad, rtol=4e-7, atol=1e-6 * float(device_grad.abs().max()))
 
 
 def test_an_iid_elastic_router_forward_issues_no_more_ops_than_stock(make_config, make_router, moe_tracker):

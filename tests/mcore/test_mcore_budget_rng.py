@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from elastic_moe_plugin import ElasticConfig, mcore
-from elastic_moe_plugin.core.budget_stream import BudgetStream, latest_draw
+from elastic_moe_plugin.core.budget_stream import BudgetStream
+from elastic_moe_plugin.core.router_state import state_of
 from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
 from elastic_moe_plugin.mcore import budget_rng
 
@@ -78,7 +79,7 @@ def test_each_draw_is_the_closed_form_and_advances_the_counter_by_one_whatever_t
         expected = BudgetStream(seed, counter).draw(schedule, "iid", 0, tokens * B if tokens else 0)[0]
         assert torch.equal(kappa, expected.budgets), f"draw {counter}"
         if tokens:
-            assert latest_draw(router).total == int(kappa.sum())
+            assert state_of(router).latest_draw.total == int(kappa.sum())
         after = _tracker().get_states()[budget_rng.BUDGET_RNG_NAME]
         assert after is not before and torch.equal(before, BudgetStream(seed, counter).to_state_tensor())
     assert budget_rng.stream() == BudgetStream(seed, 5)
@@ -148,7 +149,9 @@ def test_the_entries_made_ahead_are_each_streams_own_state():
     """The tracker entries are made for the next counters together: whatever the order of the
     streams stored (consecutive, back, a jump, another seed, the last counters a state holds), each
     entry is that stream's own state tensor, a new object for every counter."""
-    ahead = budget_rng._StateTensorsAhead()
+    from elastic_moe_plugin.core import budget_stream
+
+    ahead = budget_stream._EntriesAhead()
     last = (1 << 62) - 1  # the last counter a 16-byte state holds (offset 4·counter, 64 bits)
     order = [(7, 0), (7, 1), (7, 2), (7, 1), (7, 63), (7, 64), (7, 5000), (9, 5001), (7, last - 1), (7, last), (7, 0)]
     seen = {}

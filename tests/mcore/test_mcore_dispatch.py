@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from elastic_moe_plugin import ElasticConfig, mcore
 from elastic_moe_plugin.mcore import dispatch
 from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError
-from megatron_support import in_megatron_rng_fork
+from megatron_support import force_budgets, in_megatron_rng_fork
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
 
@@ -143,9 +143,7 @@ def test_iid_and_balanced_are_sync_free_and_top_p_pays_what_a_capacity_factor_pa
 
 def test_the_map_tag_carries_the_host_total_only_where_the_host_knows_it(make_config, make_router, monkeypatch):
     """Σκ on the tag: the κ draw's host total for iid and balanced (equal to the map's count), none
-    for top-p (κ from the device), after capacity drops, or for budgets substituted for the draw."""
-    from elastic_moe_plugin.mcore import routing as routing_module
-
+    for top-p (κ from the device) or after capacity drops; a forced κ is a draw like any other."""
     def tag_total(elastic: ElasticConfig, **overrides):
         mcore.apply(elastic)
         router = make_router(make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H, **overrides),
@@ -159,8 +157,8 @@ def test_the_map_tag_carries_the_host_total_only_where_the_host_knows_it(make_co
     assert tag_total(_elastic_config("iid"))[0] != S * B * K
     assert tag_total(_elastic_config("top_p"))[0] is None
     assert tag_total(_elastic_config("iid"), moe_expert_capacity_factor=0.5)[0] is None
-    monkeypatch.setattr(routing_module, "draw_budgets", lambda router, plan, n, device: torch.full((n,), 3))
-    assert tag_total(_elastic_config("iid"))[0] is None
+    force_budgets(monkeypatch, lambda n: torch.full((n,), 3))
+    assert tag_total(_elastic_config("iid")) == (S * B * 3, S * B * 3)
 
 
 def _balanced_layer(make_config, make_moe_layer):

@@ -9,7 +9,7 @@ no Megatron module before ``cpu_runtime.enable``.
 Equivalence means: outputs and gradients (input, router weight, expert weights) of the parallel run
 equal a single-process run over the concatenated tokens with the SAME κ. The workers record κ per
 token (``mcore.routing_records``); the reference forces it by replacing our own
-``elastic_moe_plugin.mcore.routing.draw_budgets``. Gradients that Megatron reduces later in
+``megatron_support.force_budgets``. Gradients that Megatron reduces later in
 ``finalize_model_grads`` (router weight over the ranks holding different tokens, expert weights over
 the expert-data-parallel group) are all-reduced (summed) by the worker, as that step would.
 fp32 throughout; max abs error <= 1e-5.
@@ -35,6 +35,7 @@ from elastic_moe_plugin.mcore import budget_rng
 from elastic_moe_plugin.mcore import routing as routing_module
 from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError
 from elastic_moe_plugin import cpu_runtime
+from megatron_support import force_budgets
 
 pytestmark = [pytest.mark.megatron]
 
@@ -476,7 +477,7 @@ def _assert_close(actual, expected, what, worst=None):
 
 def _reference(monkeypatch, inputs, upstreams, kappa, dispatcher="alltoall", aux=0.0, sampling="iid"):
     """The same tokens through ONE process (TP=EP=1) with the given κ forced."""
-    monkeypatch.setattr(routing_module, "draw_budgets", lambda router, plan, num_tokens, device: kappa.clone())
+    force_budgets(monkeypatch, lambda num_tokens: kappa.clone())
     mcore.apply(ElasticConfig(schedule=SCHEDULE, sampling=sampling))
     layer = _moe_layer(_config(dispatcher, moe_aux_loss_coeff=aux))
     _load_weights(layer, *_full_weights())

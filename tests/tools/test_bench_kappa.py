@@ -29,7 +29,8 @@ def test_the_table_has_every_cell_and_after_allocates_o_of_t():
         assert cell["tokens"] == kappa.QUICK_TOKENS and cell["peak_bytes"] > 0
     for sampling in ("iid", "balanced"):
         one, eight = (cells[sampling, n, "before"]["peak_bytes"] for n in kappa.QUICK_SHARDS)
-        assert eight - one >= 7 * 8 * kappa.QUICK_TOKENS  # 7·T more fp64 uniforms
+        # 7·T more fp64 uniforms, give or take the mapping's host temporaries (tens of bytes)
+        assert eight - one >= 0.99 * 7 * 8 * kappa.QUICK_TOKENS
         one, eight = (cells[sampling, n, "after"]["peak_bytes"] for n in kappa.QUICK_SHARDS)
         assert abs(eight - one) < 8 * kappa.QUICK_TOKENS
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from elastic_moe_plugin.core.gates import budget_mask
+from elastic_moe_plugin.core.routing import budget_mask
 from elastic_moe_plugin.tools.gates_lab.conventions import (
     CONVENTION_NAMES,
     CONVENTIONS,

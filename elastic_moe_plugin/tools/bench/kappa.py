@@ -6,8 +6,9 @@ One draw = the κ [T] of one elastic router call on one rank (T = 8192 tokens, s
 - ``before``: the draw the plugin made until the counter-based stream, ``num_shards · T`` fp64
   uniforms from a generator (the tracker state's), then this rank's slice mapped by
   ``BudgetSchedule.budgets_from_uniforms``: O(num_shards · T) time and memory on every rank;
-- ``after``: :meth:`~elastic_moe_plugin.core.budget_stream.BudgetStream.draw`, this rank's T
-  uniforms from (seed, counter, shard) on the host, mapped there: O(T) whatever num_shards.
+- ``after``: the draw the routers make (:meth:`~elastic_moe_plugin.core.budget_stream.StreamHome.draw`),
+  this rank's T uniforms from (seed, counter, shard) on the host, mapped there, from blocks of
+  draws made ahead: O(T) whatever num_shards.
 
 Measured on the host CPU (where both draw on a CPU device; on a GPU ``before`` drew on the device
 and ``after`` adds one non-blocking copy of 8·T bytes): the median and spread of repeated draws of
@@ -26,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from elastic_moe_plugin.core.budget_stream import BudgetStream
+from elastic_moe_plugin.core.budget_stream import ProcessStream
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.tools.bench.measure import LiveBytes
 
@@ -61,12 +62,11 @@ def _before(schedule: BudgetSchedule, sampling: str, num_shards: int, tokens: in
 
 
 def _after(schedule: BudgetSchedule, sampling: str, num_shards: int, tokens: int) -> Callable[[], torch.Tensor]:
-    state = [BudgetStream.seeded(1234)]
+    home = ProcessStream(lambda: 1234)
     shard = num_shards - 1
 
     def draw() -> torch.Tensor:
-        result, state[0] = state[0].draw(schedule, sampling, shard, tokens, "cpu")
-        return result.budgets
+        return home.draw(schedule, sampling, shard, tokens, "cpu").budgets
 
     return draw
 

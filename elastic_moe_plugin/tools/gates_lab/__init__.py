@@ -1,8 +1,8 @@
 """The gate-convention lab (docs/gates.md#gate-conventions): the same logits, experts and tokens
 under every convention.
 
-Three tools, pure torch, built on the reference conventions of :mod:`.conventions` (which weigh
-through the rules training runs, :mod:`elastic_moe_plugin.core.gates`):
+Three tools, pure torch, built on the reference conventions of :mod:`.conventions` (routing rules
+run by the routing core training runs, :mod:`elastic_moe_plugin.core.routing`):
 
 1. :func:`compare` (:mod:`.comparison`, on the toy MoE of :mod:`.toy_moe`) runs each convention
    on identical logits, expert parameters, token order and capacity policy (dropless), and

@@ -2,10 +2,12 @@
 
 For the same logits, *which* experts a token uses and *how much* each selected expert's output
 counts are two separate decisions, and the way they are combined decides what the router learns
-(``docs/gates.md#gate-conventions``). Each convention here selects from raw logits and weighs with
-:func:`elastic_moe_plugin.core.gates.weigh_candidates`, the rules training runs, so the lab and the
-product cannot drift apart. The lab only adds, for ``selected_softmax`` and ``sigmoid``, a centred
-closed-form backward that turns mathematically zero gate gradients into exact zeros.
+(``docs/gates.md#gate-conventions``). Each convention here is a
+:class:`~elastic_moe_plugin.core.routing.RoutingRule` run by the routing core training runs
+(:func:`~elastic_moe_plugin.core.routing.select` and :func:`~elastic_moe_plugin.core.routing.weigh`),
+so the lab and the product cannot drift apart. The lab only adds, for ``selected_softmax`` and
+``sigmoid``, a centred closed-form backward that turns mathematically zero gate gradients into
+exact zeros.
 
 Vocabulary
 ----------
@@ -61,13 +63,15 @@ from collections.abc import Callable
 
 import torch
 
-from elastic_moe_plugin.core.gates import (
+from elastic_moe_plugin.core.routing import (
     SIGMOID_EPS,
+    RoutingRule,
     budget_mask,
+    select,
     several_kept,
     simplex_grad,
     softmax_like_backward,
-    weigh_candidates,
+    weigh,
 )
 
 Convention = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
@@ -135,7 +139,7 @@ class _SigmoidRenormalize(torch.autograd.Function):
     """w = s / (Σ s + 1e-20) along the last dim; backward (g − Σ w g) / (Σ s + 1e-20), centred.
 
     The forward is Megatron's sigmoid normalisation (bitwise). The 1e-20 only guards against
-    division by zero; the centred backward (see core.gates.simplex_grad) drops its relative 1e-20 share.
+    division by zero; the centred backward (see core.routing.simplex_grad) drops its relative 1e-20 share.
     """
 
     @staticmethod
@@ -155,7 +159,7 @@ class _MaskedSoftmax(torch.autograd.Function):
     """w = softmax(x with slots outside ``mask`` at −inf), 0 outside ``mask``; backward w ⊙ (g − Σ w g).
 
     The forward is ``torch.softmax`` (bitwise Megatron's post-softmax when every slot is kept);
-    only the backward is centred (see core.gates.simplex_grad).
+    only the backward is centred (see core.routing.simplex_grad).
     """
 
     @staticmethod
@@ -170,16 +174,10 @@ class _MaskedSoftmax(torch.autograd.Function):
 
     backward = staticmethod(softmax_like_backward)
 
-def _weigh_exact(rule: str, candidates: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """:func:`weigh_candidates` with the centred closed-form backward for ``selected_softmax`` and
-    ``sigmoid`` (same forward; exact zeros where the true gate gradient is zero, which the lab
-    counts)."""
-    if rule == "selected_softmax":
-        return _MaskedSoftmax.apply(candidates, mask)
-    if rule == "sigmoid":
-        kept = torch.where(mask, candidates, torch.zeros_like(candidates))
-        return torch.where(several_kept(mask), _SigmoidRenormalize.apply(kept), kept)
-    return weigh_candidates(rule, candidates, mask)
+def _rule(logits: torch.Tensor, score_function: str, select_on: str, normalization: str) -> RoutingRule:
+    return RoutingRule(score_function, select_on, normalization,  # type: ignore[arg-type]
+                       renormalization_eps=SIGMOID_EPS if score_function == "sigmoid" else 0.0,
+                       score_dtype=_compute_dtype(logits))
 
 
 def full_softmax(
@@ -202,9 +200,9 @@ def full_softmax(
         ``(expert_ids LongTensor[T, width], weights [T, width])``, −1 / 0 in slots j >= κ_t.
     """
     width, mask = _resolve(logits, k, width)
-    probs = torch.softmax(logits.to(_compute_dtype(logits)), dim=-1)
-    values, indices = torch.topk(probs, width, dim=-1, sorted=True)
-    return _finish(indices, weigh_candidates("full_softmax", values, mask), mask)
+    rule = _rule(logits, "softmax", "scores", "none")
+    indices, values = select(logits, rule, width)
+    return _finish(indices, weigh(rule, values, mask), mask)
 
 
 def renormalized(
@@ -220,11 +218,11 @@ def renormalized(
     Same arguments and returns as :func:`full_softmax`.
     """
     width, mask = _resolve(logits, k, width)
-    scores = logits.to(_compute_dtype(logits))
-    with torch.no_grad():  # the gradient goes through the selected logits (see _RenormalizedProbs)
-        values, indices = torch.topk(torch.softmax(scores, dim=-1), width, dim=-1, sorted=True)
-    selected = torch.gather(scores, 1, indices)
-    return _finish(indices, weigh_candidates("renormalized", values, mask, selected_logits=selected), mask)
+    rule = _rule(logits, "softmax", "scores", "kept_sum")
+    scores = logits.to(rule.score_dtype)
+    with torch.no_grad():  # the gradient goes through the kept logits (core.routing.RenormalizedProbs)
+        indices, values = select(scores, rule, width)
+    return _finish(indices, weigh(rule, values, mask, logits=scores, ids=indices), mask)
 
 
 def selected_softmax(
@@ -239,8 +237,8 @@ def selected_softmax(
     Same arguments and returns as :func:`full_softmax`.
     """
     width, mask = _resolve(logits, k, width)
-    values, indices = torch.topk(logits.to(_compute_dtype(logits)), width, dim=-1, sorted=True)
-    return _finish(indices, _weigh_exact("selected_softmax", values, mask), mask)
+    indices, values = select(logits.to(_compute_dtype(logits)), _rule(logits, "softmax", "logits", "kept_softmax"), width)
+    return _finish(indices, _MaskedSoftmax.apply(values, mask), mask)
 
 
 def sigmoid(
@@ -262,17 +260,15 @@ def sigmoid(
     Otherwise the same arguments and returns as :func:`full_softmax`.
     """
     width, mask = _resolve(logits, k, width)
-    scores = torch.sigmoid(logits.to(_compute_dtype(logits)))
-    if expert_bias is None:
-        values, indices = torch.topk(scores, width, dim=-1, sorted=True)
-    else:
-        if expert_bias.shape != (logits.shape[1],):
-            raise ValueError(
-                f"expert_bias must have shape [num_experts] = [{logits.shape[1]}], got {tuple(expert_bias.shape)}."
-            )
-        _, indices = torch.topk(scores + expert_bias.detach().to(scores.dtype), width, dim=-1, sorted=True)
-        values = torch.gather(scores, 1, indices)
-    return _finish(indices, _weigh_exact("sigmoid", values, mask), mask)
+    if expert_bias is not None and expert_bias.shape != (logits.shape[1],):
+        raise ValueError(
+            f"expert_bias must have shape [num_experts] = [{logits.shape[1]}], got {tuple(expert_bias.shape)}."
+        )
+    rule = _rule(logits, "sigmoid", "scores", "kept_sum_if_several")
+    bias = None if expert_bias is None else expert_bias.detach()
+    indices, values = select(logits, rule, width, selection_bias=bias)
+    kept = torch.where(mask, values, torch.zeros_like(values))
+    return _finish(indices, torch.where(several_kept(mask), _SigmoidRenormalize.apply(kept), kept), mask)
 
 
 CONVENTIONS: dict[str, Convention] = {

@@ -1,0 +1,165 @@
+"""One state object per patched router: its plan, its κ stream, its latest draw and what it routed.
+
+A door keeps everything a router needs between forwards in one :class:`RouterState`, in the
+router's ``__dict__`` (no parameter, buffer or state-dict key is added, so checkpoints stay stock).
+The door resolves the state's plan when the router is built or the config changes (a new patch
+generation), not at every forward; a training forward then only reads it, draws κ
+(:meth:`RouterState.draw`) and keeps what it routed (:meth:`RouterState.remember`).
+
+What a forward keeps costs no device op: references to the routing call's own tensors
+(:class:`~elastic_moe_plugin.core.routing.Routing`), and κ's histogram added up on the host when κ
+was drawn there (one ``scatter_add_`` on the device for top-p κ, which the device computes).
+:mod:`elastic_moe_plugin.core.records` turns them into :class:`~.records.RoutingRecord` objects,
+and :mod:`elastic_moe_plugin.core.metrics` into logged scalars, only when a logger asks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from elastic_moe_plugin.core.budget_stream import BudgetDraw, StreamHome
+from elastic_moe_plugin.core.plan import LayerPlan
+from elastic_moe_plugin.core.routing import Routing, RoutingRule
+
+#: the ``router.__dict__`` key of its :class:`RouterState`
+STATE_ATTR = "_elastic_state"
+
+
+class RouterState:
+    """What one router keeps between forwards.
+
+    Attributes:
+        generation: the patch generation the plan was resolved for (None: not resolved yet).
+        plan: the training plan, or None for a router that routes stock top-k (eval aside).
+        rule: the routing rule the plan routes with (None with no plan).
+        options: the door's reading of the router's own routing options when the plan was
+            resolved; a door that must follow options changed on a built router compares them.
+        stream: where κ's stream lives for this router (:class:`~.budget_stream.StreamHome`).
+        shard: this rank's token shard (None: not known yet).
+        layer_index: the 0-based decoder-layer index, where the door tags it (transformers).
+        tensor_parallel_group: the group whose ranks share this router's tokens (transformers).
+        latest_draw: the :class:`~.budget_stream.BudgetDraw` of the latest forward (a recompute
+            replays it).
+        routed: what the latest training forward routed, ``(budgets κ [T], ids [T, b], kept
+            [T, b], gate weights [T, b] detached, capacity_dropped [T, b] or None, κ's host
+            histogram [b+1] or None)``: references to the forward's own tensors.
+        record: its :class:`~.records.RoutingRecord`, built at the first read.
+        histogram: κ counts [b+1] since the last reset: a :class:`HostHistogram`, or a device
+            tensor for κ the device computed.
+    """
+
+    __slots__ = ("generation", "plan", "rule", "options", "stream", "shard", "layer_index", "tensor_parallel_group",
+                 "latest_draw", "routed", "record", "histogram")
+
+    def __init__(self) -> None:
+        self.generation: Any = None
+        self.plan: LayerPlan | None = None
+        self.rule: RoutingRule | None = None
+        self.options: Any = None
+        self.stream: StreamHome | None = None
+        self.shard: int | None = None
+        self.layer_index: int | None = None
+        self.tensor_parallel_group: Any = None
+        self.latest_draw: BudgetDraw | None = None
+        self.routed: tuple | None = None
+        self.record: Any = None
+        self.histogram: HostHistogram | torch.Tensor | None = None
+
+    def resolved(self, generation: Any, plan: LayerPlan | None, rule: RoutingRule | None, options: Any = None,
+                 stream: StreamHome | None = None) -> RouterState:
+        """Set the plan resolved for ``generation`` (returns the state)."""
+        self.generation, self.plan, self.rule, self.options, self.stream = generation, plan, rule, options, stream
+        return self
+
+    def draw(self, num_tokens: int, device: torch.device) -> BudgetDraw:
+        """κ [T] of this router's forward: one draw of its stream on its shard, kept as the latest."""
+        plan = self.plan
+        drawn = self.stream.draw(plan.schedule, plan.sampling, self.shard or 0, num_tokens, device)
+        self.latest_draw = drawn
+        return drawn
+
+    def remember(self, routing: Routing, *, count: bool, capacity_dropped: torch.Tensor | None = None,
+                 budget_counts: np.ndarray | None = None) -> None:
+        """Keep this forward's routing; with ``count``, add its κ to the histogram [b+1].
+
+        Args:
+            routing: the routing call's result (kept by reference; the gate weights detached, so the
+                forward's autograd graph is not held until the next forward).
+            count: False for a forward that replays a step already counted (activation recompute).
+            capacity_dropped: bool [T, b], kept slots that a capacity factor dropped; None without one.
+            budget_counts: κ's histogram [b+1] (int64 numpy) when the host has it (the draw's
+                ``counts``); else κ is counted on the device. Of other than b + 1 bins it is
+                ignored and κ counted on the device.
+        """
+        bins = routing.ids.shape[1] + 1
+        if budget_counts is not None and len(budget_counts) != bins:
+            budget_counts = None
+        self.routed = (routing.budgets, routing.ids, routing.kept, routing.gate_weights.detach(), capacity_dropped,
+                       budget_counts)
+        self.record = None
+        if not count:
+            return
+        histogram = self.histogram
+        if budget_counts is not None:
+            if not isinstance(histogram, HostHistogram) or histogram.bins != bins:
+                histogram = self.histogram = HostHistogram(bins)
+            histogram.add(budget_counts)
+            return
+        budgets = routing.budgets
+        if not isinstance(histogram, torch.Tensor) or histogram.numel() != bins or histogram.device != budgets.device:
+            histogram = self.histogram = torch.zeros(bins, dtype=torch.long, device=budgets.device)
+        histogram.scatter_add_(0, budgets, torch.ones_like(budgets))
+
+
+def state_of(router: torch.nn.Module) -> RouterState | None:
+    """The router's state, or None for a router no door has met."""
+    return router.__dict__.get(STATE_ATTR)
+
+
+def ensure_state(router: torch.nn.Module) -> RouterState:
+    """The router's state, created empty if it has none."""
+    state = router.__dict__.get(STATE_ATTR)
+    if state is None:
+        state = router.__dict__[STATE_ATTR] = RouterState()
+    return state
+
+
+class HostHistogram:
+    """A running κ histogram [bins] counted on the host, from draws whose histograms the host has.
+
+    Adding is appending a reference (an in-place numpy add inside a router call runs with cold
+    caches); the pending counts are summed when the histogram is read, or every
+    :data:`_PENDING_FOLD` additions, so memory stays bounded without a reader.
+    """
+
+    __slots__ = ("bins", "counts", "pending")
+
+    def __init__(self, bins: int) -> None:
+        self.bins = bins
+        self.counts = np.zeros(bins, dtype=np.int64)
+        self.pending: list[np.ndarray] = []
+
+    def add(self, counts: np.ndarray) -> None:
+        self.pending.append(counts)
+        if len(self.pending) >= _PENDING_FOLD:
+            self.fold()
+
+    def fold(self) -> np.ndarray:
+        """The counts so far (int64 [bins]), the pending ones added in."""
+        if self.pending:
+            # one pending draw is one in-place add; np.sum of a list builds a 2-D array first
+            self.counts += self.pending[0] if len(self.pending) == 1 else np.sum(self.pending, axis=0)
+            self.pending.clear()
+        return self.counts
+
+    def zero(self) -> None:
+        self.pending.clear()
+        self.counts[:] = 0
+
+
+_PENDING_FOLD = 256
+
+__all__ = ["STATE_ATTR", "HostHistogram", "RouterState", "ensure_state", "state_of"]
