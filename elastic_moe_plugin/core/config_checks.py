@@ -202,8 +202,11 @@ class ConfigChecks(Refusals):
             head = f"{self._schedule_label()} has low={low} > high={high}: write the range as LOW-HIGH"
             if fixes and fixes[0] == reordered:
                 return f"{head}, e.g. {self._spell_fix(reordered)}."
-            what = "" if not fixes or fixes[0]["schedule"] == AUTO_SCHEDULE else "the same width around its top-k"
-            return f"{head}; {high}-{low} does not fit the model ({model.describe()}) either. " + self._use(fixes, what)
+            # without a model the range is checked against the config's own center
+            target = f"the model ({model.describe()})" if model is not None else f"center={self.config.center}"
+            around = "its top-k" if model is not None else target
+            what = "" if not fixes or fixes[0]["schedule"] == AUTO_SCHEDULE else f"the same width around {around}"
+            return f"{head}; {high}-{low} does not fit {target} either. " + self._use(fixes, what)
 
         raise self._refuse("schedule", reversed_message,
                            [reordered, *self._around(model, (low - high) // 2), {"schedule": AUTO_SCHEDULE}],

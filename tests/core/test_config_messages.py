@@ -122,3 +122,12 @@ def test_the_default_is_resolved_from_the_model(topk, num_experts, expected):
         low, high = map(int, expected.split("-"))
         schedule = config.resolve(num_experts=num_experts, topk=topk)
         assert (schedule.low, schedule.high, schedule.center) == (low, high, topk) and schedule.is_symmetric
+
+
+def test_a_reversed_range_that_does_not_fit_the_center_is_refused_with_a_fix_around_it():
+    """No model yet, a center set: the turned-round range is checked against the center (this
+    used to raise AttributeError, naming no setting)."""
+    with pytest.raises(ConfigError, match=r"6-10 does not fit center=4 either\. Use schedule='2-6'") as raised:
+        ElasticConfig.from_dict({"schedule": "10-6", "center": 4})
+    assert raised.value.fixes[0] == {"schedule": "2-6"}
+    assert ElasticConfig.from_dict({"schedule": "2-6", "center": 4}).schedule == "2-6"
