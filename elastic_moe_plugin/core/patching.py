@@ -1,6 +1,6 @@
 """The one patch lifecycle of the plugin: class-level replacements, restored by identity.
 
-Four pieces, used by every adapter (``mcore``, ``hf``), the dispatcher fixes, the inference top-k
+Three pieces, used by every adapter (``mcore``, ``hf``), the dispatcher fixes, the inference top-k
 override and the CPU runtime:
 
 - :class:`AttributePatches`: an ordered record of ``(owner, name, original)``. :meth:`wrap`
@@ -10,30 +10,26 @@ override and the CPU runtime:
   and remembers the stock object. :meth:`set` redirects an attribute and remembers what was there.
   :meth:`restore` puts the originals back by identity, in reverse order, and deletes attributes
   that did not exist before. :meth:`when_imported` defers an install to the import of the module
-  that holds the target (a module the training script imports later).
+  that holds the target (a module the training script imports later), through the package's one
+  import hook (:mod:`.import_hooks`).
 - :class:`PatchSwitch`: on / off for a patch without a config (the CPU runtime, the explicit-spec
   routers' dispatcher fixes, the ``training_log`` hook): idempotent, a failed install rolls back,
   off restores by identity.
-- :class:`VersionGuard`: a framework's tested version range and the variable that overrides it.
 - :class:`PatchLifecycle`: ``apply(config)`` / ``remove()`` / ``patched(config)`` for one
   framework. One re-entrant lock (a failed ``apply(config, model=...)`` re-applies the previous
   config while holding it), the framework's version guard on every apply, idempotence (the same
   config again changes nothing), and a generation number that routers key their cached plans on.
 
-An adapter supplies only its version guard and an ``install(config, patches)`` function that
-calls :meth:`AttributePatches.wrap` for each target.
+An adapter supplies only its version guard (:class:`~.versions.VersionGuard`, re-exported here)
+and an ``install(config, patches)`` function that calls :meth:`AttributePatches.wrap` for each
+target.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib.abc
-import importlib.machinery
-import importlib.metadata
 import inspect
 import logging
-import os
 import sys
 import threading
 import types
@@ -43,7 +39,8 @@ from typing import Any
 from packaging.version import Version
 
 from elastic_moe_plugin.core.config import ElasticConfig
-from elastic_moe_plugin.core.errors import UnsupportedFrameworkError
+from elastic_moe_plugin.core.import_hooks import IMPORT_HOOKS
+from elastic_moe_plugin.core.versions import VersionGuard
 
 #: set on every replacement this package installs; its ``__wrapped__`` is what it replaced
 PATCH_MARKER = "__elastic_moe_patched__"
@@ -124,8 +121,7 @@ class AttributePatches:
         if module is not None:
             install(module)
             return
-        hook = _POST_IMPORT.add(module_name, install)
-        self._undo.append(lambda: _POST_IMPORT.cancel(hook))
+        self._undo.append(IMPORT_HOOKS.after_import(module_name, install).cancel)
 
     def on_restore(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` when :meth:`restore` runs (after the attributes are put back)."""
@@ -153,81 +149,6 @@ class AttributePatches:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-
-class _PostImportHooks(importlib.abc.MetaPathFinder):
-    """A ``sys.meta_path`` finder that runs callbacks right after a named module executes.
-
-    It finds nothing itself: for a module with pending callbacks it asks the other finders for the
-    spec and wraps the loader so the callbacks run after the module's own code (the module keeps its
-    real loader). It sits on ``sys.meta_path`` only while some callback is pending.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._pending: dict[str, list[tuple[object, Callable[[types.ModuleType], None]]]] = {}
-        self._searching = threading.local()  # names this finder is resolving through the others
-
-    def add(self, module_name: str, callback: Callable[[types.ModuleType], None]) -> object:
-        hook = object()
-        with self._lock:
-            self._pending.setdefault(module_name, []).append((hook, callback))
-            if self not in sys.meta_path:
-                sys.meta_path.insert(0, self)
-        return hook
-
-    def cancel(self, hook: object) -> None:
-        with self._lock:
-            for name in list(self._pending):
-                self._pending[name] = [entry for entry in self._pending[name] if entry[0] is not hook]
-                if not self._pending[name]:
-                    del self._pending[name]
-            if not self._pending and self in sys.meta_path:
-                sys.meta_path.remove(self)
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        searching = self._searching.__dict__.setdefault("names", set())
-        if fullname not in self._pending or fullname in searching:
-            return None  # not ours, or a finder like this one (it delegates too) asking back
-        searching.add(fullname)
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                        spec.loader = _RunHooksAfterExec(spec.loader, self)
-                    return spec
-            return None
-        finally:
-            searching.discard(fullname)
-
-    def run(self, module: types.ModuleType) -> None:
-        with self._lock:
-            callbacks = self._pending.pop(module.__name__, [])
-            if not self._pending and self in sys.meta_path:
-                sys.meta_path.remove(self)
-        for _, callback in callbacks:
-            callback(module)
-
-
-class _RunHooksAfterExec(importlib.abc.Loader):
-    def __init__(self, loader: Any, hooks: _PostImportHooks) -> None:
-        self._loader, self._hooks = loader, hooks
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        self._hooks.run(module)
-
-
-_POST_IMPORT = _PostImportHooks()
 
 
 class PatchSwitch:
@@ -271,125 +192,21 @@ class PatchSwitch:
         return self._patches is not None
 
 
-@dataclasses.dataclass(frozen=True)
-class VersionGuard:
-    """The tested version range of a framework, and the variable that overrides it.
-
-    Attributes:
-        framework: the distribution name users install (``"megatron-core"``, ``"transformers"``).
-        minimum / maximum: the tested range ``[minimum, maximum)`` (pre-releases count as their base).
-        override_env: setting it to 1 tries an untested version anyway, with a warning.
-        error: the :class:`UnsupportedFrameworkError` subclass to raise.
-        extra: the package extra that installs the framework (``pip install 'elastic-moe-plugin[extra]'``).
-        module: the package Python imports (``"megatron.core"``, ``"transformers"``), so that a refusal
-            says where the refused code comes from: an installed wheel (then ``pip install`` is the
-            fix) or a source tree on the path that shadows any wheel (then installing cannot help).
-    """
-
-    framework: str
-    minimum: Version
-    maximum: Version
-    override_env: str
-    error: type[UnsupportedFrameworkError]
-    extra: str
-    module: str | None = None
-
-    @property
-    def range(self) -> str:
-        return f">={self.minimum},<{self.maximum}"
-
-    def imported_version(self) -> Version | None:
-        """The version of the ``module`` Python imports, i.e. of the code that will be patched.
-
-        Read from the imported package's ``__version__``, not from installed package metadata: a
-        source checkout on ``PYTHONPATH`` has no metadata, and with a wheel installed *and* a checkout
-        first on ``sys.path`` the metadata describes the wheel while the checkout is what runs. The
-        metadata of ``framework`` is read only when the package carries no version; None when
-        neither exists.
-
-        Raises:
-            importlib.metadata.PackageNotFoundError: ``module`` (or a package above it) is not importable.
-        """
-        module_name = self.module or self.framework
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            parents = {".".join(module_name.split(".")[: depth + 1]) for depth in range(module_name.count(".") + 1)}
-            if error.name in parents:
-                raise importlib.metadata.PackageNotFoundError(self.framework) from None
-            raise
-        found = getattr(module, "__version__", None)
-        if found is None:
-            try:
-                found = importlib.metadata.version(self.framework)
-            except importlib.metadata.PackageNotFoundError:
-                return None
-        return Version(str(found))
-
-    def check(self, read_version: Callable[[], Version | None]) -> Version | None:
-        """The version ``read_version()`` finds if inside the range (or overridden, with a warning).
-
-        ``read_version`` returns the version of the code that will be patched, ``None`` when that
-        code is importable but carries no version at all, and raises
-        ``importlib.metadata.PackageNotFoundError`` when it is not importable. The override
-        variable accepts both an out-of-range and an unknown version.
-
-        Raises:
-            error: the framework is missing, or outside the range (or of unknown version) and not
-                overridden.
-        """
-        try:
-            found = read_version()
-        except importlib.metadata.PackageNotFoundError:
-            raise self.error(
-                f"elastic-moe needs {self.framework} {self.range}, which is not installed: pip install "
-                f"'elastic-moe-plugin[{self.extra}]' (or '{self.framework}{self.range}')."
-            ) from None
-        if found is not None and self.minimum <= Version(found.base_version) < self.maximum:
-            return found
-        described = "an unknown version (no version attribute, no package metadata)" if found is None else str(found)
-        if os.environ.get(self.override_env, "").lower() in ("1", "true", "yes"):
-            logging.getLogger("elastic_moe_plugin").warning(
-                "elastic-moe: %s %s is outside the tested range %s; %s is set, trying anyway.",
-                self.framework, described, self.range, self.override_env)
-            return found
-        raise self.error(f"elastic-moe supports {self.framework} {self.range}, found {described}. {self.advice()}")
-
-    def advice(self) -> str:
-        """What to do about a refused version, for where the imported code comes from (:attr:`module`)."""
-        tree = self.source_tree()
-        if tree is None:
-            return (f"Install a supported version (pip install '{self.framework}{self.range}'), or set "
-                    f"{self.override_env}=1 to try anyway.")
-        try:
-            wheel = f", ahead of the installed {self.framework} {importlib.metadata.version(self.framework)}"
-        except importlib.metadata.PackageNotFoundError:
-            wheel = ""
-        return (f"The {self.module} Python imports is a source tree, {tree} (on sys.path through PYTHONPATH or the "
-                f"training script's folder{wheel}), so installing a wheel would not change it: check out a release "
-                f"in {self.range} there, or take the tree off the path; or set {self.override_env}=1 to try anyway.")
-
-    def source_tree(self) -> str | None:
-        """The folder of the imported :attr:`module` when it is not the installed distribution's own
-        files (a source checkout on the path), else None (an installed wheel, or not importable)."""
-        module = sys.modules.get(self.module) if self.module else None
-        origin = getattr(module, "__file__", None)
-        if origin is None:
-            return None
-        # directories, not files: a tree of symlinks to a wheel's files is still a tree on the path
-        package_dir = os.path.realpath(os.path.dirname(os.path.abspath(origin)))
-        try:
-            distribution = importlib.metadata.distribution(self.framework)
-            installed = distribution.locate_file(os.path.join(*self.module.split("."), "__init__.py"))
-            if os.path.realpath(os.path.dirname(os.path.abspath(str(installed)))) == package_dir:
-                return None
-        except importlib.metadata.PackageNotFoundError:
-            pass
-        return os.path.realpath(os.path.join(package_dir, *[".."] * len(self.module.split("."))))
-
-
 class PatchLifecycle:
     """``apply`` / ``remove`` / ``patched`` of one framework adapter.
+
+    The state a router's forward reads on every call is two plain attributes, so reading it is an
+    attribute load, not a call into this module:
+
+    Attributes:
+        config: the :class:`ElasticConfig` of the current apply, None when not applied.
+        generation: incremented by every apply that changes the config; routers key their cached
+            plans on it.
+
+    Both are written only under the lock (reads take no lock: one attribute load is atomic). An
+    apply writes ``config`` before it increments ``generation``, so a reader that reads
+    ``generation`` first and ``config`` second never pairs a new generation with an old config (the
+    other mix, an old generation with a new config, only makes a cached plan miss once).
 
     Args:
         name: the adapter (``"mcore"``, ``"hf"``), for messages.
@@ -415,23 +232,18 @@ class PatchLifecycle:
         self._logger = logger
         # Re-entrant: rolling back a failed apply re-applies the previous config under the lock.
         self._lock = threading.RLock()
-        self._config: ElasticConfig | None = None
+        self.config: ElasticConfig | None = None
+        self.generation = 0
         self._patches: AttributePatches | None = None
-        self._generation = 0
 
     # ------------------------------------------------------------------ state
-    @property
-    def generation(self) -> int:
-        """Incremented by every apply that changes the config: routers key cached plans on it."""
-        return self._generation
-
     def active_config(self) -> ElasticConfig | None:
-        """The config of the current apply, or None when not applied."""
-        return self._config
+        """:attr:`config`: the config of the current apply, or None when not applied."""
+        return self.config
 
     def is_applied(self) -> bool:
         """Whether the patch is installed."""
-        return self._config is not None
+        return self.config is not None
 
     def symbols(self) -> list[str]:
         """Dotted names of everything the active patch replaced (empty if not applied)."""
@@ -455,7 +267,7 @@ class PatchLifecycle:
         config = self.resolve(config)
         self.check_version()
         with self._lock:
-            if self._config == config:
+            if self.config == config:
                 return False
             self._remove_locked()
             patches = AttributePatches()
@@ -464,8 +276,8 @@ class PatchLifecycle:
             except BaseException:
                 patches.restore()
                 raise
-            self._patches, self._config = patches, config
-            self._generation += 1
+            self._patches, self.config = patches, config
+            self.generation += 1  # after the config: see the class docstring
         # one short line at INFO (it reaches ms-swift's console); the dotted names at DEBUG
         symbols = patches.symbols()
         owners = sorted({symbol.rpartition(".")[0].rpartition(".")[0] for symbol in symbols})
@@ -481,26 +293,26 @@ class PatchLifecycle:
     def _remove_locked(self) -> None:
         if self._patches is not None:
             self._patches.restore()
-        self._patches, self._config = None, None
+        self._patches, self.config = None, None
 
     @contextlib.contextmanager
     def rollback_on_error(self) -> Iterator[None]:
         """Restore the state from before the block (applied with its config, or not) if it raises."""
         with self._lock:
-            previous = self._config
+            previous = self.config
             try:
                 yield
             except BaseException:
                 if previous is None:
                     self._remove_locked()
-                elif previous != self._config:
+                elif previous != self.config:
                     self.apply(previous)
                 raise
 
     @contextlib.contextmanager
     def patched(self, apply: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterator[None]:
         """``apply(*args, **kwargs)`` on entry (the adapter's own apply); on exit restore what was before."""
-        previous = self._config
+        previous = self.config
         apply(*args, **kwargs)
         try:
             yield

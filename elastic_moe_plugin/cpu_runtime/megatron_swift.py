@@ -76,10 +76,6 @@ module, and :func:`enable` refuses to run where CUDA is available (``force=True`
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import os
 import sys
 import threading
 import types
@@ -87,6 +83,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
+from elastic_moe_plugin.core.import_hooks import IMPORT_HOOKS, Hook, importing_module
 from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch
 
 __all__ = [
@@ -202,7 +199,6 @@ class _TritonKernelAbsent:
 class _BodyStack(threading.local):
     def __init__(self) -> None:
         self.bridge: list[bool] = []  # per executing module body: is it mcore-bridge's?
-        self.resolving: set[str] = set()
 
 
 def _is_bridge_name(name: str) -> bool:
@@ -213,20 +209,42 @@ def _is_te_name(name: str) -> bool:
     return name == TE_PACKAGE or name.startswith(TE_PACKAGE + ".")
 
 
-_IMPORT_MACHINERY = ("<frozen importlib", importlib.util.__file__.rsplit(os.sep, 1)[0])
+class _BridgeImportScope:
+    """The import scope, as two hooks on the package's one import finder
+    (:data:`~elastic_moe_plugin.core.import_hooks.IMPORT_HOOKS`):
 
-
-class _BridgeImportScope(importlib.abc.MetaPathFinder):
-    """First on ``sys.meta_path`` while enabled: tracks which module bodies execute (for the
-    modules mcore-bridge's bodies import), serves the TE stand-in, completes triton-only modules, and
-    runs :meth:`after_bridge_body` on each mcore-bridge module."""
+    - around the body of every mcore-bridge module, every :data:`TRITON_ONLY_MODULES` module and
+      every module imported while an mcore-bridge body is innermost (:meth:`_body`): which body is
+      executing, for (1); the completion of a triton-only module, for (3); and the fix of each
+      mcore-bridge module right after its body (``after_bridge_body``), for (2) and (4);
+    - a provider of ``transformer_engine`` (and its submodules) that serves the stand-in only to an
+      ``import`` run by mcore-bridge code while an mcore-bridge body is innermost, for (1): anything
+      else gets ``ModuleNotFoundError``, exactly as without Transformer Engine.
+    """
 
     def __init__(self, after_bridge_body: Callable[[types.ModuleType], None]) -> None:
         self._after_bridge_body = after_bridge_body
         self._stack = _BodyStack()
         self._lock = threading.RLock()
+        self._hooks: list[Hook] = []
         self.te_modules: dict[str, _TEStandIn] = {}
         self.served: list[str] = []  # names of stand-ins handed out, for the tests
+
+    def install(self) -> None:
+        # TE names are never tracked as bodies: the stand-in has none, and a real TE is not ours
+        self._hooks = [
+            IMPORT_HOOKS.serve(self._serves_te, self._te_module),
+            IMPORT_HOOKS.around_bodies(
+                lambda name: not _is_te_name(name) and (
+                    _is_bridge_name(name) or name in TRITON_ONLY_MODULES or self.bridge_body_on_top()),
+                self._body),
+        ]
+
+    def uninstall(self) -> None:
+        for hook in self._hooks:
+            hook.cancel()
+        self._hooks = []
+        self.remove_stand_ins()
 
     # ------------------------------------------------------------------ visibility
     def bridge_body_on_top(self) -> bool:
@@ -244,60 +262,42 @@ class _BridgeImportScope(importlib.abc.MetaPathFinder):
                     del sys.modules[name]
 
     @contextlib.contextmanager
-    def body(self, is_bridge: bool) -> Iterator[None]:
+    def _body(self, module: types.ModuleType) -> Iterator[None]:
+        is_bridge = _is_bridge_name(module.__name__)
+        triton_only = TRITON_ONLY_MODULES.get(module.__name__)
         self._stack.bridge.append(is_bridge)
         self._sync()
         try:
-            yield
+            try:
+                yield
+            except ModuleNotFoundError as error:
+                if not (triton_only and (error.name or "").split(".")[0] == "triton"):
+                    raise
+                for name in triton_only:
+                    setattr(module, name, _TritonKernelAbsent(module.__name__, name))
+                module.__cpu_runtime_stand_in__ = True
+                self.served.append(module.__name__)
+            if is_bridge:
+                self._after_bridge_body(module)
         finally:
             self._stack.bridge.pop()
             self._sync()
 
-    @staticmethod
-    def _importer_is_bridge() -> bool:
-        """Whether the code running the ``import`` statement (the first frame outside the import
-        machinery and this module) belongs to mcore-bridge."""
-        frame = sys._getframe(2)
-        while frame is not None:
-            filename = frame.f_code.co_filename
-            if not (filename.startswith(_IMPORT_MACHINERY) or filename == __file__):
-                return _is_bridge_name(frame.f_globals.get("__name__", ""))
-            frame = frame.f_back
-        return False
+    # ------------------------------------------------------------------ the TE stand-in
+    def _serves_te(self, name: str) -> bool:
+        if not (_is_te_name(name) and self.bridge_body_on_top() and _is_bridge_name(importing_module(__file__))):
+            return False
+        self.served.append(name)
+        return True
 
-    # ------------------------------------------------------------------ finder
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname in self._stack.resolving:
-            return None
-        if _is_te_name(fullname):
-            if self.bridge_body_on_top() and self._importer_is_bridge():
-                self.served.append(fullname)
-                return importlib.machinery.ModuleSpec(fullname, _TELoader(self), is_package=True)
-            return None  # ModuleNotFoundError, exactly as without Transformer Engine
-        is_bridge = _is_bridge_name(fullname)
-        triton_only = TRITON_ONLY_MODULES.get(fullname)
-        if not (is_bridge or triton_only or self.bridge_body_on_top()):
-            return None
-        spec = self._find_elsewhere(fullname, path, target)
-        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _ScopedLoader(spec.loader, self, is_bridge, triton_only)
-        return spec
-
-    def _find_elsewhere(self, fullname: str, path: Any, target: Any) -> importlib.machinery.ModuleSpec | None:
-        self._stack.resolving.add(fullname)
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    return spec
-            return None
-        finally:
-            self._stack.resolving.discard(fullname)
-
-    def after_bridge_body(self, module: types.ModuleType) -> None:
-        self._after_bridge_body(module)
+    def _te_module(self, name: str) -> _TEStandIn:
+        # one module per name, so every mcore-bridge body that imports it gets the same object
+        with self._lock:
+            module = self.te_modules.get(name)
+            if module is None:
+                module = self.te_modules[name] = _TEStandIn(name)
+                module.__cpu_runtime_stand_in__ = True
+        return module
 
     def remove_stand_ins(self) -> None:
         """Drop the stand-ins from ``sys.modules``: modules imported meanwhile keep their references;
@@ -309,55 +309,6 @@ class _BridgeImportScope(importlib.abc.MetaPathFinder):
             for name in TRITON_ONLY_MODULES:
                 if getattr(sys.modules.get(name), "__cpu_runtime_stand_in__", False):
                     del sys.modules[name]
-
-
-class _ScopedLoader(importlib.abc.Loader):
-    """Runs a module's own loader inside :meth:`_BridgeImportScope.body`.
-
-    For a module of :data:`TRITON_ONLY_MODULES` whose body fails on ``import triton``, the module
-    is completed with :class:`_TritonKernelAbsent` functions instead (where triton imports, the
-    real module is used unchanged).
-    """
-
-    def __init__(self, loader: Any, scope: _BridgeImportScope, is_bridge: bool,
-                 triton_only: tuple[str, ...] | None = None) -> None:
-        self._loader, self._scope, self._is_bridge, self._triton_only = loader, scope, is_bridge, triton_only
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        with self._scope.body(self._is_bridge):
-            try:
-                self._loader.exec_module(module)
-            except ModuleNotFoundError as error:
-                if not (self._triton_only and (error.name or "").split(".")[0] == "triton"):
-                    raise
-                for name in self._triton_only:
-                    setattr(module, name, _TritonKernelAbsent(module.__name__, name))
-                module.__cpu_runtime_stand_in__ = True
-                self._scope.served.append(module.__name__)
-            if self._is_bridge:
-                self._scope.after_bridge_body(module)
-
-
-class _TELoader(importlib.abc.Loader):
-    def __init__(self, scope: _BridgeImportScope) -> None:
-        self._scope = scope
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        with self._scope._lock:
-            module = self._scope.te_modules.get(spec.name)
-            if module is None:
-                module = self._scope.te_modules[spec.name] = _TEStandIn(spec.name)
-                module.__cpu_runtime_stand_in__ = True
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        """Nothing to run: every attribute of the stand-in raises."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,13 +424,11 @@ def _install(patches: AttributePatches) -> None:
             "PYTHONPATH)."
         )
     scope = _BridgeImportScope(lambda module: _fix_bridge_module(patches, module))
-    sys.meta_path.insert(0, scope)
+    scope.install()
     _INSTALLED.scope = scope
 
     def uninstall() -> None:
-        if scope in sys.meta_path:
-            sys.meta_path.remove(scope)
-        scope.remove_stand_ins()
+        scope.uninstall()
         _INSTALLED.scope = None
 
     patches.on_restore(uninstall)

@@ -53,15 +53,15 @@ def test_an_already_imported_module_is_patched_at_once(module_dir):
 
 def test_restore_cancels_a_pending_install_and_leaves_no_finder(module_dir):
     _write(module_dir, "elastic_moe_probe_never")
-    from elastic_moe_plugin.core import patching
+    from elastic_moe_plugin.core.import_hooks import IMPORT_HOOKS
 
-    # (the one post-import finder may already be there, holding cpu_runtime's pending fixups)
+    # (the one import-hook finder may already be there, holding cpu_runtime's pending fixups)
     finders = list(sys.meta_path)
     patches = AttributePatches()
     patches.when_imported("elastic_moe_probe_never", lambda m: patches.wrap(m, "greet", _shout))
-    assert patching._POST_IMPORT in sys.meta_path
+    assert IMPORT_HOOKS in sys.meta_path and "elastic_moe_probe_never" in IMPORT_HOOKS.pending()
     patches.restore()
-    assert sys.meta_path == finders and "elastic_moe_probe_never" not in patching._POST_IMPORT._pending
+    assert sys.meta_path == finders and "elastic_moe_probe_never" not in IMPORT_HOOKS.pending()
     assert importlib.import_module("elastic_moe_probe_never").greet() == "stock"
 
 
@@ -100,3 +100,33 @@ def test_a_switch_installs_once_restores_by_identity_and_rolls_back_a_failed_ins
     with pytest.raises(RuntimeError, match="second target missing"):
         failing.on()
     assert module.greet is stock and not failing.is_on  # what it had replaced is back
+
+
+def test_the_lifecycle_state_is_two_plain_attributes_written_by_apply_and_remove(module_dir):
+    """A router's forward reads ``config`` and ``generation`` as attributes: no property, no call."""
+    import logging
+
+    from packaging.version import Version
+
+    from elastic_moe_plugin.core.config import ElasticConfig
+    from elastic_moe_plugin.core.errors import UnsupportedFrameworkError
+    from elastic_moe_plugin.core.patching import PatchLifecycle, VersionGuard
+
+    _write(module_dir, "elastic_moe_probe_lifecycle")
+    module = importlib.import_module("elastic_moe_probe_lifecycle")
+    guard = VersionGuard("probe", Version("1"), Version("2"), "ELASTIC_MOE_PROBE_ANY", UnsupportedFrameworkError,
+                         "probe")
+    lifecycle = PatchLifecycle("probe", lambda config, patches: patches.wrap(module, "greet", _shout), guard,
+                               lambda: Version("1.5"), logging.getLogger("elastic_moe_probe"))
+    assert {"config", "generation"} <= set(vars(lifecycle))
+    assert not isinstance(getattr(PatchLifecycle, "config", None), property)
+    assert not isinstance(getattr(PatchLifecycle, "generation", None), property)
+    assert lifecycle.config is None and lifecycle.generation == 0 and not lifecycle.is_applied()
+    first, second = ElasticConfig(schedule="6-10"), ElasticConfig(schedule="7-9")
+    assert lifecycle.apply(first) and not lifecycle.apply(first)
+    assert lifecycle.config is first is lifecycle.active_config() and lifecycle.generation == 1
+    assert lifecycle.apply(second) and lifecycle.config is second and lifecycle.generation == 2
+    assert module.greet() == "STOCK"
+    lifecycle.remove()
+    assert lifecycle.config is None and lifecycle.generation == 2 and not lifecycle.is_applied()
+    assert module.greet() == "stock"

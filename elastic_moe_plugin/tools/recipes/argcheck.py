@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import json
 import sys
@@ -28,6 +26,7 @@ import traceback
 import types
 from typing import Any, Iterable
 
+from elastic_moe_plugin.core.import_hooks import IMPORT_HOOKS
 from elastic_moe_plugin.tools.recipes.load import list_recipe_files, load_recipe
 from elastic_moe_plugin.tools.recipes.recipe import Recipe
 from elastic_moe_plugin.tools.recipes.render import framework_args, render
@@ -67,20 +66,17 @@ class _StubModule(types.ModuleType):
         return _Stub(f"{self.__name__}.{name}")
 
 
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, package: str) -> None:
-        self.package = package
+def _serve_stubs(package: str) -> None:
+    """Answer every import of ``package`` and its submodules with a :class:`_StubModule`, for the
+    rest of the process, through the package's one import finder (ms-swift's argument module
+    imports mcore_bridge only for dataclass definitions, which the stubs stand in for)."""
 
-    def find_spec(self, name, path, target=None):  # noqa: D401 - importlib protocol
-        if name == self.package or name.startswith(self.package + "."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return _StubModule(spec.name)
-
-    def exec_module(self, module) -> None:
+    def stub(name: str) -> _StubModule:
+        module = _StubModule(name)
         module.__path__ = []
+        return module
+
+    IMPORT_HOOKS.serve(lambda name: name == package or name.startswith(package + "."), stub)
 
 
 def _available(name: str) -> bool:
@@ -100,7 +96,7 @@ def install_import_shims() -> list[str]:
         cpu_runtime.enable(force=True)
         used.append("cpu_runtime (stand-in for megatron-core's triton-only paged_stash module)")
     if not _available("mcore_bridge"):
-        sys.meta_path.insert(0, _StubFinder("mcore_bridge"))
+        _serve_stubs("mcore_bridge")
         used.append("mcore_bridge import stub (raises if called; only dataclass definitions are used)")
     elif not _available("transformer_engine"):
         # the real mcore-bridge, as megatron sft imports it on CPU (Transformer Engine stand-in

@@ -32,7 +32,6 @@ A ``sitecustomize`` this folder shadows (one later on ``sys.path`` than this fol
 import atexit
 import functools
 import gc
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
@@ -134,28 +133,16 @@ class _Interleaving:
             json.dump({"block": self.block, "iterations": rows, "syncs": self.syncs}, sink)
 
 
-class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Finds the target module with the other finders, then wraps its function once it has run."""
+def _wrap_on_import(module: str, owner, function: str, wrap) -> None:
+    """Replace ``module[.owner].function`` by ``wrap(function)`` right after ``module``'s body has run,
+    through the package's one import finder (the module is imported later, by the trainer)."""
+    from elastic_moe_plugin.core.import_hooks import IMPORT_HOOKS
 
-    def __init__(self, module: str, owner, function: str, wrap) -> None:
-        self.module, self.owner, self.function, self.wrap = module, owner, function, wrap
+    def wrap_function(imported) -> None:
+        holder = getattr(imported, owner) if owner else imported
+        setattr(holder, function, wrap(getattr(holder, function)))
 
-    def find_spec(self, name, path=None, target=None):
-        if name != self.module:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_wrap(module):
-            exec_module(module)
-            holder = getattr(module, self.owner) if self.owner else module
-            setattr(holder, self.function, self.wrap(getattr(holder, self.function)))
-
-        spec.loader.exec_module = exec_and_wrap
-        return spec
+    IMPORT_HOOKS.after_import(module, wrap_function)
 
 
 def _target(name: str) -> tuple:
@@ -177,7 +164,7 @@ def _install() -> None:
     else:
         out = os.environ["E2E_BENCH_SYNC_OUT"]
         wrap = lambda train_step: _counted(train_step, int(step), out)  # noqa: E731
-    sys.meta_path.insert(0, _WrapOnImport(module, owner, function, wrap))
+    _wrap_on_import(module, owner, function, wrap)
 
 
 def _run_shadowed_sitecustomize() -> None:
