@@ -75,12 +75,13 @@ def patched_forward(original: Callable, family: Any, lifecycle: Any,
 
     @functools.wraps(original)
     def forward(self, hidden_states: torch.Tensor):
+        generation = lifecycle.generation  # before the config: an apply writes the config first
         config = lifecycle.config
         if config is None or not self.training or not config.enabled:
             return original(self, hidden_states)
         state = self.__dict__.get(STATE_ATTR)
-        if state is None or state.generation != lifecycle.generation:
-            state = resolve_state(self, resolve_plan(self, family, config), lifecycle.generation)
+        if state is None or state.generation != generation:
+            state = resolve_state(self, resolve_plan(self, family, config), generation)
         if state.plan is None:
             return original(self, hidden_states)
         return _elastic_forward(self, state, hidden_states)

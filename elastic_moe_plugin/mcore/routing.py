@@ -179,8 +179,9 @@ def patched_routing(original: Callable, lifecycle: Any,
 
     @functools.wraps(original)
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        generation = lifecycle.generation  # before the config: an apply writes the config first
         config = lifecycle.config
-        state = training_state(self, config, lifecycle.generation, resolve_plan) if config is not None else None
+        state = training_state(self, config, generation, resolve_plan) if config is not None else None
         if state is None:
             return original(self, logits, padding_mask=padding_mask)
         return elastic_forward(self, state, logits, padding_mask)
