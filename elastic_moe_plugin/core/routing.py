@@ -48,7 +48,8 @@ The algorithm (:func:`route`)
 Precision and synchronisation: scores and gate weights are fp32 whatever the logits' dtype (both
 frameworks' policy). Nothing here reads the device (no ``.item()``, ``nonzero`` or data-dependent
 shape), so a routing call is safe in overlapped pipelines. κ above b keeps every slot; κ = 0 keeps
-nothing and weighs 0; neither is checked, because the check would be a host sync.
+nothing (weights 0, except ``kept_softmax``, whose softmax over no slot is NaN: schedules start at
+κ = 1 and top-p clamps to 1); neither is checked, because the check would be a host sync.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class RoutingRule:
         return GATE_CONVENTIONS[self.normalization]
 
     def describe(self) -> str:
-        """One line for plan lines and docs, e.g. ``sigmoid scores + bias, 4 groups keep 2, kept_sum × 2.5``."""
+        """One line for plan lines and docs, e.g. ``top-k on sigmoid scores, 4 of 8 groups, kept_sum weights, × 2.5``."""
         parts = [f"top-k on {'logits' if self.select_on == 'logits' else self.score_function + ' scores'}"]
         if self.groups_kept:
             parts.append(f"{self.groups_kept} of {self.num_groups} groups")

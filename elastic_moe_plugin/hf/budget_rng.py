@@ -20,7 +20,7 @@ Trainer's ``rng_state`` files and reset by an explicit re-seed.
   first draw from ``torch.initial_seed()``. Code that bound ``manual_seed`` before the patch
   (``from torch import manual_seed``) bypasses the wrapper; call :func:`reseed` there.
 - **Gradient checkpointing** restores the default generators for the recompute, not this stream.
-  The recompute runs inside backward (the caller says so: ``replay=True``) and reuses the κ the
+  The recompute runs inside backward (the router's forward sees it: :func:`replayed_draw`) and reuses the κ the
   router drew in its latest forward, kept on the router: exact for every loop that runs a
   micro-batch's backward before the next forward of the same router (the Trainer, accelerate,
   ms-swift). A recompute whose token count differs from that forward's is an error, not a silent

@@ -2,7 +2,7 @@
 
 Per covered family (``transformers.models.<family>.modeling_<family>``, see :mod:`.families`):
 
-- ``<Router>.forward``: in training, elastic layers run :func:`.routing.elastic_routing`; in eval
+- ``<Router>.forward``: in training, elastic layers run :func:`.routing.patched_forward`'s elastic path; in eval
   mode, for ``schedule="static"``, for ``enabled=False`` and in layers outside
   ``ElasticConfig.layers`` the original method runs, so results are bit-for-bit stock.
 - ``<DecoderLayer>.__init__``: runs the original, then tags ``self.mlp.gate`` with the 0-based
