@@ -13,7 +13,7 @@ MCORE_BRIDGE_DIR := .mcore-bridge
 PYTEST_ARGS ?=
 export TORCH_COMPILE_DISABLE := 1
 
-.PHONY: setup swift-hook demo test test-fast test-mcore-low bench clean
+.PHONY: setup swift-hook demo lint format test test-fast test-mcore-low bench clean
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,17 @@ swift-hook:
 
 demo: setup
 	$(BIN)/elastic-moe demo
+
+# The form of the package's code: ruff's lint and format check, then mypy (configured in pyproject.toml).
+lint: setup
+	$(BIN)/ruff check elastic_moe_plugin
+	$(BIN)/ruff format --check elastic_moe_plugin
+	$(BIN)/mypy
+
+# Rewrite the package in ruff's format and apply its safe fixes (what `make lint` then accepts).
+format: setup
+	$(BIN)/ruff check --fix elastic_moe_plugin
+	$(BIN)/ruff format elastic_moe_plugin
 
 # Full suite against megatron-core 0.19.2, then the Megatron tests again against 0.16.1. Each pass
 # prints its slowest tests. Serial on purpose: pytest-xdist (-n 2 --dist loadfile) took 553 s against

@@ -43,7 +43,8 @@ import difflib
 import os
 import shlex
 import sys
-from typing import NoReturn, Sequence
+from collections.abc import Sequence
+from typing import NoReturn
 
 from elastic_moe_plugin.core.config import ConfigError, ElasticConfig, add_cli_arguments, config_from_cli
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
@@ -56,14 +57,18 @@ FLAG_PREFIX = "--elastic-moe-"
 LOG_METRICS_FLAG = mcore_megatron_lm.LOG_METRICS_FLAG
 #: an option of this entry point: run Megatron-LM on the CPU (the opt-in CPU runtime)
 CPU_FLAG = "--cpu"
-USAGE = (f"python -m {PROG} [{CPU_FLAG}] PATH/TO/pretrain_gpt.py [megatron args] "
-         "[--elastic-moe-schedule 6-10] [--elastic-moe-layers 3-7] [--elastic-moe-<field> VALUE ...] "
-         "[--elastic-moe-log-metrics true|false]")
-CPU_HELP = (f"{CPU_FLAG} (before the script path): run Megatron-LM on a CPU-only machine through the opt-in "
-            "CPU runtime (elastic_moe_plugin.cpu_runtime); refused when CUDA is available. Megatron-LM then needs "
-            "--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
-            "--no-persist-layer-norm --clip-grad 0, --disable-bias-linear for MoE at TP = EP = 1, and with TP > 1 "
-            "CUDA_DEVICE_MAX_CONNECTIONS=1 and --sequence-parallel (README, 'Megatron-LM on the CPU').")
+USAGE = (
+    f"python -m {PROG} [{CPU_FLAG}] PATH/TO/pretrain_gpt.py [megatron args] "
+    "[--elastic-moe-schedule 6-10] [--elastic-moe-layers 3-7] [--elastic-moe-<field> VALUE ...] "
+    "[--elastic-moe-log-metrics true|false]"
+)
+CPU_HELP = (
+    f"{CPU_FLAG} (before the script path): run Megatron-LM on a CPU-only machine through the opt-in "
+    "CPU runtime (elastic_moe_plugin.cpu_runtime); refused when CUDA is available. Megatron-LM then needs "
+    "--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
+    "--no-persist-layer-norm --clip-grad 0, --disable-bias-linear for MoE at TP = EP = 1, and with TP > 1 "
+    "CUDA_DEVICE_MAX_CONNECTIONS=1 and --sequence-parallel (README, 'Megatron-LM on the CPU')."
+)
 _BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -99,7 +104,7 @@ def parse_argv(argv: Sequence[str], environ=None) -> Launch:
     add_cli_arguments(parser, prefix=FLAG_PREFIX)
     parser.add_argument(LOG_METRICS_FLAG, dest="elastic_moe_log_metrics", default="true", metavar="BOOL")
     known, rest = parser.parse_known_args(argv)
-    flags = [a.split("=", 1)[0] for a in parser._option_string_actions if a != CPU_FLAG]  # noqa: SLF001 - argparse's own table
+    flags = [a.split("=", 1)[0] for a in parser._option_string_actions if a != CPU_FLAG]
     stray = [a for a in rest if a.startswith(FLAG_PREFIX)]
     if stray:
         raise _unknown_flags(stray, rest, flags)
@@ -108,16 +113,21 @@ def parse_argv(argv: Sequence[str], environ=None) -> Launch:
     script, megatron_args = rest[0], rest[1:]
     if not script.endswith(".py"):
         raise ConfigError(f"{script!r} is not a Python script. Usage: {USAGE}")
-    if CPU_FLAG in argv[argv.index(script) + 1:]:
-        raise ConfigError(f"{CPU_FLAG} is an option of {PROG}, not of Megatron-LM: put it before the script path, "
-                          f"python -m {PROG} {CPU_FLAG} {script} [megatron args]")
+    if CPU_FLAG in argv[argv.index(script) + 1 :]:
+        raise ConfigError(
+            f"{CPU_FLAG} is an option of {PROG}, not of Megatron-LM: put it before the script path, "
+            f"python -m {PROG} {CPU_FLAG} {script} [megatron args]"
+        )
     log_metrics = _BOOLEANS.get(str(known.elastic_moe_log_metrics).strip().lower())
     if log_metrics is None:
         typed = shlex.quote(str(known.elastic_moe_log_metrics))
-        raise ConfigError(f"{LOG_METRICS_FLAG} {typed} is invalid: expected true or false (1/0, yes/no, on/off). "
-                          f"Pass {LOG_METRICS_FLAG} true for the routing metrics in Megatron-LM's log, or "
-                          f"{LOG_METRICS_FLAG} false to keep them out.", field="log_metrics",
-                          fixes=({"log_metrics": True}, {"log_metrics": False}))
+        raise ConfigError(
+            f"{LOG_METRICS_FLAG} {typed} is invalid: expected true or false (1/0, yes/no, on/off). "
+            f"Pass {LOG_METRICS_FLAG} true for the routing metrics in Megatron-LM's log, or "
+            f"{LOG_METRICS_FLAG} false to keep them out.",
+            field="log_metrics",
+            fixes=({"log_metrics": True}, {"log_metrics": False}),
+        )
     # the model the flags decide: the config's own checks, and every fix it suggests, are against it
     model = megatron_args_module.model_shape(megatron_args)
     return Launch(config_from_cli(known, environ, model=model), script, megatron_args, log_metrics, known.cpu)
@@ -132,15 +142,18 @@ def _unknown_flags(stray: list[str], rest: list[str], flags: list[str]) -> Confi
             after = rest.index(arg) + 1
             value = rest[after] if after < len(rest) and not rest[after].startswith("-") else None
         close = difflib.get_close_matches(name, flags, n=1)
-        field = close[0][len(FLAG_PREFIX):].replace("-", "_") if close else None
+        field = close[0][len(FLAG_PREFIX) :].replace("-", "_") if close else None
         if close and value is not None and field in ElasticConfig.field_names():
             renames[name] = close[0]
             fixes.append({field: value})
             hints.append(f"{name} (did you mean {close[0]}? {close[0]} {shlex.quote(value)})")
         else:
             hints.append(name + (f" (did you mean {close[0]}?)" if close else ""))
-    return ConfigError(f"unknown elastic-moe flag(s): {', '.join(hints)}. Accepted: {', '.join(sorted(flags))}.",
-                       fixes=tuple(fixes), renames=renames)
+    return ConfigError(
+        f"unknown elastic-moe flag(s): {', '.join(hints)}. Accepted: {', '.join(sorted(flags))}.",
+        fixes=tuple(fixes),
+        renames=renames,
+    )
 
 
 def split_argv(argv: Sequence[str], environ=None) -> tuple[ElasticConfig, str, list[str]]:
@@ -170,7 +183,8 @@ def enable_cpu_runtime() -> None:
             f"{CPU_FLAG} runs Megatron-LM on the CPU, but torch.cuda.is_available() is True "
             f"({torch.cuda.device_count()} CUDA device(s) visible) and the CPU runtime never hides a GPU. "
             f"To train on the GPUs, drop {CPU_FLAG}; to run on the CPU anyway, hide them: "
-            f"CUDA_VISIBLE_DEVICES= python -m {PROG} {CPU_FLAG} ...")
+            f"CUDA_VISIBLE_DEVICES= python -m {PROG} {CPU_FLAG} ..."
+        )
     if "TORCH_COMPILE_DISABLE" not in os.environ:
         # Megatron's jit_fuser compiles with inductor: ~14 s per fused function on CPU, and a C++ compiler
         cpu_runtime.disable_torch_compile()
@@ -207,9 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         enable_cpu_runtime()
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"elastic-moe: {CPU_FLAG}: Megatron runs on the CPU (elastic_moe_plugin.cpu_runtime, training loop "
-                  f"included; torch.compile {'off' if os.environ.get('TORCH_COMPILE_DISABLE') == '1' else 'on'})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"elastic-moe: {CPU_FLAG}: Megatron runs on the CPU (elastic_moe_plugin.cpu_runtime, training loop "
+                f"included; torch.compile {'off' if os.environ.get('TORCH_COMPILE_DISABLE') == '1' else 'on'})",
+                file=sys.stderr,
+                flush=True,
+            )
         mcore_megatron_lm.run(launch.config, launch.script, launch.megatron_args, launch.log_metrics)
     except MegatronCPUError as error:
         # what the CPU runtime refuses (CUDA visible, a flag no CPU run can do without, a GPU-only

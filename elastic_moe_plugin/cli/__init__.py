@@ -12,7 +12,8 @@ import argparse
 import importlib
 import os
 import sys
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from elastic_moe_plugin import __version__
 from elastic_moe_plugin.core.errors import ConfigError
@@ -39,7 +40,7 @@ COMMANDS: dict[str, Command] = {
     "plugin-path": Command(
         "elastic_moe_plugin.cli.plugin_path",
         "print the ms-swift plugin file (for --external_plugins, the fallback of --plugin elastic_moe)",
-        "Print the path of the installed ms-swift plugin file: swift sft ... --external_plugins \"$(elastic-moe plugin-path)\" "
+        'Print the path of the installed ms-swift plugin file: swift sft ... --external_plugins "$(elastic-moe plugin-path)" '
         "--callbacks elastic_moe, the fallback of swift sft ... --plugin elastic_moe (docs/swift.md).",
     ),
     "bench": Command(
@@ -65,8 +66,7 @@ COMMANDS: dict[str, Command] = {
     "eval-table": Command(
         "elastic_moe_plugin.cli.eval_table",
         "merge eval summaries into a Table-1-style comparison (markdown + CSV)",
-        "Merge the summaries of several `elastic-moe eval` runs into one table, with deltas against a "
-        "baseline run.",
+        "Merge the summaries of several `elastic-moe eval` runs into one table, with deltas against a baseline run.",
     ),
     "recipes": Command(
         "elastic_moe_plugin.cli.recipes",

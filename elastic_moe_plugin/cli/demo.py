@@ -34,34 +34,60 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     from elastic_moe_plugin.tools.demo.settings import QUICK, DemoSettings
 
     defaults = DemoSettings()
-    parser.add_argument("--schedule", default=defaults.schedule,
-                        help=f"elastic run's schedule around top-{defaults.topk} (default: {defaults.schedule})")
+    parser.add_argument(
+        "--schedule",
+        default=defaults.schedule,
+        help=f"elastic run's schedule around top-{defaults.topk} (default: {defaults.schedule})",
+    )
     parser.add_argument("--sigma", type=float, default=defaults.sigma, help="schedule width (default: 1.5)")
-    parser.add_argument("--layers", default=None,
-                        help="0-based layers that route elastically, e.g. '1-2' (default: all)")
-    parser.add_argument("--num-layers", type=int, default=defaults.num_layers,
-                        help=f"decoder layers, each an MoE layer (default: {defaults.num_layers})")
+    parser.add_argument(
+        "--layers", default=None, help="0-based layers that route elastically, e.g. '1-2' (default: all)"
+    )
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=defaults.num_layers,
+        help=f"decoder layers, each an MoE layer (default: {defaults.num_layers})",
+    )
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, default=None,
-                        help=f"training steps per run (default: {defaults.steps}; --quick: {QUICK['steps']})")
+    budget.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"training steps per run (default: {defaults.steps}; --quick: {QUICK['steps']})",
+    )
     budget.add_argument("--tokens", type=int, default=None, help="training tokens per run (rounded to whole steps)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="init, batch order and κ draws (default: 0)")
-    parser.add_argument("--data", default=None, metavar="PATH",
-                        help="train on a text file as byte-level tokens (vocab 256) instead of the synthetic mixture")
+    parser.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="train on a text file as byte-level tokens (vocab 256) instead of the synthetic mixture",
+    )
     parser.add_argument("--out", default="demo_out", help="output folder (default: demo_out/)")
     parser.add_argument("--quick", action="store_true", help="a run of under a minute (smaller batch, fewer steps)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: 1; the model is so small that 2 threads gain ~25%% on an "
-                        "idle machine but run several times slower when other processes share the cores)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1; the model is so small that 2 threads gain ~25%% on an "
+        "idle machine but run several times slower when other processes share the cores)",
+    )
     parser.add_argument("--verbose", action="store_true", help="keep Megatron's warnings and log messages")
 
 
 def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     from elastic_moe_plugin.tools.demo.settings import QUICK, DemoSettings
 
-    values: dict[str, Any] = dict(schedule=args.schedule, sigma=args.sigma, layers=args.layers,
-                                  num_layers=args.num_layers, seed=args.seed, data=args.data)
+    values: dict[str, Any] = dict(
+        schedule=args.schedule,
+        sigma=args.sigma,
+        layers=args.layers,
+        num_layers=args.num_layers,
+        seed=args.seed,
+        data=args.data,
+    )
     if args.quick:
         values.update(QUICK)
     settings = DemoSettings(**values)
@@ -111,9 +137,12 @@ def _missing_megatron() -> str | None:
 def run(args: argparse.Namespace) -> int:
     missing = _missing_megatron()
     if missing is not None:
-        print(f"elastic-moe demo: error: the demo trains a Megatron-core model, and megatron-core is not installed "
-              f"({missing}). Install the [megatron] extra: pip install 'elastic-moe-plugin[megatron]' "
-              f"(megatron-core >=0.16,<0.20; see README, 'Supported versions').", file=sys.stderr)
+        print(
+            f"elastic-moe demo: error: the demo trains a Megatron-core model, and megatron-core is not installed "
+            f"({missing}). Install the [megatron] extra: pip install 'elastic-moe-plugin[megatron]' "
+            f"(megatron-core >=0.16,<0.20; see README, 'Supported versions').",
+            file=sys.stderr,
+        )
         return 2
     import torch
 
@@ -123,8 +152,11 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     # Validate the schedule against the demo model before building anything; messages name the
     # demo's own flags (--schedule, --sigma, --layers).
-    elastic = ElasticConfig.from_dict({"schedule": settings.schedule, "sigma": settings.sigma, "layers": settings.layers},
-                                      source="elastic-moe demo", spelling=Spelling("cli", prefix="--"))
+    elastic = ElasticConfig.from_dict(
+        {"schedule": settings.schedule, "sigma": settings.sigma, "layers": settings.layers},
+        source="elastic-moe demo",
+        spelling=Spelling("cli", prefix="--"),
+    )
     schedule = elastic.resolve(num_experts=settings.num_experts, topk=settings.topk, num_layers=settings.num_layers)
     static = ElasticConfig(schedule="static")
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
@@ -142,8 +174,16 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
 
 
-def _run(args: argparse.Namespace, settings: DemoSettings, corpus: Corpus, elastic: ElasticConfig,
-         schedule: BudgetSchedule, static: ElasticConfig, out: Path, start: float) -> int:
+def _run(
+    args: argparse.Namespace,
+    settings: DemoSettings,
+    corpus: Corpus,
+    elastic: ElasticConfig,
+    schedule: BudgetSchedule,
+    static: ElasticConfig,
+    out: Path,
+    start: float,
+) -> int:
     import torch
 
     from elastic_moe_plugin.tools.demo.model import model_config
@@ -165,8 +205,11 @@ def _run(args: argparse.Namespace, settings: DemoSettings, corpus: Corpus, elast
     try:
         files += write_plots(summary, out, schedule)
     except ImportError:
-        print("elastic-moe demo: matplotlib is not installed, skipping the PNGs "
-              "(pip install 'elastic-moe-plugin[plot]').", file=sys.stderr)
+        print(
+            "elastic-moe demo: matplotlib is not installed, skipping the PNGs "
+            "(pip install 'elastic-moe-plugin[plot]').",
+            file=sys.stderr,
+        )
     summary["files"] = files
     summary["wall_time_s"] = time.perf_counter() - start
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

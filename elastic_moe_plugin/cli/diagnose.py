@@ -31,36 +31,72 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 def _add_compare_parser(commands: Any) -> None:
     compare_parser = commands.add_parser(
-        "compare", help="router divergence, D1/Dk, prioritisation and a top-k sweep on a probe set",
+        "compare",
+        help="router divergence, D1/Dk, prioritisation and a top-k sweep on a probe set",
         description="Stream a probe set through checkpoints (transformers folders or elastic-moe demo outputs) and "
-                    "write per-layer router divergence, D1/Dk, expert prioritisation near the cutoff, an inference "
-                    "top-k sweep and plots (paper §6).")
-    compare_parser.add_argument("checkpoints", nargs="+", metavar="[LABEL=]PATH",
-                                help="transformers folder, demo folder (all runs), DEMO_DIR:RUN or DEMO_DIR/RUN.pt")
-    compare_parser.add_argument("--probe", action="append", required=True, metavar="FILE",
-                                help="token ids (.pt/.npy/.json/.jsonl/.txt of ints) or, with --tokenizer, text lines; "
-                                "repeat for several tasks (averaged with equal weight)")
+        "write per-layer router divergence, D1/Dk, expert prioritisation near the cutoff, an inference "
+        "top-k sweep and plots (paper §6).",
+    )
+    compare_parser.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="[LABEL=]PATH",
+        help="transformers folder, demo folder (all runs), DEMO_DIR:RUN or DEMO_DIR/RUN.pt",
+    )
+    compare_parser.add_argument(
+        "--probe",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="token ids (.pt/.npy/.json/.jsonl/.txt of ints) or, with --tokenizer, text lines; "
+        "repeat for several tasks (averaged with equal weight)",
+    )
     compare_parser.add_argument("--tokenizer", default=None, help="tokenizer name or folder for text probe files")
     compare_parser.add_argument("--out", default="diagnostics_out", help="output folder (default: diagnostics_out/)")
     compare_parser.add_argument("--k", type=int, default=None, help="top-k of the sets in Dk (default: the models')")
-    compare_parser.add_argument("--topk-sweep", default=None, metavar="K",
-                                help="inference top-k values, e.g. '4-12' or '2,4,8'; 'off' to skip (default: k-2..k+2)")
-    compare_parser.add_argument("--boundary", type=int, default=1,
-                                help="first and last N MoE layers count as boundary layers (default 1: L0 and L_last)")
-    compare_parser.add_argument("--boundary-layers", default=None, metavar="LAYERS",
-                                help="explicit 0-based boundary layers, e.g. '0,15' (overrides --boundary)")
-    compare_parser.add_argument("--block-width", type=int, default=5, help="width of the peak non-boundary block (default 5)")
-    compare_parser.add_argument("--cutoff-window", type=int, default=2,
-                                help="last deployed ranks that count as near the cutoff (default 2)")
+    compare_parser.add_argument(
+        "--topk-sweep",
+        default=None,
+        metavar="K",
+        help="inference top-k values, e.g. '4-12' or '2,4,8'; 'off' to skip (default: k-2..k+2)",
+    )
+    compare_parser.add_argument(
+        "--boundary",
+        type=int,
+        default=1,
+        help="first and last N MoE layers count as boundary layers (default 1: L0 and L_last)",
+    )
+    compare_parser.add_argument(
+        "--boundary-layers",
+        default=None,
+        metavar="LAYERS",
+        help="explicit 0-based boundary layers, e.g. '0,15' (overrides --boundary)",
+    )
+    compare_parser.add_argument(
+        "--block-width", type=int, default=5, help="width of the peak non-boundary block (default 5)"
+    )
+    compare_parser.add_argument(
+        "--cutoff-window", type=int, default=2, help="last deployed ranks that count as near the cutoff (default 2)"
+    )
     compare_parser.add_argument("--js-base", choices=("2", "e"), default="2", help="log base of JS (default 2: bits)")
     compare_parser.add_argument("--batch-size", type=int, default=8, help="probe windows per batch (default 8)")
-    compare_parser.add_argument("--seq-len", type=int, default=None, help="probe window length (default: model maximum, <= 1024)")
+    compare_parser.add_argument(
+        "--seq-len", type=int, default=None, help="probe window length (default: model maximum, <= 1024)"
+    )
     compare_parser.add_argument("--max-sequences", type=int, default=None, help="cap on windows per probe file")
-    compare_parser.add_argument("--all-pairs", action="store_true", help="compare every pair (default: first vs each other)")
-    compare_parser.add_argument("--kappa-metrics", action="append", default=[], metavar="FILE",
-                                help="routing-metrics JSON / JSONL / demo summary.json for the κ histogram plot")
-    compare_parser.add_argument("--dtype", default="float32", choices=_DTYPES,
-                                help="transformers weights dtype (default float32)")
+    compare_parser.add_argument(
+        "--all-pairs", action="store_true", help="compare every pair (default: first vs each other)"
+    )
+    compare_parser.add_argument(
+        "--kappa-metrics",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="routing-metrics JSON / JSONL / demo summary.json for the κ histogram plot",
+    )
+    compare_parser.add_argument(
+        "--dtype", default="float32", choices=_DTYPES, help="transformers weights dtype (default float32)"
+    )
     compare_parser.add_argument("--no-plots", action="store_true", help="write JSON and CSV only")
     compare_parser.add_argument("--json", action="store_true", help="print diagnostics.json instead of the report")
     compare_parser.set_defaults(diagnose_handler=_run_compare)
@@ -68,9 +104,11 @@ def _add_compare_parser(commands: Any) -> None:
 
 def _add_swap_parser(commands: Any) -> None:
     swap = commands.add_parser(
-        "swap", help="write a checkpoint: one model's experts and everything else, another's routers",
+        "swap",
+        help="write a checkpoint: one model's experts and everything else, another's routers",
         description="Router swap (paper Table 4): load the routers of --router-from into --into (all MoE layers or "
-                    "--layers) and write the result as a checkpoint of the same kind.")
+        "--layers) and write the result as a checkpoint of the same kind.",
+    )
     swap.add_argument("--router-from", required=True, metavar="[LABEL=]PATH", help="router donor")
     swap.add_argument("--into", required=True, metavar="[LABEL=]PATH", help="target (experts, attention, embeddings)")
     swap.add_argument("--out", required=True, help="output folder (must be new or empty)")
@@ -81,9 +119,11 @@ def _add_swap_parser(commands: Any) -> None:
 
 def _add_kappa_parser(commands: Any) -> None:
     kappa = commands.add_parser(
-        "kappa", help="plot realised κ histograms against the schedule's pmf from logged routing metrics",
+        "kappa",
+        help="plot realised κ histograms against the schedule's pmf from logged routing metrics",
         description="Plot κ shares per layer against the budget pmf from a routing-metrics JSON/JSONL (hf / mcore "
-                    "routing_metrics, a trainer log history) or an elastic-moe demo summary.json.")
+        "routing_metrics, a trainer log history) or an elastic-moe demo summary.json.",
+    )
     kappa.add_argument("files", nargs="+", metavar="FILE")
     kappa.add_argument("--out", default="diagnostics_out", help="output folder (default: diagnostics_out/)")
     kappa.set_defaults(diagnose_handler=_run_kappa)
@@ -123,8 +163,9 @@ def _single(spec: str, role: str) -> CheckpointSpec:
 
     specs = parse_checkpoint(spec)
     if len(specs) != 1:
-        raise DiagnosticsError(f"{role} {spec!r} holds {len(specs)} runs ({', '.join(s.run for s in specs)}); "
-                               f"pick one with DIR:RUN.")
+        raise DiagnosticsError(
+            f"{role} {spec!r} holds {len(specs)} runs ({', '.join(s.run for s in specs)}); pick one with DIR:RUN."
+        )
     return specs[0]
 
 
@@ -167,10 +208,17 @@ def _compare_settings(args: argparse.Namespace) -> CompareSettings:
     if args.seq_len is not None and args.seq_len < 2:
         raise DiagnosticsError("--seq-len must be >= 2.")
     return CompareSettings(
-        k=args.k, sweep=_parse_sweep(args.topk_sweep), boundary=args.boundary, boundary_layers=boundary_layers_value,
-        block_width=args.block_width, cutoff_window=args.cutoff_window,
-        log_base=2.0 if args.js_base == "2" else math.e, batch_size=args.batch_size, seq_len=args.seq_len,
-        max_sequences=args.max_sequences, all_pairs=args.all_pairs,
+        k=args.k,
+        sweep=_parse_sweep(args.topk_sweep),
+        boundary=args.boundary,
+        boundary_layers=boundary_layers_value,
+        block_width=args.block_width,
+        cutoff_window=args.cutoff_window,
+        log_base=2.0 if args.js_base == "2" else math.e,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        max_sequences=args.max_sequences,
+        all_pairs=args.all_pairs,
     )
 
 
@@ -191,16 +239,22 @@ def _run_compare(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         models = load_models(specs, stack, args.dtype)
         # a live progress line only on a terminal; logs and captured output stay clean
-        progress = (lambda text: print(f"\relastic-moe diagnose: {text}   ", end="", file=sys.stderr, flush=True)) \
-            if sys.stderr.isatty() else None
+        progress = (
+            (lambda text: print(f"\relastic-moe diagnose: {text}   ", end="", file=sys.stderr, flush=True))
+            if sys.stderr.isatty()
+            else None
+        )
         results = compare(models, tasks, settings, progress)
         if progress is not None:
             print(file=sys.stderr)
         kappa = {**demo_kappa_for(models), **kappa}
     out = Path(args.out)
     write_outputs(results, out, kappa, plots=not args.no_plots)
-    print(json.dumps(results, indent=2) if args.json else format_report(results)
-          + f"\n\nwrote {', '.join(results['files'])} to {out}/")
+    print(
+        json.dumps(results, indent=2)
+        if args.json
+        else format_report(results) + f"\n\nwrote {', '.join(results['files'])} to {out}/"
+    )
     return 0
 
 
@@ -209,8 +263,10 @@ def _run_swap(args: argparse.Namespace) -> int:
 
     donor, target = _single(args.router_from, "--router-from"), _single(args.into, "--into")
     record = router_swap(donor, target, args.out, args.layers, args.dtype)
-    print(f"wrote {args.out}: routers of {donor.label} ({donor.path}) in layers {record['layers']} into "
-          f"{target.label} ({target.path}); everything else is {target.label}'s.")
+    print(
+        f"wrote {args.out}: routers of {donor.label} ({donor.path}) in layers {record['layers']} into "
+        f"{target.label} ({target.path}); everything else is {target.label}'s."
+    )
     return 0
 
 

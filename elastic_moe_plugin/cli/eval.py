@@ -34,8 +34,12 @@ def _limit_arg(value: str) -> float:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", nargs="?", default=None,
-                        help="transformers checkpoint folder (or hub id) of a MoE causal LM (not needed with --list-tasks)")
+    parser.add_argument(
+        "checkpoint",
+        nargs="?",
+        default=None,
+        help="transformers checkpoint folder (or hub id) of a MoE causal LM (not needed with --list-tasks)",
+    )
     parser.add_argument(
         "--suite",
         required=True,
@@ -98,11 +102,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="lm-eval stderr bootstrap iterations (default: 100000; 0 for none)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing summary in --out")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="resolve the suite, the checkpoint and its top-k, print the harness calls and stop "
-                             "(no lm-eval needed, no weights loaded)")
-    parser.add_argument("--list-tasks", action="store_true",
-                        help="print the suite's tasks (harness task, shots, metric key, averaged) and stop")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve the suite, the checkpoint and its top-k, print the harness calls and stop "
+        "(no lm-eval needed, no weights loaded)",
+    )
+    parser.add_argument(
+        "--list-tasks",
+        action="store_true",
+        help="print the suite's tasks (harness task, shots, metric key, averaged) and stop",
+    )
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
 
 
@@ -112,8 +122,8 @@ def default_out_dir(checkpoint: str, suite: str, topk: int | None) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elastic_moe_plugin.tools.inference_topk import NotAMoEError
     from elastic_moe_plugin.tools.eval.errors import EvaluationError
+    from elastic_moe_plugin.tools.inference_topk import NotAMoEError
 
     try:
         if args.list_tasks:
@@ -123,8 +133,10 @@ def run(args: argparse.Namespace) -> int:
             print(format_suite_tasks(load_suite(args.suite)))
             return 0
         if args.checkpoint is None:
-            raise EvaluationError("no checkpoint given: elastic-moe eval CHECKPOINT --suite SUITE "
-                                  "(or --list-tasks to see a suite's tasks without one).")
+            raise EvaluationError(
+                "no checkpoint given: elastic-moe eval CHECKPOINT --suite SUITE "
+                "(or --list-tasks to see a suite's tasks without one)."
+            )
         if args.dry_run:
             return _dry_run(args)
         return _evaluate(args)
@@ -137,10 +149,18 @@ def _dry_run(args: argparse.Namespace) -> int:
     from elastic_moe_plugin.tools.eval.plan import format_plan, plan_evaluation, registry_check
 
     out_dir = Path(args.out) if args.out else default_out_dir(args.checkpoint, args.suite, args.topk)
-    plan = plan_evaluation(args.checkpoint, args.suite, out_dir=out_dir, topk=args.topk, limit=args.limit,
-                           backend=args.backend, allow_code_execution=args.allow_code_execution,
-                           apply_chat_template=args.apply_chat_template, overwrite=args.overwrite,
-                           trust_remote_code=args.trust_remote_code)
+    plan = plan_evaluation(
+        args.checkpoint,
+        args.suite,
+        out_dir=out_dir,
+        topk=args.topk,
+        limit=args.limit,
+        backend=args.backend,
+        allow_code_execution=args.allow_code_execution,
+        apply_chat_template=args.apply_chat_template,
+        overwrite=args.overwrite,
+        trust_remote_code=args.trust_remote_code,
+    )
     print(format_plan(plan, registry_check(plan)))
     return 0
 

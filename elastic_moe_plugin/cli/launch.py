@@ -6,24 +6,31 @@ launcher on this machine for a few steps on a tiny model of the same family firs
 from __future__ import annotations
 
 import argparse
-from typing import Mapping
+from collections.abc import Mapping
 
-_USAGE = ("elastic-moe launch RECIPE [--nnodes N] [--nproc-per-node N] [--node-rank R] "
-          "[--master-addr HOST] [--master-port P] [--set KEY=VALUE] [--dry-run] [-- extra framework args]\n"
-          "       elastic-moe launch RECIPE --rehearse [--steps N] [--rehearse-dir DIR] [--nproc-per-node N] "
-          "[--set KEY=VALUE] [--dry-run]\n"
-          "       elastic-moe launch --list")
-_EPILOG = ("Rehearse before you allocate: --rehearse runs the recipe's own launcher (swift sft, megatron sft, or "
-           "Megatron-LM's trainer) here, on CPU, for --steps steps on a tiny random model of the same family, with "
-           "the recipe's flags and schedule; it prints every flag it had to replace and why, and exits non-zero on "
-           "the first error the launcher raises (an unknown flag, a bad value, a schedule that does not fit) or when "
-           "no routing metric was logged. About 1-3 minutes on 2 CPU cores; nothing is downloaded.")
+_USAGE = (
+    "elastic-moe launch RECIPE [--nnodes N] [--nproc-per-node N] [--node-rank R] "
+    "[--master-addr HOST] [--master-port P] [--set KEY=VALUE] [--dry-run] [-- extra framework args]\n"
+    "       elastic-moe launch RECIPE --rehearse [--steps N] [--rehearse-dir DIR] [--nproc-per-node N] "
+    "[--set KEY=VALUE] [--dry-run]\n"
+    "       elastic-moe launch --list"
+)
+_EPILOG = (
+    "Rehearse before you allocate: --rehearse runs the recipe's own launcher (swift sft, megatron sft, or "
+    "Megatron-LM's trainer) here, on CPU, for --steps steps on a tiny random model of the same family, with "
+    "the recipe's flags and schedule; it prints every flag it had to replace and why, and exits non-zero on "
+    "the first error the launcher raises (an unknown flag, a bad value, a schedule that does not fit) or when "
+    "no routing metric was logged. About 1-3 minutes on 2 CPU cores; nothing is downloaded."
+)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", nargs="?", default=None,
-                        help="recipe file, or a built-in name such as olmoe_sft/6-10 (see --list)")
-    parser.add_argument("--list", action="store_true", help="list the built-in recipes with their descriptions and exit")
+    parser.add_argument(
+        "recipe", nargs="?", default=None, help="recipe file, or a built-in name such as olmoe_sft/6-10 (see --list)"
+    )
+    parser.add_argument(
+        "--list", action="store_true", help="list the built-in recipes with their descriptions and exit"
+    )
     _add_options(parser)
     # Everything after RECIPE: more options, then '--' and the framework's own extra flags.
     parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -34,24 +41,44 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nnodes", type=int, default=None, help="number of nodes (default: SLURM/env/recipe)")
     parser.add_argument("--nproc-per-node", type=int, default=None, help="GPUs per node (default: SLURM/env/recipe)")
-    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (default: SLURM_NODEID/NODE_RANK/0)")
-    parser.add_argument("--master-addr", default=None, help="rank-0 host (default: first SLURM host/MASTER_ADDR/127.0.0.1)")
-    parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: MASTER_PORT/recipe/29500)")
-    parser.add_argument("--megatron-lm-dir", default=None,
-                        help="Megatron-LM checkout holding the recipe's script (default: $MEGATRON_LM_DIR; "
-                             "--rehearse without one uses the megatron-core wheel's trainer and the repository's "
-                             "example script)")
-    parser.add_argument("--set", dest="overrides", action="append", default=None, metavar="KEY=VALUE",
-                        help="override a recipe key, e.g. --set args.train-data-path=[/data/fw] (repeatable)")
+    parser.add_argument(
+        "--node-rank", type=int, default=None, help="this node's rank (default: SLURM_NODEID/NODE_RANK/0)"
+    )
+    parser.add_argument(
+        "--master-addr", default=None, help="rank-0 host (default: first SLURM host/MASTER_ADDR/127.0.0.1)"
+    )
+    parser.add_argument(
+        "--master-port", type=int, default=None, help="rendezvous port (default: MASTER_PORT/recipe/29500)"
+    )
+    parser.add_argument(
+        "--megatron-lm-dir",
+        default=None,
+        help="Megatron-LM checkout holding the recipe's script (default: $MEGATRON_LM_DIR; "
+        "--rehearse without one uses the megatron-core wheel's trainer and the repository's "
+        "example script)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. --set args.train-data-path=[/data/fw] (repeatable)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the command and its environment, run nothing")
-    parser.add_argument("--rehearse", action="store_true",
-                        help="run the recipe's own launcher on this machine (CPU) for a few steps on a tiny model of "
-                             "the same family, printing the flags it replaced and why; exit non-zero on the first "
-                             "error the launcher raises")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="--rehearse: training steps (default: 3)")
-    parser.add_argument("--rehearse-dir", default=None,
-                        help="--rehearse: an empty or new work folder (default: a fresh temporary folder, kept)")
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="run the recipe's own launcher on this machine (CPU) for a few steps on a tiny model of "
+        "the same family, printing the flags it replaced and why; exit non-zero on the first "
+        "error the launcher raises",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="--rehearse: training steps (default: 3)")
+    parser.add_argument(
+        "--rehearse-dir",
+        default=None,
+        help="--rehearse: an empty or new work folder (default: a fresh temporary folder, kept)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,16 +89,20 @@ def run(args: argparse.Namespace) -> int:
     if args.recipe is None:
         from elastic_moe_plugin.tools.recipes.schema import RecipeError
 
-        raise RecipeError("launch needs a RECIPE (a file, or a built-in name such as olmoe_sft/6-10); "
-                          "elastic-moe launch --list prints them.")
+        raise RecipeError(
+            "launch needs a RECIPE (a file, or a built-in name such as olmoe_sft/6-10); "
+            "elastic-moe launch --list prints them."
+        )
     _split_rest(args)  # options given after RECIPE (--rehearse among them) count from here on
     if args.rehearse:
         return rehearse(args)
     if args.steps is not None or args.rehearse_dir is not None:
         from elastic_moe_plugin.tools.recipes.schema import RecipeError
 
-        raise RecipeError("--steps and --rehearse-dir belong to a rehearsal: add --rehearse "
-                          "(elastic-moe launch RECIPE --rehearse --steps 3).")
+        raise RecipeError(
+            "--steps and --rehearse-dir belong to a rehearsal: add --rehearse "
+            "(elastic-moe launch RECIPE --rehearse --steps 3)."
+        )
     command = build_command(args)
     print(command.shell(), flush=True)
     if args.dry_run:
@@ -88,9 +119,16 @@ def rehearse(args: argparse.Namespace) -> int:
     from elastic_moe_plugin.tools.recipes.rehearse import rehearse as run_rehearsal
 
     extra = _split_rest(args)
-    plan = plan_rehearsal(args.recipe, args.overrides or (), steps=args.steps or DEFAULT_STEPS,
-                          work_dir=args.rehearse_dir, megatron_lm_dir=args.megatron_lm_dir,
-                          nproc=args.nproc_per_node, extra_args=extra, build_assets=not args.dry_run)
+    plan = plan_rehearsal(
+        args.recipe,
+        args.overrides or (),
+        steps=args.steps or DEFAULT_STEPS,
+        work_dir=args.rehearse_dir,
+        megatron_lm_dir=args.megatron_lm_dir,
+        nproc=args.nproc_per_node,
+        extra_args=extra,
+        build_assets=not args.dry_run,
+    )
     print(plan.describe(), flush=True)
     print(plan.command.shell(), flush=True)
     if args.dry_run:
@@ -122,8 +160,13 @@ def build_command(args: argparse.Namespace, environ: Mapping[str, str] | None = 
     extra = _split_rest(args)
     recipe = load_recipe(args.recipe, args.overrides or ())
     topology = resolve_topology(
-        recipe, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port, environ=environ,
+        recipe,
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        environ=environ,
     )
     return render(recipe, topology, extra, megatron_lm_dir=args.megatron_lm_dir)
 
@@ -138,7 +181,7 @@ def _split_rest(args: argparse.Namespace) -> list[str]:
     rest = list(args.rest or [])
     if "--" in rest:
         cut = rest.index("--")
-        head, tail = rest[:cut], rest[cut + 1:]
+        head, tail = rest[:cut], rest[cut + 1 :]
     else:
         head, tail = rest, []
     if head:

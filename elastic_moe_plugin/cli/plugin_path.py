@@ -6,8 +6,10 @@ import argparse
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ('usage: swift sft ... --external_plugins "$(elastic-moe plugin-path)" --callbacks elastic_moe '
-                     "(the fallback of swift sft ... --plugin elastic_moe; docs/swift.md)")
+    parser.epilog = (
+        'usage: swift sft ... --external_plugins "$(elastic-moe plugin-path)" --callbacks elastic_moe '
+        "(the fallback of swift sft ... --plugin elastic_moe; docs/swift.md)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

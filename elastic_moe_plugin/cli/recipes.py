@@ -10,9 +10,12 @@ import json
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", nargs="?", default=None, help="print this recipe fully merged (path or setting/name)")
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--check-args", action="store_true",
-                        help="check every recipe's (or RECIPE's) rendered flags with ms-swift's and Megatron-LM's own "
-                             "argument parsers (python -m elastic_moe_plugin.tools.recipes.argcheck)")
+    parser.add_argument(
+        "--check-args",
+        action="store_true",
+        help="check every recipe's (or RECIPE's) rendered flags with ms-swift's and Megatron-LM's own "
+        "argument parsers (python -m elastic_moe_plugin.tools.recipes.argcheck)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,14 +22,20 @@ def _positive(value: str) -> int:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec", nargs="?", default=None,
-                        help="'LOW-HIGH' (e.g. 6-10), 'static', the center itself, or 'auto' (the default: "
-                             "k-2..k+2 around --center, kept symmetric and within --experts)")
+    parser.add_argument(
+        "spec",
+        nargs="?",
+        default=None,
+        help="'LOW-HIGH' (e.g. 6-10), 'static', the center itself, or 'auto' (the default: "
+        "k-2..k+2 around --center, kept symmetric and within --experts)",
+    )
     parser.add_argument("--center", type=_positive, default=8, help="the model's top-k (default: 8)")
     parser.add_argument("--sigma", default=None, metavar="SIGMA", help="Gaussian width (default: 1.5)")
     parser.add_argument("--experts", type=_positive, default=None, help="also check the schedule against E experts")
     parser.add_argument("--ranks", type=int, default=None, help="survival rows to print (default: high + 2)")
-    parser.add_argument("--allow-off-center", action="store_true", help="accept a schedule whose mean is not the center")
+    parser.add_argument(
+        "--allow-off-center", action="store_true", help="accept a schedule whose mean is not the center"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG", default=None, help="write the pmf and exposure curve to a PNG")
 

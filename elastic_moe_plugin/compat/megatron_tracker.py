@@ -81,8 +81,9 @@ def zero() -> None:
     clear_aux_losses_tracker()
 
 
-def record_layers(name: str, layer_values: torch.Tensor, layer_numbers: Sequence[int], num_layers: int,
-                  dp_group: Any = None) -> None:
+def record_layers(
+    name: str, layer_values: torch.Tensor, layer_numbers: Sequence[int], num_layers: int, dp_group: Any = None
+) -> None:
     """Add ``layer_values`` [n] (on the entry's device) at ``values[layer_numbers[i] - 1]`` of
     ``name``, by one indexed add, averaged over data parallelism when reported (0.17+:
     ``needs_dp_avg=True``; 0.16: ``avg_group=dp_group``, its only DP averaging)."""
@@ -121,36 +122,65 @@ def ensure(name: str, num_layers: int, device: Any) -> None:
 
     tracker = get_moe_layer_wise_logging_tracker()
     if name not in tracker:
-        tracker[name] = {"values": torch.zeros(num_layers, device=device), "reduce_group": None,
-                         "avg_group": None, "reduce_group_has_dp": False}
+        tracker[name] = {
+            "values": torch.zeros(num_layers, device=device),
+            "reduce_group": None,
+            "avg_group": None,
+            "reduce_group_has_dp": False,
+        }
 
 
-def report(names: list[str], iteration: int, *, writer: Any, wandb_writer: Any, per_layer_logging: bool,
-           num_layers: int, pg_collection: Any = None) -> None:
+def report(
+    names: list[str],
+    iteration: int,
+    *,
+    writer: Any,
+    wandb_writer: Any,
+    per_layer_logging: bool,
+    num_layers: int,
+    pg_collection: Any = None,
+) -> None:
     """Megatron's own report of ``names``: PP sum, DP average, mean over ``num_layers`` layers, written
     as ``<name>`` (and ``moe/<name>_layer_<i>``) to the writers; the reported entries are cleared."""
     if has_metrics_tracker():
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
         get_moe_metrics_tracker().report(
-            loss_scale=1.0, iteration=iteration, writer=writer, wandb_writer=wandb_writer,
-            per_layer_logging=per_layer_logging, track_names=names, num_layers=num_layers,
+            loss_scale=1.0,
+            iteration=iteration,
+            writer=writer,
+            wandb_writer=wandb_writer,
+            per_layer_logging=per_layer_logging,
+            track_names=names,
+            num_layers=num_layers,
             pg_collection=pg_collection,
         )
         return
     from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
-    track_moe_metrics(loss_scale=1.0, iteration=iteration, writer=writer, wandb_writer=wandb_writer,
-                      per_layer_logging=per_layer_logging, track_names=names, num_layers=num_layers)
+    track_moe_metrics(
+        loss_scale=1.0,
+        iteration=iteration,
+        writer=writer,
+        wandb_writer=wandb_writer,
+        per_layer_logging=per_layer_logging,
+        track_names=names,
+        num_layers=num_layers,
+    )
 
 
 #: the one tracker entry a packed synchronisation hands to Megatron's reduction
 PACKED_ENTRY = "elastic_moe/_packed_for_sync"
 
 
-def _packed_sync(names: Sequence[str], entries: dict[str, Any], values_of: Callable[[Any], torch.Tensor],
-                 reduction_of: Callable[[Any], tuple], with_packed: Callable[[Any, torch.Tensor], Any],
-                 reduce: Callable[[dict[str, Any]], None]) -> None:
+def _packed_sync(
+    names: Sequence[str],
+    entries: dict[str, Any],
+    values_of: Callable[[Any], torch.Tensor],
+    reduction_of: Callable[[Any], tuple],
+    with_packed: Callable[[Any, torch.Tensor], Any],
+    reduce: Callable[[dict[str, Any]], None],
+) -> None:
     """Reduce ``entries`` (``{name: entry}``, Megatron's, mutated in place) in as few collectives as
     the stock reduction allows: the entries of ``names`` are grouped by how they reduce
     (``reduction_of``), each group's values are concatenated, and ``reduce`` runs Megatron's own
@@ -179,7 +209,11 @@ def _packed_tracker_class():
 
     stock_sync = vars(MoEMetricsTracker).get("_sync_metrics")
     # the override hands the packed table over as self._metrics: only for the signature it knows
-    if stock_sync is None or list(inspect.signature(stock_sync).parameters) != ["self", "metric_names", "pg_collection"]:
+    if stock_sync is None or list(inspect.signature(stock_sync).parameters) != [
+        "self",
+        "metric_names",
+        "pg_collection",
+    ]:
         return MoEMetricsTracker
 
     class PackedSyncMoEMetricsTracker(MoEMetricsTracker):
@@ -193,9 +227,14 @@ def _packed_tracker_class():
                 finally:
                     self._metrics = entries
 
-            _packed_sync(metric_names, entries, values_of=lambda entry: entry.values,
-                         reduction_of=lambda entry: (entry.reduce_group, entry.avg_group, entry.needs_dp_avg),
-                         with_packed=lambda entry, packed: dataclasses.replace(entry, values=packed), reduce=reduce)
+            _packed_sync(
+                metric_names,
+                entries,
+                values_of=lambda entry: entry.values,
+                reduction_of=lambda entry: (entry.reduce_group, entry.avg_group, entry.needs_dp_avg),
+                with_packed=lambda entry, packed: dataclasses.replace(entry, values=packed),
+                reduce=reduce,
+            )
 
     return PackedSyncMoEMetricsTracker
 
@@ -222,8 +261,9 @@ def isolated() -> Iterator[None]:
     tracker.clear()
     # track_moe_metrics looks its reduction up in the module at call time
     patches = AttributePatches()
-    patches.wrap(moe_utils, "reduce_aux_losses_tracker_across_ranks",
-                 functools.partial(_packed_dict_reduction, tracker))
+    patches.wrap(
+        moe_utils, "reduce_aux_losses_tracker_across_ranks", functools.partial(_packed_dict_reduction, tracker)
+    )
     try:
         yield
     finally:
@@ -248,16 +288,31 @@ def _packed_dict_reduction(tracker: dict, stock_reduce: Callable) -> Callable:
                 tracker.clear()
                 tracker.update(entries)
 
-        _packed_sync(list(entries) if track_names is None else list(track_names), entries,
-                     values_of=lambda entry: entry["values"],
-                     reduction_of=lambda entry: (entry.get("reduce_group"), entry.get("avg_group"),
-                                                 entry.get("reduce_group_has_dp", False)),
-                     with_packed=lambda entry, packed: {**entry, "values": packed}, reduce=reduce)
+        _packed_sync(
+            list(entries) if track_names is None else list(track_names),
+            entries,
+            values_of=lambda entry: entry["values"],
+            reduction_of=lambda entry: (
+                entry.get("reduce_group"),
+                entry.get("avg_group"),
+                entry.get("reduce_group_has_dp", False),
+            ),
+            with_packed=lambda entry, packed: {**entry, "values": packed},
+            reduce=reduce,
+        )
 
     return reduce_aux_losses_tracker_across_ranks
 
 
 __all__ = [
-    "PACKED_ENTRY", "ensure", "entries", "has_metrics_tracker", "isolated", "record_layers", "report", "reset",
-    "values", "zero",
+    "PACKED_ENTRY",
+    "ensure",
+    "entries",
+    "has_metrics_tracker",
+    "isolated",
+    "record_layers",
+    "report",
+    "reset",
+    "values",
+    "zero",
 ]

@@ -88,7 +88,7 @@ class BudgetStream:
         _check_index("BudgetStream.counter", self.counter)
 
     @classmethod
-    def seeded(cls, seed: int) -> "BudgetStream":
+    def seeded(cls, seed: int) -> BudgetStream:
         """A fresh stream (counter 0) for any integer seed, reduced modulo 2^64."""
         return cls(int(seed) % _WORD, 0)
 
@@ -102,8 +102,14 @@ class BudgetStream:
         _philox(self.seed, shard).at_counter(self.counter).random(out=uniforms)
         return uniforms
 
-    def draw(self, schedule: BudgetSchedule, sampling: SamplingMode, shard: int, num_tokens: int,
-             device: torch.device | str = "cpu") -> tuple[BudgetDraw, "BudgetStream"]:
+    def draw(
+        self,
+        schedule: BudgetSchedule,
+        sampling: SamplingMode,
+        shard: int,
+        num_tokens: int,
+        device: torch.device | str = "cpu",
+    ) -> tuple[BudgetDraw, BudgetStream]:
         """κ [T] of the current draw on ``shard``, and the stream advanced by one draw.
 
         A static schedule generates no uniforms (κ ≡ k) but advances the counter all the same, so
@@ -116,11 +122,12 @@ class BudgetStream:
         if schedule.is_static:
             drawn = _static_draw(schedule, num_tokens)
         else:
-            drawn = _DrawsAhead(self.seed, shard, self.counter, 1, num_tokens).draw(self.counter, num_tokens,
-                                                                                  schedule, sampling)
+            drawn = _DrawsAhead(self.seed, shard, self.counter, 1, num_tokens).draw(
+                self.counter, num_tokens, schedule, sampling
+            )
         return _on_device(drawn, device), self.advanced()
 
-    def advanced(self) -> "BudgetStream":
+    def advanced(self) -> BudgetStream:
         """This stream one draw on (counter + 1 modulo 2^64), without re-validating the seed."""
         stream = object.__new__(BudgetStream)
         object.__setattr__(stream, "seed", self.seed)
@@ -138,7 +145,7 @@ class BudgetStream:
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # owns its bytes; 3x faster than a list
 
     @classmethod
-    def from_state(cls, state: "torch.Tensor | torch.Generator") -> "BudgetStream":
+    def from_state(cls, state: torch.Tensor | torch.Generator) -> BudgetStream:
         """The stream of :meth:`to_state_tensor`'s tensor, or of a CUDA generator holding it.
 
         Raises:
@@ -176,9 +183,14 @@ class _Philox:
         """The generator whose next words are ``Philox4x64-10(key, counter·2^64 + j)``, j = 1, 2, ...
         (the module docstring's blocks; the 256-bit counter counter·2^64 as four little-endian
         64-bit words, with an empty output buffer)."""
-        self.bits.state = {"bit_generator": "Philox",
-                           "state": {"counter": np.array([0, counter, 0, 0], dtype=np.uint64), "key": self.key_words},
-                           "buffer": np.zeros(4, dtype=np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
+        self.bits.state = {
+            "bit_generator": "Philox",
+            "state": {"counter": np.array([0, counter, 0, 0], dtype=np.uint64), "key": self.key_words},
+            "buffer": np.zeros(4, dtype=np.uint64),
+            "buffer_pos": 4,
+            "has_uint32": 0,
+            "uinteger": 0,
+        }
         return self.generator
 
 
@@ -219,7 +231,7 @@ class _DrawsAhead:
     Rows are read-only by contract: a draw's κ, numpy and CPU tensor, is a view of one.
     """
 
-    __slots__ = ("seed", "shard", "first", "uniforms", "mapped")
+    __slots__ = ("first", "mapped", "seed", "shard", "uniforms")
 
     def __init__(self, seed: int, shard: int, first: int, depth: int, width: int) -> None:
         self.seed, self.shard, self.first = seed, shard, first
@@ -232,16 +244,21 @@ class _DrawsAhead:
         self.mapped: list[tuple[BudgetSchedule, str, tuple[BudgetDraw, ...]]] = []
 
     def holds(self, seed: int, shard: int, counter: int, num_tokens: int) -> bool:
-        return (seed == self.seed and shard == self.shard and 0 <= counter - self.first < self.uniforms.shape[0]
-                and num_tokens <= self.uniforms.shape[1])
+        return (
+            seed == self.seed
+            and shard == self.shard
+            and 0 <= counter - self.first < self.uniforms.shape[0]
+            and num_tokens <= self.uniforms.shape[1]
+        )
 
     def draw(self, counter: int, num_tokens: int, schedule: BudgetSchedule, sampling: SamplingMode) -> BudgetDraw:
         """Draw ``counter`` of T tokens (:meth:`holds` it), its κ a CPU tensor."""
         row, bins = counter - self.first, schedule.high + 1
         if num_tokens < self.uniforms.shape[1] and sampling == "balanced":
             budgets = schedule.budgets_from_uniforms(self.uniforms[row, :num_tokens], sampling)
-            return BudgetDraw(torch.from_numpy(budgets), budgets, num_tokens * schedule.center,
-                              np.bincount(budgets, minlength=bins))
+            return BudgetDraw(
+                torch.from_numpy(budgets), budgets, num_tokens * schedule.center, np.bincount(budgets, minlength=bins)
+            )
         drawn = self._mapped(schedule, sampling)[row]
         if num_tokens == self.uniforms.shape[1]:
             return drawn
@@ -304,8 +321,9 @@ class StreamHome:
         """Store ``stream`` as the next state, unless something else replaced ``replaces`` meanwhile."""
         raise NotImplementedError
 
-    def draw(self, schedule: BudgetSchedule, sampling: SamplingMode, shard: int, num_tokens: int,
-             device: torch.device | str) -> BudgetDraw:
+    def draw(
+        self, schedule: BudgetSchedule, sampling: SamplingMode, shard: int, num_tokens: int, device: torch.device | str
+    ) -> BudgetDraw:
         """κ [T] of this rank's token shard (on ``device`` and on the host); the stream advances by
         one draw, whatever T (the module docstring)."""
         with self._lock:
@@ -380,8 +398,13 @@ class TrackedStream(StreamHome):
         logger: where a saved entry that is no stream state is reported.
     """
 
-    def __init__(self, bind_tracker: Callable[[], Callable[[], Any]], name: str, seed_source: Callable[[], int],
-                 logger: logging.Logger) -> None:
+    def __init__(
+        self,
+        bind_tracker: Callable[[], Callable[[], Any]],
+        name: str,
+        seed_source: Callable[[], int],
+        logger: logging.Logger,
+    ) -> None:
         super().__init__()
         self._bind_tracker = bind_tracker
         self._get_tracker: Callable[[], Any] | None = None
@@ -418,8 +441,12 @@ class TrackedStream(StreamHome):
             try:
                 return BudgetStream.from_state(entry)
             except ValueError as error:  # e.g. a checkpoint of a version that kept a generator state here
-                self._logger.warning("elastic-moe: the saved κ stream %r is not a stream state (%s); starting a "
-                                     "fresh one from seed %d.", self.name, error, self._seed_source())
+                self._logger.warning(
+                    "elastic-moe: the saved κ stream %r is not a stream state (%s); starting a fresh one from seed %d.",
+                    self.name,
+                    error,
+                    self._seed_source(),
+                )
         stream = BudgetStream.seeded(self._seed_source())
         self.store(stream, None)
         return stream
@@ -463,7 +490,7 @@ class _EntriesAhead:
     """The state tensors of the next :data:`_AHEAD_DRAWS` counters of one seed, made together (a
     draw stores one per router call). Immutable by contract, as every entry is."""
 
-    __slots__ = ("seed", "first", "tensors")
+    __slots__ = ("first", "seed", "tensors")
 
     def __init__(self) -> None:
         self.seed, self.first, self.tensors = None, 0, ()
@@ -473,8 +500,9 @@ class _EntriesAhead:
         if stream.seed != self.seed or not 0 <= row < len(self.tensors):
             self.seed, self.first, row = stream.seed, stream.counter, 0
             last = min(stream.counter + _AHEAD_DRAWS, _LAST_OFFSET)
-            self.tensors = tuple(BudgetStream(stream.seed, counter).to_state_tensor()
-                                 for counter in range(stream.counter, last))
+            self.tensors = tuple(
+                BudgetStream(stream.seed, counter).to_state_tensor() for counter in range(stream.counter, last)
+            )
         return self.tensors[row]
 
 

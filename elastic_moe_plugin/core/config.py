@@ -29,8 +29,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 # Besides what this module uses, the split modules' public names are imported here so that every
 # `from elastic_moe_plugin.core.config import ...` written before the split keeps working.
@@ -38,9 +39,7 @@ from elastic_moe_plugin.core.config_checks import ConfigChecks
 from elastic_moe_plugin.core.config_refusals import _BUILD, ModelShape, _Build, _building
 from elastic_moe_plugin.core.config_sources import (
     ENV_CONFIG_FILE,
-    FALSE_WORDS,
     OPERATIONAL_ENV_VARS,
-    TRUE_WORDS,
     _command_line_values,
     _environment_values,
     _read_yaml,
@@ -59,7 +58,7 @@ from elastic_moe_plugin.core.config_values import (
     parse_layers,
 )
 from elastic_moe_plugin.core.errors import ConfigError
-from elastic_moe_plugin.core.schedule import SAMPLING_MODES, BudgetSchedule, parse_range, symmetric_range
+from elastic_moe_plugin.core.schedule import BudgetSchedule, symmetric_range
 from elastic_moe_plugin.core.spelling import CLI_PREFIX, ENV_PREFIX, NONE_WORDS, PYTHON, Spelling
 
 
@@ -188,7 +187,7 @@ class ElasticConfig:
         """Whether the 0-based decoder layer ``layer_index`` routes elastically."""
         return self.enabled and (self._layer_set is None or layer_index in self._layer_set)
 
-    def replace(self, **changes: Any) -> "ElasticConfig":
+    def replace(self, **changes: Any) -> ElasticConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -200,9 +199,14 @@ class ElasticConfig:
         return tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config",
-                  spelling: Spelling | Mapping[str, Spelling] = PYTHON,
-                  model: ModelShape | None = None) -> "ElasticConfig":
+    def from_dict(
+        cls,
+        values: Mapping[str, Any],
+        *,
+        source: str = "config",
+        spelling: Spelling | Mapping[str, Spelling] = PYTHON,
+        model: ModelShape | None = None,
+    ) -> ElasticConfig:
         """Build from a mapping of field names; unknown keys are errors naming ``source``.
 
         ``source`` prefixes every message (``""``: none). ``spelling``: how the user wrote the values
@@ -219,8 +223,11 @@ class ElasticConfig:
         if not isinstance(values, Mapping):
             raise ConfigError(f"{prefix}expected a mapping of ElasticConfig fields, got {type(values).__name__}.")
         known = cls.field_names()
-        spellings = ({name: spelling for name in known} if isinstance(spelling, Spelling)
-                     else {name: spelling.get(name, PYTHON) for name in known})
+        spellings = (
+            dict.fromkeys(known, spelling)
+            if isinstance(spelling, Spelling)
+            else {name: spelling.get(name, PYTHON) for name in known}
+        )
         unknown = [key for key in values if key not in known]
         if unknown:
             raise _unknown_keys(unknown, known, values, prefix, spellings)
@@ -245,20 +252,24 @@ class ElasticConfig:
             with _building(_Build(spellings, frozenset(values), model)):
                 return cls(**parsed)
         except ConfigError as error:
-            raise ConfigError(f"{prefix}{error}", field=error.field, fixes=error.fixes,
-                              renames=error.renames) from None
+            raise ConfigError(f"{prefix}{error}", field=error.field, fixes=error.fixes, renames=error.renames) from None
 
     @classmethod
-    def _accepted_text_fixes(cls, error: _TextError, values: Mapping[str, Any], spellings: Mapping[str, Spelling],
-                             model: ModelShape | None) -> tuple[dict, ...]:
+    def _accepted_text_fixes(
+        cls, error: _TextError, values: Mapping[str, Any], spellings: Mapping[str, Spelling], model: ModelShape | None
+    ) -> tuple[dict, ...]:
         """The fixes of an unreadable text value that give settings the model (when known) accepts."""
         accepted = []
         for fix in error.fixes:
             trial_spellings = {**spellings, error.name: spellings[error.name].typed_as(None)}
             try:
-                parsed = {name: parse_text(name, value, trial_spellings[name])
-                          if trial_spellings[name].reads_text and isinstance(value, str) else value
-                          for name, value in values.items() if name != error.name}
+                parsed = {
+                    name: parse_text(name, value, trial_spellings[name])
+                    if trial_spellings[name].reads_text and isinstance(value, str)
+                    else value
+                    for name, value in values.items()
+                    if name != error.name
+                }
                 with _building(_Build(trial_spellings, frozenset(values), None, check_fixes=False)):
                     candidate = cls(**parsed, **fix)
                     if model is not None:
@@ -269,12 +280,12 @@ class ElasticConfig:
         return tuple(accepted)
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str], *, model: ModelShape | None = None) -> "ElasticConfig":
+    def from_yaml(cls, path: str | os.PathLike[str], *, model: ModelShape | None = None) -> ElasticConfig:
         """Load from a YAML file (``yaml.safe_load``). The file may nest fields under ``elastic_moe:``."""
         return cls.from_dict(_read_yaml(path), source=str(path), spelling=Spelling("yaml"), model=model)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, *, model: ModelShape | None = None) -> "ElasticConfig":
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, model: ModelShape | None = None) -> ElasticConfig:
         """Load from ``ELASTIC_MOE_*`` variables (``ENV_VARS``), over ``ELASTIC_MOE_CONFIG``'s YAML.
 
         Unknown ``ELASTIC_MOE_*`` variables are errors: a typo must not silently train stock.
@@ -285,22 +296,32 @@ class ElasticConfig:
 
 
 #: field name -> environment variable
-ENV_VARS: dict[str, str] = {
-    name: ENV_PREFIX + name.upper() for name in ElasticConfig.field_names()
-}
+ENV_VARS: dict[str, str] = {name: ENV_PREFIX + name.upper() for name in ElasticConfig.field_names()}
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser, prefix: str = CLI_PREFIX) -> None:
     """Add one ``{prefix}<field>`` flag per ElasticConfig field (default: unset), plus ``{prefix}config``."""
     group = parser.add_argument_group("elastic-moe")
-    group.add_argument(prefix + "config", dest="elastic_moe_config", default=None, help="YAML file of ElasticConfig fields")
+    group.add_argument(
+        prefix + "config", dest="elastic_moe_config", default=None, help="YAML file of ElasticConfig fields"
+    )
     for name in ElasticConfig.field_names():
-        group.add_argument(prefix + name.replace("_", "-"), dest="elastic_moe_" + name, default=None, metavar="VALUE",
-                           help=f"ElasticConfig.{name} (env {ENV_VARS[name]})")
+        group.add_argument(
+            prefix + name.replace("_", "-"),
+            dest="elastic_moe_" + name,
+            default=None,
+            metavar="VALUE",
+            help=f"ElasticConfig.{name} (env {ENV_VARS[name]})",
+        )
 
 
-def config_from_cli(args: argparse.Namespace, environ: Mapping[str, str] | None = None, *,
-                    model: ModelShape | None = None, prefix: str = CLI_PREFIX) -> ElasticConfig:
+def config_from_cli(
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    *,
+    model: ModelShape | None = None,
+    prefix: str = CLI_PREFIX,
+) -> ElasticConfig:
     """Merge defaults < YAML (``--elastic-moe-config`` or ``ELASTIC_MOE_CONFIG``) < environment < CLI flags.
 
     ``prefix``: the flags' prefix (:func:`add_cli_arguments`); ``model``: as in :meth:`ElasticConfig.from_dict`."""
@@ -308,6 +329,23 @@ def config_from_cli(args: argparse.Namespace, environ: Mapping[str, str] | None 
     return ElasticConfig.from_dict(values, source=source, spelling=spellings, model=model)
 
 
-__all__ = ["ALL_LAYERS", "AUTO_SCHEDULE", "ENV_CONFIG_FILE", "ENV_PREFIX", "ENV_VARS", "GATE_CHOICES",
-           "OPERATIONAL_ENV_VARS", "ROUTER_MODES", "ConfigError", "ElasticConfig", "ModelShape", "NONE_WORDS",
-           "PYTHON", "Spelling", "add_cli_arguments", "config_from_cli", "parse_layers", "parse_text"]
+__all__ = [
+    "ALL_LAYERS",
+    "AUTO_SCHEDULE",
+    "ENV_CONFIG_FILE",
+    "ENV_PREFIX",
+    "ENV_VARS",
+    "GATE_CHOICES",
+    "NONE_WORDS",
+    "OPERATIONAL_ENV_VARS",
+    "PYTHON",
+    "ROUTER_MODES",
+    "ConfigError",
+    "ElasticConfig",
+    "ModelShape",
+    "Spelling",
+    "add_cli_arguments",
+    "config_from_cli",
+    "parse_layers",
+    "parse_text",
+]

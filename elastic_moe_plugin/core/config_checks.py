@@ -50,31 +50,67 @@ class ConfigChecks(Refusals):
         its own, before any check that combines fields reads it."""
         config = self.config
         if not isinstance(config.schedule, str) or not config.schedule.strip():
-            raise self._refuse("schedule", lambda fixes: (
-                f"{self.spell('schedule')} is invalid: expected {AUTO_SCHEDULE!r} (k-{AUTO_HALF_WIDTH}..k+"
-                f"{AUTO_HALF_WIDTH} around the model's top-k), 'LOW-HIGH' (e.g. 6-10 around top-8), 'static' or "
-                f"the model's top-k. " + self._use(fixes)), [{"schedule": AUTO_SCHEDULE}, {"schedule": "static"}], model)
+            raise self._refuse(
+                "schedule",
+                lambda fixes: (
+                    f"{self.spell('schedule')} is invalid: expected {AUTO_SCHEDULE!r} (k-{AUTO_HALF_WIDTH}..k+"
+                    f"{AUTO_HALF_WIDTH} around the model's top-k), 'LOW-HIGH' (e.g. 6-10 around top-8), 'static' or "
+                    f"the model's top-k. " + self._use(fixes)
+                ),
+                [{"schedule": AUTO_SCHEDULE}, {"schedule": "static"}],
+                model,
+            )
         if config.center is not None and not _is_positive_int(config.center):
-            raise self._refuse("center", lambda fixes: (
-                f"{self.spell('center')} is invalid: expected a positive integer (the model's top-k). "
-                + self._use(fixes, "the model's own top-k")), [{"center": None}], model)
+            raise self._refuse(
+                "center",
+                lambda fixes: (
+                    f"{self.spell('center')} is invalid: expected a positive integer (the model's top-k). "
+                    + self._use(fixes, "the model's own top-k")
+                ),
+                [{"center": None}],
+                model,
+            )
         if not _is_number(config.sigma) or not math.isfinite(config.sigma) or config.sigma <= 0:
-            raise self._refuse("sigma", lambda fixes: (
-                f"{self.spell('sigma')} is invalid: expected a finite number > 0. " + self._use(fixes, "the paper's σ")),
-                [{"sigma": 1.5}], model)
+            raise self._refuse(
+                "sigma",
+                lambda fixes: (
+                    f"{self.spell('sigma')} is invalid: expected a finite number > 0. "
+                    + self._use(fixes, "the paper's σ")
+                ),
+                [{"sigma": 1.5}],
+                model,
+            )
         self._check_choices(model)
         if not _is_number(config.top_p) or not 0.0 < config.top_p <= 1.0:
-            raise self._refuse("top_p", lambda fixes: (
-                f"{self.spell('top_p')} is invalid: expected a number in (0, 1]. "
-                + self._use(fixes, "the paper's control")), [{"top_p": 0.4}], model)
+            raise self._refuse(
+                "top_p",
+                lambda fixes: (
+                    f"{self.spell('top_p')} is invalid: expected a number in (0, 1]. "
+                    + self._use(fixes, "the paper's control")
+                ),
+                [{"top_p": 0.4}],
+                model,
+            )
         if config.top_p_max_experts is not None and not _is_positive_int(config.top_p_max_experts):
-            raise self._refuse("top_p_max_experts", lambda fixes: (
-                f"{self.spell('top_p_max_experts')} is invalid: expected a positive integer. "
-                + self._use(fixes, "no cap")), [{"top_p_max_experts": None}], model)
+            raise self._refuse(
+                "top_p_max_experts",
+                lambda fixes: (
+                    f"{self.spell('top_p_max_experts')} is invalid: expected a positive integer. "
+                    + self._use(fixes, "no cap")
+                ),
+                [{"top_p_max_experts": None}],
+                model,
+            )
         if config.layers is not None and not isinstance(config.layers, str):
-            raise self._refuse("layers", lambda fixes: (
-                f"{self.spell('layers')} is invalid: expected 0-based decoder-layer indices as text, such as "
-                f"'3-7' or '0,2,5-7'. " + self._use(fixes, "every MoE layer")), self._layer_text_fixes(), model)
+            raise self._refuse(
+                "layers",
+                lambda fixes: (
+                    f"{self.spell('layers')} is invalid: expected 0-based decoder-layer indices as text, such as "
+                    f"'3-7' or '0,2,5-7'. " + self._use(fixes, "every MoE layer")
+                ),
+                self._layer_text_fixes(),
+                model,
+            )
 
     def _check_choices(self, model: ModelShape | None) -> None:
         """Refuse a gate, sampling mode, router mode or boolean that is none of its choices; the
@@ -98,9 +134,13 @@ class ConfigChecks(Refusals):
         return candidates + [{"layers": None}]
 
     def _choice_error(self, name: str, what: str, choices: tuple, model: ModelShape | None) -> ConfigError:
-        return self._refuse(name, lambda fixes: (
-            f"{self.spell(name)} is not {what}: expected one of {self._spell_fixes(fixes, ', ')}."),
-            [{name: choice} for choice in choices], model, limit=len(choices))
+        return self._refuse(
+            name,
+            lambda fixes: f"{self.spell(name)} is not {what}: expected one of {self._spell_fixes(fixes, ', ')}.",
+            [{name: choice} for choice in choices],
+            model,
+            limit=len(choices),
+        )
 
     def layer_selection(self, model: ModelShape | None) -> frozenset[int] | None:
         """The 0-based layers ``layers`` selects (None: every MoE layer). Refuses ``"none"``, which is
@@ -126,10 +166,14 @@ class ConfigChecks(Refusals):
             if every in fixes:
                 parts.append(f"For every MoE layer use {self._spell_fix(every)} (or leave it unset)")
             if off in fixes:
-                parts.append(f"to route no layer elastically use {self._spell_fix(off)} (every router stock), or "
-                             f"train without the plugin")
-            return (f"{self.spell('layers')} is ambiguous, so it is refused: it reads as 'no layer', but it used to "
-                    f"select every MoE layer. " + "; ".join(parts) + ".")
+                parts.append(
+                    f"to route no layer elastically use {self._spell_fix(off)} (every router stock), or "
+                    f"train without the plugin"
+                )
+            return (
+                f"{self.spell('layers')} is ambiguous, so it is refused: it reads as 'no layer', but it used to "
+                f"select every MoE layer. " + "; ".join(parts) + "."
+            )
 
         raise self._refuse("layers", message, [every, off], model)
 
@@ -146,8 +190,13 @@ class ConfigChecks(Refusals):
 
         def message(fixes: tuple[dict, ...]) -> str:
             first = fixes[0]["layers"] if fixes else None
-            what = ("every MoE layer" if first is None else "the range turned round" if first == problem.repaired
-                    else f"the range turned round, within the model's {model.num_layers} layers")
+            what = (
+                "every MoE layer"
+                if first is None
+                else "the range turned round"
+                if first == problem.repaired
+                else f"the range turned round, within the model's {model.num_layers} layers"
+            )
             return f"{layer_problem_text(self.spell('layers'), problem)}. " + self._use(fixes, what)
 
         raise self._refuse("layers", message, candidates, model)
@@ -175,18 +224,30 @@ class ConfigChecks(Refusals):
             return
         if text.isdigit():
             if int(text) < 1:
-                raise self._refuse("schedule", lambda fixes: (
-                    f"{self._schedule_label()} is invalid: every token needs at least one expert. "
-                    + self._use(fixes, "the model's own top-k")), [{"schedule": "static"}, {"schedule": AUTO_SCHEDULE}],
-                    model, limit=1)
+                raise self._refuse(
+                    "schedule",
+                    lambda fixes: (
+                        f"{self._schedule_label()} is invalid: every token needs at least one expert. "
+                        + self._use(fixes, "the model's own top-k")
+                    ),
+                    [{"schedule": "static"}, {"schedule": AUTO_SCHEDULE}],
+                    model,
+                    limit=1,
+                )
             return
         bounds = parse_range(self.config.schedule)
         if bounds is None:
-            raise self._refuse("schedule", lambda fixes: (
-                f"{self._schedule_label()} does not parse: expected {AUTO_SCHEDULE!r} (k-{AUTO_HALF_WIDTH}..k+"
-                f"{AUTO_HALF_WIDTH} around the model's top-k), 'LOW-HIGH' (e.g. 6-10 around top-8), 'static' or the "
-                f"model's top-k. " + self._use(fixes, "stock top-k")), [{"schedule": "static"}, {"schedule": AUTO_SCHEDULE}],
-                model, limit=1)
+            raise self._refuse(
+                "schedule",
+                lambda fixes: (
+                    f"{self._schedule_label()} does not parse: expected {AUTO_SCHEDULE!r} (k-{AUTO_HALF_WIDTH}..k+"
+                    f"{AUTO_HALF_WIDTH} around the model's top-k), 'LOW-HIGH' (e.g. 6-10 around top-8), 'static' or the "
+                    f"model's top-k. " + self._use(fixes, "stock top-k")
+                ),
+                [{"schedule": "static"}, {"schedule": AUTO_SCHEDULE}],
+                model,
+                limit=1,
+            )
         low, high = bounds
         if low > high:
             self._refuse_reversed_schedule(low, high, model)
@@ -208,26 +269,46 @@ class ConfigChecks(Refusals):
             what = "" if not fixes or fixes[0]["schedule"] == AUTO_SCHEDULE else f"the same width around {around}"
             return f"{head}; {high}-{low} does not fit {target} either. " + self._use(fixes, what)
 
-        raise self._refuse("schedule", reversed_message,
-                           [reordered, *self._around(model, (low - high) // 2), {"schedule": AUTO_SCHEDULE}],
-                           model, limit=1)
+        raise self._refuse(
+            "schedule",
+            reversed_message,
+            [reordered, *self._around(model, (low - high) // 2), {"schedule": AUTO_SCHEDULE}],
+            model,
+            limit=1,
+        )
 
     def _refuse_budget_below_one(self, low: int, high: int, model: ModelShape | None) -> None:
         """Refuse a range whose low budget is below 1: every token needs at least one expert."""
         center = self.config.center
-        centre = f"the model's top-{model.topk}" if model is not None else (
-            f"top-{center}" if center is not None else "the model's top-k")
+        centre = (
+            f"the model's top-{model.topk}"
+            if model is not None
+            else (f"top-{center}" if center is not None else "the model's top-k")
+        )
         around = self._around(model, (high - low) // 2)
 
         def low_message(fixes: tuple[dict, ...]) -> str:
-            what = "" if not fixes or fixes[0] not in around else (
-                f"no budget below 1 fits around {centre}: stock top-k" if fixes[0]["schedule"] == "static"
-                else f"symmetric around {centre}, low >= 1")
-            return (f"{self._schedule_label()} is invalid: low={low}, but every token needs at least one expert, "
-                    f"so low must be >= 1. " + self._use(fixes, what))
+            what = (
+                ""
+                if not fixes or fixes[0] not in around
+                else (
+                    f"no budget below 1 fits around {centre}: stock top-k"
+                    if fixes[0]["schedule"] == "static"
+                    else f"symmetric around {centre}, low >= 1"
+                )
+            )
+            return (
+                f"{self._schedule_label()} is invalid: low={low}, but every token needs at least one expert, "
+                f"so low must be >= 1. " + self._use(fixes, what)
+            )
 
-        raise self._refuse("schedule", low_message, [*around, {"schedule": AUTO_SCHEDULE}, {"schedule": "static"}],
-                           model, limit=1 if around else 2)
+        raise self._refuse(
+            "schedule",
+            low_message,
+            [*around, {"schedule": AUTO_SCHEDULE}, {"schedule": "static"}],
+            model,
+            limit=1 if around else 2,
+        )
 
     def _around(self, model: ModelShape | None, half_width: int) -> list[dict]:
         """The range of ``half_width`` around the model's top-k (the user's centre when the model is
@@ -250,48 +331,85 @@ class ConfigChecks(Refusals):
                 self._refuse_auto(topk, num_experts, model)
             return
         if text.isdigit() and int(text) != topk:
-            raise self._refuse("schedule", lambda fixes: (
-                f"{self._schedule_label()} is a point mass at {text}, but the model routes to top-{topk}: a static "
-                f"schedule must equal the model's top-k (to train with more experts change the model's top-k "
-                f"instead). " + self._use(fixes)), [{"schedule": "static"}, {"schedule": AUTO_SCHEDULE}], model, limit=1)
+            raise self._refuse(
+                "schedule",
+                lambda fixes: (
+                    f"{self._schedule_label()} is a point mass at {text}, but the model routes to top-{topk}: a static "
+                    f"schedule must equal the model's top-k (to train with more experts change the model's top-k "
+                    f"instead). " + self._use(fixes)
+                ),
+                [{"schedule": "static"}, {"schedule": AUTO_SCHEDULE}],
+                model,
+                limit=1,
+            )
         bounds = parse_range(config.schedule)
         if bounds is None:
             return
         low, high = bounds
         same_width = {"schedule": symmetric_range(topk, (high - low) // 2, num_experts)}
         if not low <= topk <= high:
-            raise self._refuse("schedule", lambda fixes: (
-                f"{self._schedule_label()} does not contain the model's top-{topk}: a schedule is centred on the "
-                f"model's top-k (low <= k <= high). " + self._use(fixes, f"the same width around top-{topk}, at least "
-                f"one expert per token" if fixes and fixes[0] == same_width else "")),
-                [same_width, {"schedule": AUTO_SCHEDULE}], model, limit=1)
+            raise self._refuse(
+                "schedule",
+                lambda fixes: (
+                    f"{self._schedule_label()} does not contain the model's top-{topk}: a schedule is centred on the "
+                    f"model's top-k (low <= k <= high). "
+                    + self._use(
+                        fixes,
+                        f"the same width around top-{topk}, at least one expert per token"
+                        if fixes and fixes[0] == same_width
+                        else "",
+                    )
+                ),
+                [same_width, {"schedule": AUTO_SCHEDULE}],
+                model,
+                limit=1,
+            )
         if num_experts is not None and high > num_experts:
-            raise self._refuse("schedule", lambda fixes: (
-                f"{self._schedule_label()} reaches budget {high}, but the model has only {num_experts} experts: "
-                f"expected high <= {num_experts}. " + self._use(fixes)), [same_width, {"schedule": AUTO_SCHEDULE}], model,
-                limit=1)
+            raise self._refuse(
+                "schedule",
+                lambda fixes: (
+                    f"{self._schedule_label()} reaches budget {high}, but the model has only {num_experts} experts: "
+                    f"expected high <= {num_experts}. " + self._use(fixes)
+                ),
+                [same_width, {"schedule": AUTO_SCHEDULE}],
+                model,
+                limit=1,
+            )
         around_topk = BudgetSchedule(low, high, topk, config.sigma, allow_off_center=True)
         self._check_symmetric(topk, around_topk, same_width, model)
 
-    def _check_symmetric(self, topk: int, around_topk: BudgetSchedule, same_width: dict,
-                         model: ModelShape | None) -> None:
+    def _check_symmetric(
+        self, topk: int, around_topk: BudgetSchedule, same_width: dict, model: ModelShape | None
+    ) -> None:
         """Refuse a range around ``topk`` whose mean is not ``topk``: training would no longer be
         compute-matched with static top-k (unless ``allow_off_center``), and ``sampling="balanced"``
         cannot hit the total budget exactly (whatever ``allow_off_center`` says)."""
         if not around_topk.is_symmetric and not self.config.allow_off_center:
             accept = {"allow_off_center": True}
-            raise self._refuse("schedule", lambda fixes: (
-                f"{self._schedule_label()} around the model's top-{topk} has mean {around_topk.mean:.4f}, not {topk}: "
-                f"training would no longer be compute-matched with static top-{topk}. Use a range symmetric around "
-                f"{topk} (low + high == {2 * topk})" + (f", e.g. {self._spell_fix(same_width)}" if same_width in fixes
-                                                        else "")
-                + (f", or {self._verb(accept)} {self._spell_fix(accept)} to accept it" if accept in fixes else "")
-                + "."), [same_width, accept], model)
+            raise self._refuse(
+                "schedule",
+                lambda fixes: (
+                    f"{self._schedule_label()} around the model's top-{topk} has mean {around_topk.mean:.4f}, not {topk}: "
+                    f"training would no longer be compute-matched with static top-{topk}. Use a range symmetric around "
+                    f"{topk} (low + high == {2 * topk})"
+                    + (f", e.g. {self._spell_fix(same_width)}" if same_width in fixes else "")
+                    + (f", or {self._verb(accept)} {self._spell_fix(accept)} to accept it" if accept in fixes else "")
+                    + "."
+                ),
+                [same_width, accept],
+                model,
+            )
         if not around_topk.is_symmetric and self.config.sampling == "balanced":
             iid = {"sampling": "iid"}
-            raise self._refuse("sampling", lambda fixes: (
-                f"{self.spell('sampling')} needs a schedule symmetric around the model's top-{topk}, got "
-                f"{self.spell('schedule')}: use {self._spell_fixes(fixes, ', or ')}."), [iid, same_width], model)
+            raise self._refuse(
+                "sampling",
+                lambda fixes: (
+                    f"{self.spell('sampling')} needs a schedule symmetric around the model's top-{topk}, got "
+                    f"{self.spell('schedule')}: use {self._spell_fixes(fixes, ', or ')}."
+                ),
+                [iid, same_width],
+                model,
+            )
 
     def _refuse_auto(self, topk: int, num_experts: int | None, model: ModelShape | None) -> None:
         """Refuse ``schedule="auto"`` where no elastic range exists around the model's top-k (top-1,
@@ -299,12 +417,16 @@ class ConfigChecks(Refusals):
         static = {"schedule": "static"}
         off_centre = {"schedule": f"1-{1 + AUTO_HALF_WIDTH}", "allow_off_center": True}
         if topk == 1:
-            why = ("the model routes to top-1, and no budget range symmetric around 1 keeps every token at >= 1 "
-                   "expert, so no elastic schedule can be resolved from it")
+            why = (
+                "the model routes to top-1, and no budget range symmetric around 1 keeps every token at >= 1 "
+                "expert, so no elastic schedule can be resolved from it"
+            )
             candidates = [static, off_centre]
         else:
-            why = (f"the model routes every token to all {num_experts} of its experts (top-{topk} of {num_experts}), "
-                   f"so there is no budget above {topk} and no elastic range around it")
+            why = (
+                f"the model routes every token to all {num_experts} of its experts (top-{topk} of {num_experts}), "
+                f"so there is no budget above {topk} and no elastic range around it"
+            )
             candidates = [static]
 
         def message(fixes: tuple[dict, ...]) -> str:
@@ -312,7 +434,9 @@ class ConfigChecks(Refusals):
             if static in fixes:
                 parts.append(f"{self._spell_fix(static)} to train stock top-{topk} with the plugin's metrics")
             if off_centre in fixes:
-                parts.append(f"{self._spell_fix(off_centre)} for an off-centre range (E[κ] > 1: more compute than top-1)")
+                parts.append(
+                    f"{self._spell_fix(off_centre)} for an off-centre range (E[κ] > 1: more compute than top-1)"
+                )
             if topk > 1:
                 parts.append("lower the model's top-k")
             return f"{self._schedule_label()}: {why}. Use " + ", or ".join(parts) + "."
@@ -345,10 +469,15 @@ class ConfigChecks(Refusals):
         """Refuse a ``top_p_max_experts`` above the model's experts: the cap could never bind."""
         cap, num_experts = self.config.top_p_max_experts, model.num_experts
         if num_experts is not None and cap is not None and cap > num_experts:
-            raise self._refuse("top_p_max_experts", lambda fixes: (
-                f"{self.spell('top_p_max_experts')} exceeds the model's {num_experts} experts: expected at most "
-                f"{num_experts}. " + self._use(fixes)),
-                [{"top_p_max_experts": num_experts}, {"top_p_max_experts": None}], model)
+            raise self._refuse(
+                "top_p_max_experts",
+                lambda fixes: (
+                    f"{self.spell('top_p_max_experts')} exceeds the model's {num_experts} experts: expected at most "
+                    f"{num_experts}. " + self._use(fixes)
+                ),
+                [{"top_p_max_experts": num_experts}, {"top_p_max_experts": None}],
+                model,
+            )
 
     def _refuse_center(self, model: ModelShape) -> None:
         """Refuse a ``center`` that is not the model's top-k: the schedule is centred on the top-k the
@@ -356,20 +485,34 @@ class ConfigChecks(Refusals):
         topk, num_experts = model.topk, model.num_experts
         # the range moves with the center: keep its width around the model's top-k
         bounds = parse_range(self.config.schedule)
-        moved = {} if bounds is None or bounds[0] > bounds[1] else {
-            "schedule": symmetric_range(topk, (bounds[1] - bounds[0]) // 2, num_experts)}
+        moved = (
+            {}
+            if bounds is None or bounds[0] > bounds[1]
+            else {"schedule": symmetric_range(topk, (bounds[1] - bounds[0]) // 2, num_experts)}
+        )
         if moved.get("schedule") == self.config.schedule:
             moved = {}
-        candidates = [{"center": None}, {"center": None, **moved}, {"center": topk}, {"center": topk, **moved},
-                      {"center": None, "schedule": AUTO_SCHEDULE}, {"center": None, "schedule": "static"}]
+        candidates = [
+            {"center": None},
+            {"center": None, **moved},
+            {"center": topk},
+            {"center": topk, **moved},
+            {"center": None, "schedule": AUTO_SCHEDULE},
+            {"center": None, "schedule": "static"},
+        ]
 
         def center_message(fixes: tuple[dict, ...]) -> str:
-            head = (f"{self.spell('center')}, but the model routes to top-{topk}: the schedule's center must "
-                    f"be the model's deployment top-k.")
+            head = (
+                f"{self.spell('center')}, but the model routes to top-{topk}: the schedule's center must "
+                f"be the model's deployment top-k."
+            )
             if not fixes:
                 return f"{head} {self._use(fixes)}"
-            return (f"{head} Set {self._spell_fix(fixes[0])} (the model's top-k)"
-                    + "".join(f" or {self._spell_fix(fix)}" for fix in fixes[1:]) + ".")
+            return (
+                f"{head} Set {self._spell_fix(fixes[0])} (the model's top-k)"
+                + "".join(f" or {self._spell_fix(fix)}" for fix in fixes[1:])
+                + "."
+            )
 
         raise self._refuse("center", center_message, candidates, model)
 
@@ -383,9 +526,19 @@ class ConfigChecks(Refusals):
         if outside:
             inside = sorted(i for i in selected if i < num_layers)
             candidates = ([{"layers": layers_text(inside)}] if inside else []) + [{"layers": None}]
-            raise self._refuse("layers", lambda fixes: (
-                f"{self.spell('layers')} selects layer(s) {outside}, but the model has {num_layers} decoder "
-                f"layers (0-based indices 0..{num_layers - 1}). Narrow the range"
-                + "".join(f", e.g. {self._spell_fix(fix)}" for fix in fixes if fix["layers"] is not None)
-                + "".join(f", or {self._verb(fix)} {self._spell_fix(fix)} for every MoE layer"
-                          for fix in fixes if fix["layers"] is None) + "."), candidates, model)
+            raise self._refuse(
+                "layers",
+                lambda fixes: (
+                    f"{self.spell('layers')} selects layer(s) {outside}, but the model has {num_layers} decoder "
+                    f"layers (0-based indices 0..{num_layers - 1}). Narrow the range"
+                    + "".join(f", e.g. {self._spell_fix(fix)}" for fix in fixes if fix["layers"] is not None)
+                    + "".join(
+                        f", or {self._verb(fix)} {self._spell_fix(fix)} for every MoE layer"
+                        for fix in fixes
+                        if fix["layers"] is None
+                    )
+                    + "."
+                ),
+                candidates,
+                model,
+            )

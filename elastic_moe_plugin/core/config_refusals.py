@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 from elastic_moe_plugin.core.config_values import AUTO_HALF_WIDTH, AUTO_SCHEDULE
 from elastic_moe_plugin.core.errors import ConfigError
@@ -96,8 +96,10 @@ class Refusals:
         """The schedule as written; for the default, which the user never typed, the variable unset."""
         if "schedule" in self.explicit:
             return self.spell("schedule")
-        return (f"{self._spelling('schedule').unset('schedule')} (the default, {AUTO_SCHEDULE!r}: "
-                f"k-{AUTO_HALF_WIDTH}..k+{AUTO_HALF_WIDTH} around the model's top-k)")
+        return (
+            f"{self._spelling('schedule').unset('schedule')} (the default, {AUTO_SCHEDULE!r}: "
+            f"k-{AUTO_HALF_WIDTH}..k+{AUTO_HALF_WIDTH} around the model's top-k)"
+        )
 
     # ------------------------------------------------------------------ fixes
     def _accepts(self, fix: Mapping[str, Any], model: ModelShape | None) -> bool:
@@ -124,8 +126,14 @@ class Refusals:
             return tuple(distinct[:limit])
         return tuple([fix for fix in distinct if self._accepts(fix, model)][:limit])
 
-    def _refuse(self, name: str, message: Callable[[tuple[dict, ...]], str], candidates: list[dict],
-                model: ModelShape | None, limit: int = 2) -> ConfigError:
+    def _refuse(
+        self,
+        name: str,
+        message: Callable[[tuple[dict, ...]], str],
+        candidates: list[dict],
+        model: ModelShape | None,
+        limit: int = 2,
+    ) -> ConfigError:
         """The error refusing field ``name``: ``message`` told the accepted ``candidates`` (``limit`` at most)."""
         fixes = self._accepted(candidates, model, limit)
         return ConfigError(message(fixes), field=name, fixes=fixes)

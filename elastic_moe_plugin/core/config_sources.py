@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from elastic_moe_plugin.core.config_values import ALL_LAYERS, BOOLEAN_FIELDS
 from elastic_moe_plugin.core.errors import ConfigError
@@ -25,12 +25,14 @@ from elastic_moe_plugin.core.spelling import CLI_PREFIX, ENV_PREFIX, Spelling
 
 ENV_CONFIG_FILE = "ELASTIC_MOE_CONFIG"
 #: ``ELASTIC_MOE_*`` variables that steer the adapters, not the routing; not ElasticConfig fields
-OPERATIONAL_ENV_VARS: frozenset[str] = frozenset({
-    "ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE",         # try an untested megatron-core
-    "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS",  # try an untested transformers
-    "ELASTIC_MOE_DEBUG",                           # assert dispatcher invariants (syncs)
-    "ELASTIC_MOE_SWIFT_HOOK",                      # 0: the ms-swift --plugin start-up hook stands aside
-})
+OPERATIONAL_ENV_VARS: frozenset[str] = frozenset(
+    {
+        "ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE",  # try an untested megatron-core
+        "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS",  # try an untested transformers
+        "ELASTIC_MOE_DEBUG",  # assert dispatcher invariants (syncs)
+        "ELASTIC_MOE_SWIFT_HOOK",  # 0: the ms-swift --plugin start-up hook stands aside
+    }
+)
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -67,10 +69,15 @@ def _parse_boolean(name: str, text: str, value: str, spelled: Spelling) -> bool:
         return True
     if value.lower() in FALSE_WORDS:
         return False
-    raise _TextError(name, spelled, lambda fixes: (
-        f"{spelled.current(name, text)} is invalid: expected {'/'.join(TRUE_WORDS[:2])} or "
-        f"{'/'.join(FALSE_WORDS[:2])} (also yes/no, on/off): " + _boolean_hint(name, spelled, fixes) + "."),
-        ({name: True}, {name: False}))
+    raise _TextError(
+        name,
+        spelled,
+        lambda fixes: (
+            f"{spelled.current(name, text)} is invalid: expected {'/'.join(TRUE_WORDS[:2])} or "
+            f"{'/'.join(FALSE_WORDS[:2])} (also yes/no, on/off): " + _boolean_hint(name, spelled, fixes) + "."
+        ),
+        ({name: True}, {name: False}),
+    )
 
 
 def _parse_center(name: str, text: str, value: str, spelled: Spelling) -> int | None:
@@ -78,9 +85,15 @@ def _parse_center(name: str, text: str, value: str, spelled: Spelling) -> int | 
     if value.lower() in ("", "none", "auto"):
         return None
     if not value.isdigit():
-        raise _TextError(name, spelled, lambda fixes: (
-            f"{spelled.current(name, text)} is invalid: expected a positive integer (the model's top-k) or "
-            f"'auto'. Use {_either(spelled, name, fixes)} to centre on the model's own top-k."), ({name: None},))
+        raise _TextError(
+            name,
+            spelled,
+            lambda fixes: (
+                f"{spelled.current(name, text)} is invalid: expected a positive integer (the model's top-k) or "
+                f"'auto'. Use {_either(spelled, name, fixes)} to centre on the model's own top-k."
+            ),
+            ({name: None},),
+        )
     return int(value)
 
 
@@ -89,9 +102,15 @@ def _parse_expert_cap(name: str, text: str, value: str, spelled: Spelling) -> in
     if value.lower() in ("", "none", "all"):
         return None
     if not value.isdigit():
-        raise _TextError(name, spelled, lambda fixes: (
-            f"{spelled.current(name, text)} is invalid: expected a positive integer or 'none'. Use "
-            f"{_either(spelled, name, fixes)} for no cap."), ({name: None},))
+        raise _TextError(
+            name,
+            spelled,
+            lambda fixes: (
+                f"{spelled.current(name, text)} is invalid: expected a positive integer or 'none'. Use "
+                f"{_either(spelled, name, fixes)} for no cap."
+            ),
+            ({name: None},),
+        )
     return int(value)
 
 
@@ -102,15 +121,24 @@ def _parse_number(name: str, text: str, value: str, spelled: Spelling) -> float:
     except ValueError:
         default = {"sigma": 1.5, "top_p": 0.4}[name]
         what = "a finite number > 0" if name == "sigma" else "a number in (0, 1]"
-        raise _TextError(name, spelled, lambda fixes: (
-            f"{spelled.current(name, text)} is invalid: expected {what}, e.g. {_either(spelled, name, fixes)} "
-            f"(the paper's value)."), ({name: default},)) from None
+        raise _TextError(
+            name,
+            spelled,
+            lambda fixes: (
+                f"{spelled.current(name, text)} is invalid: expected {what}, e.g. {_either(spelled, name, fixes)} "
+                f"(the paper's value)."
+            ),
+            ({name: default},),
+        ) from None
 
 
 def _boolean_hint(name: str, spelling: Spelling, fixes: tuple[dict, ...]) -> str:
-    meaning = {("enabled", True): "to route elastically", ("enabled", False): "to leave every router stock",
-               ("allow_off_center", True): "to accept a schedule whose mean is not the model's top-k",
-               ("allow_off_center", False): "to refuse one"}
+    meaning = {
+        ("enabled", True): "to route elastically",
+        ("enabled", False): "to leave every router stock",
+        ("allow_off_center", True): "to accept a schedule whose mean is not the model's top-k",
+        ("allow_off_center", False): "to refuse one",
+    }
     return ", ".join(f"{spelling.setting(name, fix[name])} {meaning[(name, fix[name])]}" for fix in fixes)
 
 
@@ -122,8 +150,9 @@ class _TextError(Exception):
     """A text value :func:`parse_text` cannot read; the loader turns it into a :class:`ConfigError`
     once its fixes are validated against the other settings (and the model, when known)."""
 
-    def __init__(self, name: str, spelling: Spelling, message: Callable[[tuple[dict, ...]], str],
-                 fixes: tuple[dict, ...]) -> None:
+    def __init__(
+        self, name: str, spelling: Spelling, message: Callable[[tuple[dict, ...]], str], fixes: tuple[dict, ...]
+    ) -> None:
         super().__init__(name)
         self.name, self.spelling, self.message, self.fixes = name, spelling, message, fixes
 
@@ -132,8 +161,9 @@ class _TextError(Exception):
 
 
 # ---------------------------------------------------------------------------------- unknown names
-def _unknown_keys(unknown: list, known: tuple[str, ...], values: Mapping[str, Any], prefix: str,
-                  spellings: Mapping[str, Spelling]) -> ConfigError:
+def _unknown_keys(
+    unknown: list, known: tuple[str, ...], values: Mapping[str, Any], prefix: str, spellings: Mapping[str, Spelling]
+) -> ConfigError:
     """The error for keys of a mapping that are no field (``known``), offering the closest field as a
     rename where it is not set already."""
     hints, fixes, renames = [], [], {}
@@ -143,23 +173,30 @@ def _unknown_keys(unknown: list, known: tuple[str, ...], values: Mapping[str, An
         if close and close[0] not in values:
             renames[str(key)] = close[0]
             fixes.append({close[0]: values[key]})
-    rename = "".join(f" Rename it: {spellings[name].setting(name, value)}." for fix in fixes
-                     for name, value in fix.items())
-    return ConfigError(f"{prefix}unknown key(s) {', '.join(hints)}. Accepted keys: {', '.join(known)}.{rename}",
-                       fixes=tuple(fixes), renames=renames)
+    rename = "".join(
+        f" Rename it: {spellings[name].setting(name, value)}." for fix in fixes for name, value in fix.items()
+    )
+    return ConfigError(
+        f"{prefix}unknown key(s) {', '.join(hints)}. Accepted keys: {', '.join(known)}.{rename}",
+        fixes=tuple(fixes),
+        renames=renames,
+    )
 
 
 def _unknown_variable(key: str, environ: Mapping[str, str], env_vars: Mapping[str, str]) -> ConfigError:
     close = difflib.get_close_matches(key, list(env_vars.values()) + [ENV_CONFIG_FILE], n=1)
     fixes, renames, rename = (), {}, ""
     if close and close[0] != ENV_CONFIG_FILE and close[0] not in environ:
-        name = close[0][len(ENV_PREFIX):].lower()
+        name = close[0][len(ENV_PREFIX) :].lower()
         fixes, renames = ({name: environ[key]},), {key: close[0]}
         rename = f" Rename it: {Spelling('env').setting(name, environ[key])}."
-    return ConfigError(f"environment variable {key} is not an elastic-moe setting"
-                       + (f" (did you mean {close[0]}?)" if close else "")
-                       + f". Accepted: {', '.join(sorted(env_vars.values()))}, {ENV_CONFIG_FILE}.{rename}",
-                       fixes=fixes, renames=renames)
+    return ConfigError(
+        f"environment variable {key} is not an elastic-moe setting"
+        + (f" (did you mean {close[0]}?)" if close else "")
+        + f". Accepted: {', '.join(sorted(env_vars.values()))}, {ENV_CONFIG_FILE}.{rename}",
+        fixes=fixes,
+        renames=renames,
+    )
 
 
 # ---------------------------------------------------------------------------------- sources
@@ -168,7 +205,9 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist. Check the path (ELASTIC_MOE_CONFIG or --elastic-moe-config).")
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist. Check the path (ELASTIC_MOE_CONFIG or --elastic-moe-config)."
+        )
     try:
         data = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as error:
@@ -180,8 +219,9 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def _environment_values(environ: Mapping[str, str],
-                        env_vars: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Spelling], str]:
+def _environment_values(
+    environ: Mapping[str, str], env_vars: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, Spelling], str]:
     """(values, spellings, source) of ``ELASTIC_MOE_*`` over ``ELASTIC_MOE_CONFIG``'s YAML, unparsed.
 
     Raises:
@@ -194,8 +234,14 @@ def _environment_values(environ: Mapping[str, str],
     # a field the variables set is written as a variable; one from the file as a YAML key;
     # a default as the variable that would change it
     spellings = {name: Spelling("yaml") if name in values else Spelling("env") for name in env_vars}
-    stray = [key for key in environ if key.startswith(ENV_PREFIX) and key != ENV_CONFIG_FILE
-             and key not in OPERATIONAL_ENV_VARS and key not in env_vars.values()]
+    stray = [
+        key
+        for key in environ
+        if key.startswith(ENV_PREFIX)
+        and key != ENV_CONFIG_FILE
+        and key not in OPERATIONAL_ENV_VARS
+        and key not in env_vars.values()
+    ]
     if stray:
         raise _unknown_variable(stray[0], environ, env_vars)
     for name, var in env_vars.items():
@@ -205,8 +251,9 @@ def _environment_values(environ: Mapping[str, str],
     return values, spellings, "environment" if not config_file else f"environment (+ {config_file})"
 
 
-def _command_line_values(args: argparse.Namespace, environ: Mapping[str, str] | None, env_vars: Mapping[str, str],
-                         prefix: str = CLI_PREFIX) -> tuple[dict[str, Any], dict[str, Spelling], str]:
+def _command_line_values(
+    args: argparse.Namespace, environ: Mapping[str, str] | None, env_vars: Mapping[str, str], prefix: str = CLI_PREFIX
+) -> tuple[dict[str, Any], dict[str, Spelling], str]:
     """(values, spellings, source) of defaults < YAML (``--elastic-moe-config`` or ``ELASTIC_MOE_CONFIG``)
     < environment < the flags of ``add_cli_arguments`` (``prefix``), unparsed."""
     environ = dict(os.environ if environ is None else environ)
@@ -214,8 +261,11 @@ def _command_line_values(args: argparse.Namespace, environ: Mapping[str, str] | 
         environ[ENV_CONFIG_FILE] = args.elastic_moe_config
     values, spellings, source = _environment_values(environ, env_vars)
     cli = Spelling("cli", "" if prefix == CLI_PREFIX else prefix)
-    overrides = {name: getattr(args, "elastic_moe_" + name) for name in env_vars
-                 if getattr(args, "elastic_moe_" + name, None) is not None}
+    overrides = {
+        name: getattr(args, "elastic_moe_" + name)
+        for name in env_vars
+        if getattr(args, "elastic_moe_" + name, None) is not None
+    }
     # what the variables or the file set keeps their spelling; the rest is what a flag would change
     for name in env_vars:
         if name in overrides or name not in values:

@@ -57,11 +57,15 @@ def parse_layer_items(spec: str) -> tuple[frozenset[int] | None, LayerProblem | 
 def layer_problem_text(setting: str, problem: LayerProblem) -> str:
     """What is wrong with the spec of ``setting`` (as the user wrote it), without a fix."""
     if problem.kind == "empty":
-        return (f"{setting} is empty: expected 0-based decoder-layer indices such as 3-7 or 0,2,5-7, or "
-                f"{ALL_LAYERS!r} for every MoE layer")
+        return (
+            f"{setting} is empty: expected 0-based decoder-layer indices such as 3-7 or 0,2,5-7, or "
+            f"{ALL_LAYERS!r} for every MoE layer"
+        )
     if problem.kind == "malformed":
-        return (f"{setting} is malformed at {problem.item!r}: expected comma-separated 0-based decoder-layer "
-                f"indices or ranges such as 3-7 or 0,2,5-7")
+        return (
+            f"{setting} is malformed at {problem.item!r}: expected comma-separated 0-based decoder-layer "
+            f"indices or ranges such as 3-7 or 0,2,5-7"
+        )
     return f"{setting} has a reversed range {problem.item!r}"
 
 
@@ -90,6 +94,8 @@ def parse_layers(spec: str, spelling: Spelling = PYTHON, name: str = "layers") -
         return layers
     setting = spelling.current(name, spec)
     if problem.kind == "reversed":
-        raise ConfigError(f"{layer_problem_text(setting, problem)}: write it as "
-                          f"{spelling.setting(name, problem.repaired)}.", fixes=({name: problem.repaired},))
+        raise ConfigError(
+            f"{layer_problem_text(setting, problem)}: write it as {spelling.setting(name, problem.repaired)}.",
+            fixes=({name: problem.repaired},),
+        )
     raise ConfigError(layer_problem_text(setting, problem) + ".")

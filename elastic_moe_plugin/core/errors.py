@@ -14,8 +14,14 @@ class ConfigError(ValueError):
             meant}``; apply a fix there by renaming first.
     """
 
-    def __init__(self, message: str, *, field: str | None = None, fixes: tuple[dict, ...] = (),
-                 renames: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        fixes: tuple[dict, ...] = (),
+        renames: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.field = field
         self.fixes = tuple(fixes)

@@ -64,12 +64,20 @@ def max_over_mean(per_expert: torch.Tensor) -> float:
 
 
 #: what :func:`record_statistics` gives per record, in this order
-RECORD_STATISTICS = ("retained_weight_sum_mean", "retained_weight_sum_min", "tokens_per_expert_max",
-                     "tokens_per_expert_mean", "tokens_per_expert_std", "topk_set_changed_frac", "mean_kappa")
+RECORD_STATISTICS = (
+    "retained_weight_sum_mean",
+    "retained_weight_sum_min",
+    "tokens_per_expert_max",
+    "tokens_per_expert_mean",
+    "tokens_per_expert_std",
+    "topk_set_changed_frac",
+    "mean_kappa",
+)
 
 
-def record_statistics(layer_records: Mapping[int, RoutingRecord], num_experts: int,
-                      topk: int) -> dict[int, tuple[float, ...]]:
+def record_statistics(
+    layer_records: Mapping[int, RoutingRecord], num_experts: int, topk: int
+) -> dict[int, tuple[float, ...]]:
     """Per layer, the :data:`RECORD_STATISTICS` of its record: mean and min over tokens of the
     retained weight sums, max, mean and population std over experts of the tokens per expert c_e,
     the share of tokens with κ ≠ k, and mean κ. Layers without tokens are left out.
@@ -99,19 +107,28 @@ def record_statistics(layer_records: Mapping[int, RoutingRecord], num_experts: i
         num_layers = len(layers)
         bins = (ids + _layer_offsets(num_layers, num_experts, ids.device)).reshape(-1)
         per_expert = torch.zeros(num_layers * num_experts, dtype=torch.float64, device=ids.device)
-        per_expert = per_expert.scatter_add_(0, bins, selected.reshape(-1).to(torch.float64)).view(num_layers, num_experts)
+        per_expert = per_expert.scatter_add_(0, bins, selected.reshape(-1).to(torch.float64)).view(
+            num_layers, num_experts
+        )
         # stack promotes the float32 minimum to float64 exactly
-        columns = [sums.mean(dim=1, dtype=torch.float64), sums.amin(dim=1), per_expert.amax(dim=1),
-                   per_expert.std(dim=1, correction=0)]
+        columns = [
+            sums.mean(dim=1, dtype=torch.float64),
+            sums.amin(dim=1),
+            per_expert.amax(dim=1),
+            per_expert.std(dim=1, correction=0),
+        ]
         if not on_host:
-            columns += [per_expert.mean(dim=1), (budgets != topk).mean(dim=1, dtype=torch.float64),
-                        budgets.mean(dim=1, dtype=torch.float64)]
+            columns += [
+                per_expert.mean(dim=1),
+                (budgets != topk).mean(dim=1, dtype=torch.float64),
+                budgets.mean(dim=1, dtype=torch.float64),
+            ]
         rows.append(torch.stack(columns, dim=1))
-        host_terms.extend([_host_budget_terms(record.budget_counts, num_experts, topk) if on_host else None
-                           for record in group])
+        host_terms.extend(
+            [_host_budget_terms(record.budget_counts, num_experts, topk) if on_host else None for record in group]
+        )
         order.extend(layers)
-    return {layer: _statistics_of(values, terms)
-            for layer, values, terms in zip(order, _read_rows(rows), host_terms)}
+    return {layer: _statistics_of(values, terms) for layer, values, terms in zip(order, _read_rows(rows), host_terms)}
 
 
 def _read_rows(rows: list[torch.Tensor]) -> list[list[float]]:
@@ -206,17 +223,22 @@ def layer_metrics(
 
 
 @functools.lru_cache(maxsize=16)
-def _histogram_names(schedule: BudgetSchedule) -> tuple[tuple[tuple[int, str], ...], tuple[tuple[int, str, str, float], ...]]:
+def _histogram_names(
+    schedule: BudgetSchedule,
+) -> tuple[tuple[tuple[int, str], ...], tuple[tuple[int, str, str, float], ...]]:
     # per schedule, once: ((κ, "kappa_frac_κ"), ...) and ((r, "exposure_rank_r", "survival_rank_r", a(r)), ...)
     fractions = tuple((budget, f"kappa_frac_{budget}") for budget in schedule.budgets)
-    ranks = tuple((rank, f"exposure_rank_{rank}", f"survival_rank_{rank}", schedule.survival(rank))
-                  for rank in range(1, schedule.high + 1))
+    ranks = tuple(
+        (rank, f"exposure_rank_{rank}", f"survival_rank_{rank}", schedule.survival(rank))
+        for rank in range(1, schedule.high + 1)
+    )
     return fractions, ranks
 
 
 @functools.lru_cache(maxsize=16)
-def metric_names(schedule: BudgetSchedule, num_experts: int, with_capacity: bool = False,
-                 with_survival: bool = True) -> tuple[str, ...]:
+def metric_names(
+    schedule: BudgetSchedule, num_experts: int, with_capacity: bool = False, with_survival: bool = True
+) -> tuple[str, ...]:
     """Every per-layer name :func:`layer_metrics` gives an elastic layer of ``schedule``, sorted,
     with the ``capacity_dropped_frac*`` shares when ``with_capacity`` (a capacity factor is set),
     without the schedule's constants (:data:`SCHEDULE_CONSTANTS`) unless ``with_survival``.
@@ -230,8 +252,12 @@ def metric_names(schedule: BudgetSchedule, num_experts: int, with_capacity: bool
     histogram[list(schedule.budgets)] = 1
     ids = torch.full((1, width), -1, dtype=torch.long)
     ids[0, : min(schedule.center, num_experts)] = torch.arange(min(schedule.center, num_experts))
-    record = RoutingRecord(budgets=torch.tensor([schedule.center]), expert_ids=ids, retained_weight_sums=torch.ones(1),
-                           capacity_dropped=torch.zeros((1, width), dtype=torch.bool) if with_capacity else None)
+    record = RoutingRecord(
+        budgets=torch.tensor([schedule.center]),
+        expert_ids=ids,
+        retained_weight_sums=torch.ones(1),
+        capacity_dropped=torch.zeros((1, width), dtype=torch.bool) if with_capacity else None,
+    )
     names = layer_metrics(record, histogram, schedule, num_experts)
     return tuple(sorted(name for name in names if with_survival or not is_schedule_constant(name)))
 
@@ -256,10 +282,13 @@ def capacity_drop_shares(record: RoutingRecord, topk: int) -> dict[str, float]:
     selected = record.expert_ids >= 0
     dropped = record.capacity_dropped & selected
     parts = {"": slice(None), "_top_k": slice(None, topk), "_beyond_k": slice(topk, None)}
-    counts = torch.stack([count for columns in parts.values()
-                          for count in (dropped[:, columns].sum(), selected[:, columns].sum())]).tolist()
-    return {"capacity_dropped_frac" + name: (counts[2 * i] / counts[2 * i + 1] if counts[2 * i + 1] else 0.0)
-            for i, name in enumerate(parts)}
+    counts = torch.stack(
+        [count for columns in parts.values() for count in (dropped[:, columns].sum(), selected[:, columns].sum())]
+    ).tolist()
+    return {
+        "capacity_dropped_frac" + name: (counts[2 * i] / counts[2 * i + 1] if counts[2 * i + 1] else 0.0)
+        for i, name in enumerate(parts)
+    }
 
 
 #: Per-layer names whose value is a constant of the config, the same at every step: the schedule's
@@ -276,8 +305,14 @@ def is_schedule_constant(name: str) -> bool:
 
 
 #: the layer means written next to the per-layer values (every name's, without them)
-SUMMARY_NAMES = ("mean_kappa", "retained_weight_sum_mean", "tokens_per_expert_max_over_mean", "topk_set_changed_frac",
-                 "capacity_dropped_frac", "retained_weight_sum_min")
+SUMMARY_NAMES = (
+    "mean_kappa",
+    "retained_weight_sum_mean",
+    "tokens_per_expert_max_over_mean",
+    "topk_set_changed_frac",
+    "capacity_dropped_frac",
+    "retained_weight_sum_min",
+)
 
 
 def routing_metrics(
@@ -301,14 +336,17 @@ def routing_metrics(
     MoE metrics unless ``moe_per_layer_logging`` is set."""
     flat: dict[str, float] = {}
     per_name: dict[str, list[float]] = {}
-    static_layers = {layer: k for layer, k in (static_layers or {}).items() if layer not in records and layer not in histograms}
+    static_layers = {
+        layer: k for layer, k in (static_layers or {}).items() if layer not in records and layer not in histograms
+    }
     statistics = record_statistics(records, num_experts, schedule.center)
     for layer in sorted(set(records) | set(histograms) | set(static_layers)):
         if layer in static_layers:
             values = static_layer_metrics(static_layers[layer], schedule)
         else:
-            values = layer_metrics(records.get(layer), histograms.get(layer), schedule, num_experts,
-                                   statistics.get(layer))
+            values = layer_metrics(
+                records.get(layer), histograms.get(layer), schedule, num_experts, statistics.get(layer)
+            )
         for name, value in values.items():
             if per_layer:
                 flat[f"{PREFIX}/layer_{layer}/{name}"] = value
@@ -358,4 +396,6 @@ def model_routing_metrics(
     resolved = schedule() if schedule is not None else records.trained_schedule(sites)
     if resolved is None:
         return {}
-    return routing_metrics(layer_records, histograms, *resolved, static if include_static else None, per_layer=per_layer)
+    return routing_metrics(
+        layer_records, histograms, *resolved, static if include_static else None, per_layer=per_layer
+    )

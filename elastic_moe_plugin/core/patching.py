@@ -323,5 +323,13 @@ class PatchLifecycle:
                 self.apply(previous)
 
 
-__all__ = ["MISSING", "PATCH_MARKER", "AttributePatches", "PatchLifecycle", "PatchSwitch", "VersionGuard", "is_patched",
-           "unwrap"]
+__all__ = [
+    "MISSING",
+    "PATCH_MARKER",
+    "AttributePatches",
+    "PatchLifecycle",
+    "PatchSwitch",
+    "VersionGuard",
+    "is_patched",
+    "unwrap",
+]

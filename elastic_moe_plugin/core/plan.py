@@ -73,7 +73,10 @@ def warn_if_top1_gate_is_constant(schedule: BudgetSchedule, gate: str, where: st
     logger.warning(
         "elastic-moe: schedule %s with a renormalised gate (%s): tokens drawn with κ=1 get gate weight 1 "
         "and no task gradient through the router gate (docs/gates.md, 'renormalised top-1'). Consider "
-        "low >= 2 or gate='full_softmax'.", schedule.describe(), where)
+        "low >= 2 or gate='full_softmax'.",
+        schedule.describe(),
+        where,
+    )
 
 
 def _ranges(indices: list[int]) -> str:
@@ -91,8 +94,9 @@ def _ranges(indices: list[int]) -> str:
 RESOLVED_FROM_MODEL = "schedule resolved from the model (auto: k-2..k+2 around its top-k, within its experts)"
 
 
-def describe_plans(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, int], framework: str,
-                   note: str | None = None) -> str:
+def describe_plans(
+    plans: Mapping[int, LayerPlan | None], topk: Mapping[int, int], framework: str, note: str | None = None
+) -> str:
     """The start-up line of a run: which MoE layers route elastically, with what, and which stay static.
 
     Args:
@@ -109,12 +113,14 @@ def describe_plans(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, i
         if plan is None:
             key = f"static top-{topk[layer]}"
         elif plan.top_p is not None:
-            key = (f"elastic top-p {plan.top_p:g} (at most {plan.top_p_width} experts), {plan.gate} gate")
+            key = f"elastic top-p {plan.top_p:g} (at most {plan.top_p_width} experts), {plan.gate} gate"
         else:
             key = f"elastic {plan.schedule.describe()}, {plan.gate} gate, {plan.sampling} sampling"
         groups.setdefault(key, []).append(layer)
-    parts = [f"{key}: layers {_ranges(layers)}" for key, layers in
-             sorted(groups.items(), key=lambda item: (item[0].startswith("static"), min(item[1])))]
+    parts = [
+        f"{key}: layers {_ranges(layers)}"
+        for key, layers in sorted(groups.items(), key=lambda item: (item[0].startswith("static"), min(item[1])))
+    ]
     if not any(key.startswith("static") for key in groups):
         parts.append("static: none")
     if not any(key.startswith("elastic") for key in groups):
@@ -136,8 +142,7 @@ def log_plan_once(line: str) -> bool:
 _logged_plans: set[str] = set()
 
 
-def log_plan(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, int], framework: str,
-             config=None) -> str | None:
+def log_plan(plans: Mapping[int, LayerPlan | None], topk: Mapping[int, int], framework: str, config=None) -> str | None:
     """Log (rank 0, once per process and line) and return :func:`describe_plans` of ``plans``
     (an adapter's ``model_plans``, :func:`elastic_moe_plugin.core.records.model_plans`); None when
     there are no plans (no active, enabled config). ``config``: the active ``ElasticConfig``; the line
@@ -151,5 +156,12 @@ def log_plan(plans: Mapping[int, "LayerPlan | None"], topk: Mapping[int, int], f
     return line
 
 
-__all__ = ["PLAN_GATES", "RESOLVED_FROM_MODEL", "LayerPlan", "describe_plans", "log_plan", "log_plan_once",
-           "warn_if_top1_gate_is_constant"]
+__all__ = [
+    "PLAN_GATES",
+    "RESOLVED_FROM_MODEL",
+    "LayerPlan",
+    "describe_plans",
+    "log_plan",
+    "log_plan_once",
+    "warn_if_top1_gate_is_constant",
+]

@@ -57,20 +57,48 @@ class RoutingRecord:
     computed when first read (a logging step), then kept. Read-only.
     """
 
-    __slots__ = ("budgets", "capacity_dropped", "budget_counts", "_candidate_ids", "_kept", "_gate_weights",
-                 "_expert_ids", "_retained_weight_sums")
+    __slots__ = (
+        "_candidate_ids",
+        "_expert_ids",
+        "_gate_weights",
+        "_kept",
+        "_retained_weight_sums",
+        "budget_counts",
+        "budgets",
+        "capacity_dropped",
+    )
 
-    def __init__(self, budgets: torch.Tensor, expert_ids: torch.Tensor, retained_weight_sums: torch.Tensor,
-                 capacity_dropped: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        budgets: torch.Tensor,
+        expert_ids: torch.Tensor,
+        retained_weight_sums: torch.Tensor,
+        capacity_dropped: torch.Tensor | None = None,
+    ) -> None:
         """A record from its read forms (tests, synthetic records); a forward uses :meth:`of_forward`."""
-        self._set(budgets=budgets, capacity_dropped=capacity_dropped, budget_counts=None, _candidate_ids=None, _kept=None,
-                  _gate_weights=None, _expert_ids=expert_ids, _retained_weight_sums=retained_weight_sums)
+        self._set(
+            budgets=budgets,
+            capacity_dropped=capacity_dropped,
+            budget_counts=None,
+            _candidate_ids=None,
+            _kept=None,
+            _gate_weights=None,
+            _expert_ids=expert_ids,
+            _retained_weight_sums=retained_weight_sums,
+        )
 
     @classmethod
-    def of_forward(cls, budgets: torch.Tensor, candidate_ids: torch.Tensor, kept: torch.Tensor,
-                   gate_weights: torch.Tensor | None = None, *, retained_weight_sums: torch.Tensor | None = None,
-                   capacity_dropped: torch.Tensor | None = None,
-                   budget_counts: np.ndarray | None = None) -> "RoutingRecord":
+    def of_forward(
+        cls,
+        budgets: torch.Tensor,
+        candidate_ids: torch.Tensor,
+        kept: torch.Tensor,
+        gate_weights: torch.Tensor | None = None,
+        *,
+        retained_weight_sums: torch.Tensor | None = None,
+        capacity_dropped: torch.Tensor | None = None,
+        budget_counts: np.ndarray | None = None,
+    ) -> RoutingRecord:
         """The record of one forward, from what the forward holds (nothing computed or copied; the
         float tensors detached, the integer and bool ones, which cannot require grad, as they are).
 
@@ -82,8 +110,9 @@ class RoutingRecord:
             budget_counts: κ's histogram [b+1] (int64 numpy) when the host has it, else None.
         """
         if (gate_weights is None) == (retained_weight_sums is None):
-            raise TypeError("RoutingRecord.of_forward takes exactly one of gate_weights [T, b] and "
-                            "retained_weight_sums [T].")
+            raise TypeError(
+                "RoutingRecord.of_forward takes exactly one of gate_weights [T, b] and retained_weight_sums [T]."
+            )
         record = cls.__new__(cls)
         # κ, ids and masks are integer / bool tensors, which never require grad: stored as they are
         # (a detach() is one op, and on a CPU runtime each tensor attribute read is a Python call)
@@ -132,12 +161,19 @@ class RoutingRecord:
         the host has its κ histogram."""
         ids = self._candidate_ids if self._kept is not None else self.expert_ids
         weights = self._gate_weights if self._gate_weights is not None else self.retained_weight_sums
-        return (tuple(ids.shape), ids.device, self._kept is not None, self._gate_weights is not None, weights.dtype,
-                self.budget_counts is not None)
+        return (
+            tuple(ids.shape),
+            ids.device,
+            self._kept is not None,
+            self._gate_weights is not None,
+            weights.dtype,
+            self.budget_counts is not None,
+        )
 
 
-def stacked_records(records: Sequence[RoutingRecord], *, with_budgets: bool = True
-                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+def stacked_records(
+    records: Sequence[RoutingRecord], *, with_budgets: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(κ [L, T], expert ids [L, T, b], selected [L, T, b] bool, retained weight sums [L, T])`` of
     L records with one :meth:`RoutingRecord.stack_key`: a handful of stacks for the whole batch
     instead of each record's own ``where`` and ``sum`` (a log of a 48-layer model reads them all at
@@ -228,8 +264,9 @@ def latest_record(router: torch.nn.Module) -> RoutingRecord | None:
         return None
     if state.record is None:
         budgets, ids, kept, gate_weights, capacity_dropped, budget_counts = state.routed
-        state.record = RoutingRecord.of_forward(budgets, ids, kept, gate_weights, capacity_dropped=capacity_dropped,
-                                                budget_counts=budget_counts)
+        state.record = RoutingRecord.of_forward(
+            budgets, ids, kept, gate_weights, capacity_dropped=capacity_dropped, budget_counts=budget_counts
+        )
     return state.record
 
 
@@ -239,13 +276,15 @@ def routing_records(sites: Sequence[RouterSite]) -> dict[int, RoutingRecord]:
     Raises:
         ValueError: two of those routers share a layer index.
     """
-    return _by_layer((index, site, latest_record(site.router)) for index, site, state in _states(sites)
-                     if state.routed is not None)
+    return _by_layer(
+        (index, site, latest_record(site.router)) for index, site, state in _states(sites) if state.routed is not None
+    )
 
 
 def _histograms(sites: Sequence[RouterSite]) -> dict[int, HostHistogram | torch.Tensor]:
-    return _by_layer((index, site, state.histogram) for index, site, state in _states(sites)
-                     if state.histogram is not None)
+    return _by_layer(
+        (index, site, state.histogram) for index, site, state in _states(sites) if state.histogram is not None
+    )
 
 
 def budget_histograms(sites: Sequence[RouterSite]) -> dict[int, torch.Tensor]:
@@ -254,8 +293,10 @@ def budget_histograms(sites: Sequence[RouterSite]) -> dict[int, torch.Tensor]:
     Raises:
         ValueError: two routers holding a histogram share a layer index.
     """
-    return {layer: torch.from_numpy(histogram.fold()) if isinstance(histogram, HostHistogram) else histogram
-            for layer, histogram in _histograms(sites).items()}
+    return {
+        layer: torch.from_numpy(histogram.fold()) if isinstance(histogram, HostHistogram) else histogram
+        for layer, histogram in _histograms(sites).items()
+    }
 
 
 def reset_budget_histograms(sites: Sequence[RouterSite]) -> None:
@@ -326,6 +367,15 @@ def model_plans(
 
 
 __all__ = [
-    "HostHistogram", "RouterSite", "RoutingRecord", "budget_histograms", "latest_record", "model_plans",
-    "reset_budget_histograms", "routing_records", "stacked_records", "static_layers", "trained_schedule",
+    "HostHistogram",
+    "RouterSite",
+    "RoutingRecord",
+    "budget_histograms",
+    "latest_record",
+    "model_plans",
+    "reset_budget_histograms",
+    "routing_records",
+    "stacked_records",
+    "static_layers",
+    "trained_schedule",
 ]

@@ -51,8 +51,20 @@ class RouterState:
             tensor for κ the device computed.
     """
 
-    __slots__ = ("generation", "plan", "rule", "options", "stream", "shard", "layer_index", "tensor_parallel_group",
-                 "latest_draw", "routed", "record", "histogram")
+    __slots__ = (
+        "generation",
+        "histogram",
+        "latest_draw",
+        "layer_index",
+        "options",
+        "plan",
+        "record",
+        "routed",
+        "rule",
+        "shard",
+        "stream",
+        "tensor_parallel_group",
+    )
 
     def __init__(self) -> None:
         self.generation: Any = None
@@ -68,8 +80,14 @@ class RouterState:
         self.record: Any = None
         self.histogram: HostHistogram | torch.Tensor | None = None
 
-    def resolved(self, generation: Any, plan: LayerPlan | None, rule: RoutingRule | None, options: Any = None,
-                 stream: StreamHome | None = None) -> RouterState:
+    def resolved(
+        self,
+        generation: Any,
+        plan: LayerPlan | None,
+        rule: RoutingRule | None,
+        options: Any = None,
+        stream: StreamHome | None = None,
+    ) -> RouterState:
         """Set the plan resolved for ``generation`` (returns the state)."""
         self.generation, self.plan, self.rule, self.options, self.stream = generation, plan, rule, options, stream
         return self
@@ -81,8 +99,14 @@ class RouterState:
         self.latest_draw = drawn
         return drawn
 
-    def remember(self, routing: Routing, *, count: bool, capacity_dropped: torch.Tensor | None = None,
-                 budget_counts: np.ndarray | None = None) -> None:
+    def remember(
+        self,
+        routing: Routing,
+        *,
+        count: bool,
+        capacity_dropped: torch.Tensor | None = None,
+        budget_counts: np.ndarray | None = None,
+    ) -> None:
         """Keep this forward's routing; with ``count``, add its κ to the histogram [b+1].
 
         Args:
@@ -97,8 +121,14 @@ class RouterState:
         bins = routing.ids.shape[1] + 1
         if budget_counts is not None and len(budget_counts) != bins:
             budget_counts = None
-        self.routed = (routing.budgets, routing.ids, routing.kept, routing.gate_weights.detach(), capacity_dropped,
-                       budget_counts)
+        self.routed = (
+            routing.budgets,
+            routing.ids,
+            routing.kept,
+            routing.gate_weights.detach(),
+            capacity_dropped,
+            budget_counts,
+        )
         self.record = None
         if not count:
             return

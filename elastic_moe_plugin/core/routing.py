@@ -69,8 +69,12 @@ NORMALIZATIONS: tuple[str, ...] = ("none", "kept_softmax", "kept_sum", "kept_sum
 #: the denominator's ε of sigmoid-style renormalisation, as Megatron and DeepSeek's routers add it
 SIGMOID_EPS = 1e-20
 #: normalisation -> the gate convention of docs/gates.md it implements
-GATE_CONVENTIONS = {"none": "full_softmax", "kept_softmax": "renormalized", "kept_sum": "renormalized",
-                    "kept_sum_if_several": "sigmoid_auto"}
+GATE_CONVENTIONS = {
+    "none": "full_softmax",
+    "kept_softmax": "renormalized",
+    "kept_sum": "renormalized",
+    "kept_sum_if_several": "sigmoid_auto",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +111,20 @@ class RoutingRule:
 
     def __post_init__(self) -> None:
         if self.score_function not in SCORE_FUNCTIONS:
-            raise ValueError(f"RoutingRule.score_function={self.score_function!r} is not supported: "
-                             f"expected one of {', '.join(SCORE_FUNCTIONS)}.")
+            raise ValueError(
+                f"RoutingRule.score_function={self.score_function!r} is not supported: "
+                f"expected one of {', '.join(SCORE_FUNCTIONS)}."
+            )
         if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"RoutingRule.normalization={self.normalization!r} is unknown: "
-                             f"expected one of {', '.join(NORMALIZATIONS)}.")
+            raise ValueError(
+                f"RoutingRule.normalization={self.normalization!r} is unknown: "
+                f"expected one of {', '.join(NORMALIZATIONS)}."
+            )
         if self.normalization == "kept_softmax" and self.score_function != "softmax":
-            raise ValueError("RoutingRule.normalization='kept_softmax' weighs a softmax over the kept logits, "
-                             f"which only a softmax router has, not {self.score_function!r}.")
+            raise ValueError(
+                "RoutingRule.normalization='kept_softmax' weighs a softmax over the kept logits, "
+                f"which only a softmax router has, not {self.score_function!r}."
+            )
         if self.groups_kept and not (self.num_groups and self.group_score_topk):
             raise ValueError("RoutingRule.groups_kept needs num_groups and group_score_topk.")
 
@@ -152,9 +162,16 @@ class Routing(NamedTuple):
     weights: torch.Tensor
 
 
-def route(logits: torch.Tensor, rule: RoutingRule, width: int, *, budgets: torch.Tensor | None = None,
-          top_p: float | None = None, selection_bias: torch.Tensor | None = None,
-          probabilities: torch.Tensor | None = None) -> Routing:
+def route(
+    logits: torch.Tensor,
+    rule: RoutingRule,
+    width: int,
+    *,
+    budgets: torch.Tensor | None = None,
+    top_p: float | None = None,
+    selection_bias: torch.Tensor | None = None,
+    probabilities: torch.Tensor | None = None,
+) -> Routing:
     """Route T tokens by ``rule`` with budgets κ (steps 1-6 of the module docstring).
 
     Args:
@@ -188,8 +205,9 @@ def score(logits: torch.Tensor, score_function: str, dtype: torch.dtype = torch.
         return torch.sigmoid(logits.to(dtype))
     if score_function == "sqrtsoftplus":
         return torch.nn.functional.softplus(logits.to(dtype)).sqrt()
-    raise ValueError(f"score function {score_function!r} is not supported: expected one of "
-                     f"{', '.join(SCORE_FUNCTIONS)}.")
+    raise ValueError(
+        f"score function {score_function!r} is not supported: expected one of {', '.join(SCORE_FUNCTIONS)}."
+    )
 
 
 def balancing_scores(logits: torch.Tensor, score_function: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -202,8 +220,14 @@ def balancing_scores(logits: torch.Tensor, score_function: str, dtype: torch.dty
     return scores / (scores.sum(dim=-1, keepdim=True) + SIGMOID_EPS)
 
 
-def select(logits: torch.Tensor, rule: RoutingRule, width: int, *, selection_bias: torch.Tensor | None = None,
-           probabilities: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select(
+    logits: torch.Tensor,
+    rule: RoutingRule,
+    width: int,
+    *,
+    selection_bias: torch.Tensor | None = None,
+    probabilities: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-b candidates of ``rule`` (steps 1-3): ``(ids [T, b], values [T, b])``, sorted by rank.
 
     ``values`` are what :func:`weigh` weighs: the logits of the candidates for ``kept_softmax``,
@@ -265,8 +289,14 @@ def top_p_budgets(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- weighing
-def weigh(rule: RoutingRule, values: torch.Tensor, kept: torch.Tensor, *, logits: torch.Tensor | None = None,
-          ids: torch.Tensor | None = None) -> torch.Tensor:
+def weigh(
+    rule: RoutingRule,
+    values: torch.Tensor,
+    kept: torch.Tensor,
+    *,
+    logits: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Gate weights [T, b] (the rule's score dtype) of rank-sorted ``values`` (:func:`select`), 0 beyond κ (step 5).
 
     ``kept_sum`` over softmax scores differentiates through :class:`RenormalizedProbs` (to the
@@ -282,8 +312,9 @@ def weigh(rule: RoutingRule, values: torch.Tensor, kept: torch.Tensor, *, logits
         return torch.softmax(torch.where(kept, values, _negative_infinity(values.dtype, values.device)), dim=-1)
     kept_values = torch.where(kept, values, torch.zeros_like(values))
     if normalization == "kept_sum" and rule.score_function == "softmax" and logits is not None and ids is not None:
-        return RenormalizedProbs.apply(torch.gather(logits, 1, ids).to(rule.score_dtype), kept_values.detach(),
-                                       rule.renormalization_eps)
+        return RenormalizedProbs.apply(
+            torch.gather(logits, 1, ids).to(rule.score_dtype), kept_values.detach(), rule.renormalization_eps
+        )
     normalised = kept_values / (kept_values.sum(-1, keepdim=True) + rule.renormalization_eps)
     if normalization == "kept_sum":
         return normalised
@@ -354,6 +385,22 @@ def _negative_infinity(dtype: torch.dtype, device: torch.device) -> torch.Tensor
         return torch.full((), float("-inf"), dtype=dtype, device=device)
 
 
-__all__ = ["GATE_CONVENTIONS", "NORMALIZATIONS", "SCORE_FUNCTIONS", "SIGMOID_EPS", "RenormalizedProbs", "Routing",
-           "RoutingRule", "balancing_scores", "budget_mask", "route", "score", "select", "several_kept",
-           "simplex_grad", "softmax_like_backward", "top_p_budgets", "weigh"]
+__all__ = [
+    "GATE_CONVENTIONS",
+    "NORMALIZATIONS",
+    "SCORE_FUNCTIONS",
+    "SIGMOID_EPS",
+    "RenormalizedProbs",
+    "Routing",
+    "RoutingRule",
+    "balancing_scores",
+    "budget_mask",
+    "route",
+    "score",
+    "select",
+    "several_kept",
+    "simplex_grad",
+    "softmax_like_backward",
+    "top_p_budgets",
+    "weigh",
+]

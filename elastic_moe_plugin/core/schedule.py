@@ -94,9 +94,7 @@ class BudgetSchedule:
         for name in ("low", "high", "center"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(
-                    f"BudgetSchedule.{name}={value!r} is invalid: expected an integer number of experts."
-                )
+                raise ValueError(f"BudgetSchedule.{name}={value!r} is invalid: expected an integer number of experts.")
         if self.low < 1:
             raise ValueError(
                 f"BudgetSchedule.low={self.low} is invalid: every token needs at least one expert, "
@@ -131,22 +129,18 @@ class BudgetSchedule:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def static(cls, k: int) -> "BudgetSchedule":
+    def static(cls, k: int) -> BudgetSchedule:
         """The point mass at k: the fixed top-k objective (paper Eq. 3)."""
         return cls(k, k, k)
 
     @classmethod
-    def parse(
-        cls, spec: str, center: int, sigma: float = 1.5, allow_off_center: bool = False
-    ) -> "BudgetSchedule":
+    def parse(cls, spec: str, center: int, sigma: float = 1.5, allow_off_center: bool = False) -> BudgetSchedule:
         """Build a schedule from ``"6-10"`` (a range), ``"static"`` or ``"8"`` (a point mass).
 
         A point-mass spec must equal ``center``: ``"9"`` around 8 would be a different model.
         """
         if not isinstance(spec, str):
-            raise ValueError(
-                f"schedule={spec!r} is invalid: expected a string such as '6-10', 'static' or '{center}'."
-            )
+            raise ValueError(f"schedule={spec!r} is invalid: expected a string such as '6-10', 'static' or '{center}'.")
         text = spec.strip().lower()
         if text == "static":
             return cls.static(center)
@@ -169,8 +163,7 @@ class BudgetSchedule:
         low, high = bounds
         if low > high:
             raise ValueError(
-                f"schedule='{spec}' has low={low} > high={high}: write the range as 'LOW-HIGH', "
-                f"e.g. '{high}-{low}'."
+                f"schedule='{spec}' has low={low} > high={high}: write the range as 'LOW-HIGH', e.g. '{high}-{low}'."
             )
         return cls(low, high, center, sigma, allow_off_center=allow_off_center)
 

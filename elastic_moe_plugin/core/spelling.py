@@ -69,7 +69,7 @@ class Spelling:
         """How a message asks for a fix: ``set X`` (a value), ``pass X`` (an ``elastic-moe schedule`` flag)."""
         return "pass" if self.kind == "schedule_cli" else "set"
 
-    def typed_as(self, text: str | None) -> "Spelling":
+    def typed_as(self, text: str | None) -> Spelling:
         return Spelling(self.kind, self.prefix, text)
 
     def name(self, name: str) -> str:
@@ -79,8 +79,11 @@ class Spelling:
         if self.kind == "cli":
             return (self.prefix or CLI_PREFIX) + name.replace("_", "-")
         if self.kind == "schedule_cli":
-            return "the SPEC argument of elastic-moe schedule" if name == "schedule" else SCHEDULE_CLI_FLAGS.get(
-                name, "--" + name.replace("_", "-"))
+            return (
+                "the SPEC argument of elastic-moe schedule"
+                if name == "schedule"
+                else SCHEDULE_CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
+            )
         return f"{self.prefix}{name}" if self.kind == "yaml" else name
 
     def setting(self, name: str, value: Any) -> str:

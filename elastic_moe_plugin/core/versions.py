@@ -103,7 +103,11 @@ class VersionGuard:
         if os.environ.get(self.override_env, "").lower() in ("1", "true", "yes"):
             logging.getLogger("elastic_moe_plugin").warning(
                 "elastic-moe: %s %s is outside the tested range %s; %s is set, trying anyway.",
-                self.framework, described, self.range, self.override_env)
+                self.framework,
+                described,
+                self.range,
+                self.override_env,
+            )
             return found
         raise self.error(f"elastic-moe supports {self.framework} {self.range}, found {described}. {self.advice()}")
 
@@ -111,15 +115,19 @@ class VersionGuard:
         """What to do about a refused version, for where the imported code comes from (:attr:`module`)."""
         tree = self.source_tree()
         if tree is None:
-            return (f"Install a supported version (pip install '{self.framework}{self.range}'), or set "
-                    f"{self.override_env}=1 to try anyway.")
+            return (
+                f"Install a supported version (pip install '{self.framework}{self.range}'), or set "
+                f"{self.override_env}=1 to try anyway."
+            )
         try:
             wheel = f", ahead of the installed {self.framework} {importlib.metadata.version(self.framework)}"
         except importlib.metadata.PackageNotFoundError:
             wheel = ""
-        return (f"The {self.module} Python imports is a source tree, {tree} (on sys.path through PYTHONPATH or the "
-                f"training script's folder{wheel}), so installing a wheel would not change it: check out a release "
-                f"in {self.range} there, or take the tree off the path; or set {self.override_env}=1 to try anyway.")
+        return (
+            f"The {self.module} Python imports is a source tree, {tree} (on sys.path through PYTHONPATH or the "
+            f"training script's folder{wheel}), so installing a wheel would not change it: check out a release "
+            f"in {self.range} there, or take the tree off the path; or set {self.override_env}=1 to try anyway."
+        )
 
     def source_tree(self) -> str | None:
         """The folder of the imported :attr:`module` when it is not the installed distribution's own

@@ -180,6 +180,14 @@ initialize_model_parallel = _requires_runtime(process_groups.initialize_model_pa
 destroy = process_groups.destroy
 
 __all__ = [
-    "PAGED_STASH_MODULE", "MegatronCPUError", "destroy", "disable", "disable_torch_compile", "enable", "enabled",
-    "in_rng_tracker_fork", "initialize_model_parallel", "is_enabled",
+    "PAGED_STASH_MODULE",
+    "MegatronCPUError",
+    "destroy",
+    "disable",
+    "disable_torch_compile",
+    "enable",
+    "enabled",
+    "in_rng_tracker_fork",
+    "initialize_model_parallel",
+    "is_enabled",
 ]

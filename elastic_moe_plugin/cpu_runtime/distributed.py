@@ -39,19 +39,30 @@ def _all_to_all_single_with_int_splits(stock: Callable[..., Any]) -> Callable[..
         async_op: bool = False,
     ) -> Any:
         """all_to_all_single with tensor split sizes converted to int lists (CUDA path gives numpy)."""
-        return stock(output, input, output_split_sizes=_as_int_list(output_split_sizes),
-                     input_split_sizes=_as_int_list(input_split_sizes), group=group, async_op=async_op)
+        return stock(
+            output,
+            input,
+            output_split_sizes=_as_int_list(output_split_sizes),
+            input_split_sizes=_as_int_list(input_split_sizes),
+            group=group,
+            async_op=async_op,
+        )
 
     return all_to_all_single
 
 
 def _all_gather_padded_on_gloo(stock: Callable[..., Any]) -> Callable[..., Any]:
-    def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
-                   async_op: bool = False) -> Any:
+    def all_gather(
+        tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> Any:
         """all_gather that pads unequal first dimensions on gloo (gloo rejects them, NCCL does not)."""
         shapes = {tuple(t.shape) for t in tensor_list}
-        if (async_op or len(shapes) <= 1 or len({shape[1:] for shape in shapes}) != 1
-                or torch.distributed.get_backend(group) != "gloo"):
+        if (
+            async_op
+            or len(shapes) <= 1
+            or len({shape[1:] for shape in shapes}) != 1
+            or torch.distributed.get_backend(group) != "gloo"
+        ):
             return stock(tensor_list, tensor, group=group, async_op=async_op)
         longest = max(t.shape[0] for t in tensor_list)
         padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
@@ -69,8 +80,10 @@ def install(patches: AttributePatches) -> None:
     """Adapt the two collectives (module docstring); nothing when torch has no distributed package."""
     if not torch.distributed.is_available():
         return
-    for name, adapt in (("all_to_all_single", _all_to_all_single_with_int_splits),
-                        ("all_gather", _all_gather_padded_on_gloo)):
+    for name, adapt in (
+        ("all_to_all_single", _all_to_all_single_with_int_splits),
+        ("all_gather", _all_gather_padded_on_gloo),
+    ):
         patches.set(torch.distributed, name, adapt(getattr(torch.distributed, name)))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterable
+
 import torch
 
 from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch

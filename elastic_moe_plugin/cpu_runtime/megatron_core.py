@@ -171,7 +171,7 @@ def _fix_torch_norm(patches: AttributePatches, module: types.ModuleType) -> None
 
 
 _MODULE_FIXUPS: dict[str, Callable[[AttributePatches, types.ModuleType], None]] = {
-    **{name: _fix_lazy_call_alias for name in _LAZY_CALL_ALIASES},
+    **dict.fromkeys(_LAZY_CALL_ALIASES, _fix_lazy_call_alias),
     _MOE_UTILS_MODULE: _fix_missing_te_general_gemm,
     TORCH_NORM_MODULE: _fix_torch_norm,
 }

@@ -87,8 +87,19 @@ from elastic_moe_plugin.core.import_hooks import IMPORT_HOOKS, Hook, importing_m
 from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch
 
 __all__ = [
-    "CPU_FLAGS", "MAMBA_TENSOR_OPS_MODULE", "MCORE_BRIDGE", "QSA_KERNEL_MODULE", "TE_PACKAGE", "TRITON_ONLY_MODULES", "GroupedExpertsView", "TransformerEngineAbsent",
-    "disable", "enable", "is_enabled", "served_stand_ins", "te_stand_in_visible",
+    "CPU_FLAGS",
+    "MAMBA_TENSOR_OPS_MODULE",
+    "MCORE_BRIDGE",
+    "QSA_KERNEL_MODULE",
+    "TE_PACKAGE",
+    "TRITON_ONLY_MODULES",
+    "GroupedExpertsView",
+    "TransformerEngineAbsent",
+    "disable",
+    "enable",
+    "is_enabled",
+    "served_stand_ins",
+    "te_stand_in_visible",
 ]
 
 MCORE_BRIDGE = "mcore_bridge"
@@ -112,7 +123,10 @@ CPU_FLAGS: dict[str, tuple[str, str]] = {
     "bf16": ("false", "bf16 mixed precision is a GPU choice"),
     "fp16": ("false", "fp16 mixed precision is a GPU choice"),
     "attention_backend": ("local", "flash attention is GPU-only"),
-    "moe_grouped_gemm": ("false", "grouped GEMM kernels are GPU-only (megatron-core's local spec builds SequentialMLP)"),
+    "moe_grouped_gemm": (
+        "false",
+        "grouped GEMM kernels are GPU-only (megatron-core's local spec builds SequentialMLP)",
+    ),
     "moe_permute_fusion": ("false", "fused permute needs Transformer Engine"),
     "use_distributed_optimizer": ("false", "the distributed optimizer's buffers need CUDA"),
     "padding_free": ("false", "padding-free (THD) attention needs Transformer Engine or flash attention"),
@@ -150,8 +164,11 @@ _PLACEHOLDERS: dict[str, type] = {}
 def _placeholder(name: str) -> type:
     """One class per TE name, shared by every mcore-bridge module (so ``isinstance`` agrees)."""
     if name not in _PLACEHOLDERS:
-        _PLACEHOLDERS[name] = type(name, (TransformerEngineAbsent,), {
-            "__module__": __name__, "__doc__": f"CPU-runtime stand-in for {TE_EXTENSIONS}.{name}."})
+        _PLACEHOLDERS[name] = type(
+            name,
+            (TransformerEngineAbsent,),
+            {"__module__": __name__, "__doc__": f"CPU-runtime stand-in for {TE_EXTENSIONS}.{name}."},
+        )
     return _PLACEHOLDERS[name]
 
 
@@ -235,9 +252,12 @@ class _BridgeImportScope:
         self._hooks = [
             IMPORT_HOOKS.serve(self._serves_te, self._te_module),
             IMPORT_HOOKS.around_bodies(
-                lambda name: not _is_te_name(name) and (
-                    _is_bridge_name(name) or name in TRITON_ONLY_MODULES or self.bridge_body_on_top()),
-                self._body),
+                lambda name: (
+                    not _is_te_name(name)
+                    and (_is_bridge_name(name) or name in TRITON_ONLY_MODULES or self.bridge_body_on_top())
+                ),
+                self._body,
+            ),
         ]
 
     def uninstall(self) -> None:

@@ -73,7 +73,9 @@ def _skip_build_when_compiled(datasets_dir: str) -> Callable[[Callable[[], Any]]
 
 def _fix_dataset_utils(patches: AttributePatches, module: types.ModuleType) -> None:
     # the folder the stock build runs ``make -C`` in: the one of the module itself
-    patches.wrap(module, "compile_helpers", _skip_build_when_compiled(os.path.dirname(os.path.abspath(module.__file__))))
+    patches.wrap(
+        module, "compile_helpers", _skip_build_when_compiled(os.path.dirname(os.path.abspath(module.__file__)))
+    )
 
 
 def _install(patches: AttributePatches) -> None:

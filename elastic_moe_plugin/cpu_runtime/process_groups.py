@@ -52,14 +52,10 @@ def initialize_model_parallel(
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
-        raise MegatronCPUError(
-            "Megatron model parallel state is already initialised; call cpu_runtime.destroy() first"
-        )
+        raise MegatronCPUError("Megatron model parallel state is already initialised; call cpu_runtime.destroy() first")
     if dist.is_initialized():
         if dist.get_backend() != "gloo":
-            raise MegatronCPUError(
-                f"the default process group uses {dist.get_backend()!r}; the CPU runtime needs gloo"
-            )
+            raise MegatronCPUError(f"the default process group uses {dist.get_backend()!r}; the CPU runtime needs gloo")
     else:
         if init_method is not None:
             if rank is None or world_size is None:

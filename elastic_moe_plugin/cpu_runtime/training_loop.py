@@ -80,12 +80,24 @@ class CPUArgument:
 CPU_ARGUMENTS = (
     CPUArgument("distributed_backend", "gloo", "--distributed-backend gloo", "torch has no NCCL without CUDA"),
     CPUArgument("transformer_impl", "local", "--transformer-impl local", "Transformer Engine needs a GPU"),
-    CPUArgument("gradient_accumulation_fusion", False, "--no-gradient-accumulation-fusion",
-                "the fusion is apex's CUDA extension"),
-    CPUArgument("no_persist_layer_norm", True, "--no-persist-layer-norm",
-                "the persistent norm is apex's fused kernel; torch's norm refuses it"),
-    CPUArgument("clip_grad", 0.0, "--clip-grad 0",
-                "Megatron's clipping asserts CUDA tensors; the grad norm is still computed and logged"),
+    CPUArgument(
+        "gradient_accumulation_fusion",
+        False,
+        "--no-gradient-accumulation-fusion",
+        "the fusion is apex's CUDA extension",
+    ),
+    CPUArgument(
+        "no_persist_layer_norm",
+        True,
+        "--no-persist-layer-norm",
+        "the persistent norm is apex's fused kernel; torch's norm refuses it",
+    ),
+    CPUArgument(
+        "clip_grad",
+        0.0,
+        "--clip-grad 0",
+        "Megatron's clipping asserts CUDA tensors; the grad norm is still computed and logged",
+    ),
 )
 
 
@@ -99,13 +111,19 @@ def check_cpu_arguments(args: Any) -> None:
     from elastic_moe_plugin.cpu_runtime import grad_clip
 
     waived = {"clip_grad"} if grad_clip.is_enabled() else set()
-    missing = [f"{item.flag} (got {getattr(args, item.attribute)!r}: {item.reason})" for item in CPU_ARGUMENTS
-               if item.attribute not in waived and hasattr(args, item.attribute)
-               and getattr(args, item.attribute) != item.value]
+    missing = [
+        f"{item.flag} (got {getattr(args, item.attribute)!r}: {item.reason})"
+        for item in CPU_ARGUMENTS
+        if item.attribute not in waived
+        and hasattr(args, item.attribute)
+        and getattr(args, item.attribute) != item.value
+    ]
     if missing:
         raise MegatronCPUError(
-            "Megatron-LM on the CPU (elastic_moe_plugin.cpu_runtime) needs " + "; ".join(missing)
-            + ". A CPU run passes all of: " + " ".join(item.flag for item in CPU_ARGUMENTS if item.attribute not in waived)
+            "Megatron-LM on the CPU (elastic_moe_plugin.cpu_runtime) needs "
+            + "; ".join(missing)
+            + ". A CPU run passes all of: "
+            + " ".join(item.flag for item in CPU_ARGUMENTS if item.attribute not in waived)
             + " (README, 'Megatron-LM on the CPU')."
         )
 

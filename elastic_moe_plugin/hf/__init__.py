@@ -22,8 +22,8 @@ MiniMax, Mellum), :mod:`.patch` (what is patched, the lifecycle, plans and start
 """
 
 from elastic_moe_plugin.core.errors import UnsupportedTransformersError
-from elastic_moe_plugin.core.records import RoutingRecord
 from elastic_moe_plugin.core.plan import LayerPlan
+from elastic_moe_plugin.core.records import RoutingRecord
 from elastic_moe_plugin.hf.families import FAMILIES, RouterFamily, covered_router_classes, set_layer_index
 from elastic_moe_plugin.hf.patch import (
     ALLOW_UNSUPPORTED_ENV,
@@ -54,10 +54,35 @@ from elastic_moe_plugin.hf.records import (
 from elastic_moe_plugin.hf.routing import elastic_routing, realised_load_balancing_loss
 
 __all__ = [
-    "ALLOW_UNSUPPORTED_ENV", "FAMILIES", "SUPPORTED_TRANSFORMERS_RANGE", "LayerPlan", "RouterFamily",
-    "RoutingRecord", "UnsupportedTransformersError", "active_config", "apply", "budget_histograms",
-    "check_transformers_version", "covered_router_classes", "elastic_routing", "gate_for", "is_applied",
-    "log_plan", "model_plans", "patched", "patched_symbols", "realised_load_balancing_loss", "remove", "reset_budget_histograms",
-    "resolve_plan", "routing_metrics", "routing_records", "set_layer_index", "static_layers", "tag_layers",
-    "transformers_version", "validate_model", "validate_router",
+    "ALLOW_UNSUPPORTED_ENV",
+    "FAMILIES",
+    "SUPPORTED_TRANSFORMERS_RANGE",
+    "LayerPlan",
+    "RouterFamily",
+    "RoutingRecord",
+    "UnsupportedTransformersError",
+    "active_config",
+    "apply",
+    "budget_histograms",
+    "check_transformers_version",
+    "covered_router_classes",
+    "elastic_routing",
+    "gate_for",
+    "is_applied",
+    "log_plan",
+    "model_plans",
+    "patched",
+    "patched_symbols",
+    "realised_load_balancing_loss",
+    "remove",
+    "reset_budget_histograms",
+    "resolve_plan",
+    "routing_metrics",
+    "routing_records",
+    "set_layer_index",
+    "static_layers",
+    "tag_layers",
+    "transformers_version",
+    "validate_model",
+    "validate_router",
 ]

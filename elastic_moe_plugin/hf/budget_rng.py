@@ -116,8 +116,9 @@ def tag_tensor_parallel(model: torch.nn.Module) -> int:
     return tp_mesh.size()
 
 
-def draw(router: torch.nn.Module, plan: LayerPlan, num_tokens: int, device: torch.device, *,
-         replay: bool) -> BudgetDraw:
+def draw(
+    router: torch.nn.Module, plan: LayerPlan, num_tokens: int, device: torch.device, *, replay: bool
+) -> BudgetDraw:
     """One router forward's draw under ``plan`` (κ [T] on ``device`` and on the host, Σκ): a fresh
     draw of the process's stream on the router's token shard, or with ``replay`` (a checkpoint's
     recompute) the router's latest one (:func:`replayed_draw`). Kept as the router's latest draw.
@@ -166,8 +167,11 @@ def load_state_dict(state: dict[str, Any]) -> None:
     ``torch.initial_seed()``). A state of the plugin's earlier generator-per-device format is
     ignored with a warning: the stream then starts afresh."""
     if not STREAM.load_state_dict(state):
-        logger.warning("elastic-moe: the saved κ state (keys %s) predates the counter-based stream; κ's stream "
-                       "starts afresh from torch.initial_seed().", sorted(state))
+        logger.warning(
+            "elastic-moe: the saved κ state (keys %s) predates the counter-based stream; κ's stream "
+            "starts afresh from torch.initial_seed().",
+            sorted(state),
+        )
 
 
 def reset() -> None:
@@ -261,5 +265,17 @@ def install(patches: AttributePatches) -> None:
         patches.set(DistributedMixin, "maybe_distribute_model", _tagging_tensor_parallel(unwrap(found.__func__)))
 
 
-__all__ = ["RNG_STATE_KEY", "STREAM", "current_stream", "draw", "install", "load_state_dict", "replayed_draw",
-           "reseed", "reset", "state_dict", "tag_tensor_parallel", "token_shard"]
+__all__ = [
+    "RNG_STATE_KEY",
+    "STREAM",
+    "current_stream",
+    "draw",
+    "install",
+    "load_state_dict",
+    "replayed_draw",
+    "reseed",
+    "reset",
+    "state_dict",
+    "tag_tensor_parallel",
+    "token_shard",
+]

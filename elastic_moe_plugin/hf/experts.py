@@ -114,7 +114,9 @@ def _kappa_compute(experts: torch.nn.Module) -> Callable | None:
             "elastic-moe: experts implementation %r is not one whose compute elastic routing can cut to κ "
             "(eager, grouped_mm, batched_mm): it computes all b candidate slots per token (the slots beyond κ "
             "weigh exactly 0, so outputs and gradients are those of top-κ routing; expert FLOPs are b/k of "
-            "static top-k).", implementation)
+            "static top-k).",
+            implementation,
+        )
     return None
 
 
@@ -130,7 +132,9 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _sum_per_token(pair_values: torch.Tensor, tokens: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+def _sum_per_token(
+    pair_values: torch.Tensor, tokens: torch.Tensor, num_tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Σ_{p: token(p) = t} pair_values[p]: ``[P, H]`` → ``[T, H]`` in ``dtype``.
 
     Added in the accumulation dtype (fp32 for bf16/fp16 values, as stock's reshape-and-sum over the
@@ -156,8 +160,9 @@ def _batched_mm(experts, original, hidden_states, top_k_index, top_k_weights, sl
     from transformers.integrations import moe
 
     tokens, ids, weights, _ = _kept_pairs(top_k_index, top_k_weights, slots, hidden_states.device)
-    pair_outputs = moe.batched_mm_experts_forward(experts, hidden_states[tokens], ids.unsqueeze(-1),
-                                                  weights.unsqueeze(-1))  # [P, H]
+    pair_outputs = moe.batched_mm_experts_forward(
+        experts, hidden_states[tokens], ids.unsqueeze(-1), weights.unsqueeze(-1)
+    )  # [P, H]
     return _sum_per_token(pair_outputs, tokens, hidden_states.shape[0], hidden_states.dtype)
 
 
@@ -197,8 +202,7 @@ def _grouped_mm(experts, original, hidden_states, top_k_index, top_k_weights, sl
         bias_ids = sorted_ids
     # histc, not bincount, as transformers does (CUDA graphs); CPU histc wants a float input
     histc_input = sorted_ids.float() if sorted_ids.device.type in ("cpu", "mps") else sorted_ids.int()
-    offsets = torch.cumsum(torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1), 0,
-                           dtype=torch.int32)
+    offsets = torch.cumsum(torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1), 0, dtype=torch.int32)
     if experts.has_gate:
         up_weight, up_bias = experts.gate_up_proj, experts.gate_up_proj_bias[bias_ids] if experts.has_bias else None
     else:
@@ -206,8 +210,9 @@ def _grouped_mm(experts, original, hidden_states, top_k_index, top_k_weights, sl
     projected = moe._grouped_linear(selected, up_weight, offsets, bias=up_bias, is_transposed=experts.is_transposed)
     projected = experts._apply_gate(projected) if experts.has_gate else experts.act_fn(projected)
     down_bias = experts.down_proj_bias[bias_ids] if experts.has_bias else None
-    out = moe._grouped_linear(projected, experts.down_proj, offsets, bias=down_bias,
-                              is_transposed=experts.is_transposed)  # [P, H]
+    out = moe._grouped_linear(
+        projected, experts.down_proj, offsets, bias=down_bias, is_transposed=experts.is_transposed
+    )  # [P, H]
     if tail is not None:
         with torch.no_grad():
             # The kernel leaves the tail rows uninitialised: zero them for the forward (in place;
@@ -233,8 +238,14 @@ def _dispatch_kept_pairs(original: Callable) -> Callable:
         if slots is None or slots.total == top_k_index.numel():  # unmarked, or every slot kept: stock
             return original(self, hidden_states, top_k_index, num_local_experts, ep_group, ep_size)
         positions, tokens = slots.pairs(top_k_index.shape[-1], hidden_states.device)
-        dispatched = original(self, hidden_states[tokens], top_k_index.reshape(-1)[positions].unsqueeze(-1),
-                              num_local_experts, ep_group, ep_size)
+        dispatched = original(
+            self,
+            hidden_states[tokens],
+            top_k_index.reshape(-1)[positions].unsqueeze(-1),
+            num_local_experts,
+            ep_group,
+            ep_size,
+        )
         _COMPACTED[dispatched[2]] = (positions, tokens, hidden_states.shape[0])
         return dispatched
 
@@ -256,7 +267,7 @@ def _tp_slice_keeps_the_mark(original: Callable) -> Callable:
             rows = len(slots.host_budgets)
             chunk = -(-rows // tp_mesh.size())
             start = min(rows, tp_mesh.get_local_rank() * chunk)
-            local = slots.host_budgets[start:start + chunk]
+            local = slots.host_budgets[start : start + chunk]
             if len(local) == transformed[1].shape[0]:
                 mark_kept_slots(transformed[1], local)
         return transformed, kwargs
@@ -274,8 +285,15 @@ def _combine_kept_pairs(original: Callable) -> Callable:
         if compacted is None:
             return original(self, expert_output, top_k_weights, order, send_sizes, recv_sizes, ep_group)
         positions, tokens, num_tokens = compacted
-        pair_outputs = original(self, expert_output, top_k_weights.reshape(-1)[positions].unsqueeze(-1), order,
-                                send_sizes, recv_sizes, ep_group)  # [P, H]
+        pair_outputs = original(
+            self,
+            expert_output,
+            top_k_weights.reshape(-1)[positions].unsqueeze(-1),
+            order,
+            send_sizes,
+            recv_sizes,
+            ep_group,
+        )  # [P, H]
         return _sum_per_token(pair_outputs, tokens, num_tokens, pair_outputs.dtype)
 
     return _combine_tokens
@@ -313,4 +331,10 @@ def install_expert_parallel(patches) -> None:
         patches.wrap(router, "transform_output_post_forward", _router_output_keeps_the_mark)
 
 
-__all__ = ["KeptSlots", "experts_forward", "install_expert_parallel", "kept_slots", "mark_kept_slots"]  # marks: .routing
+__all__ = [
+    "KeptSlots",
+    "experts_forward",
+    "install_expert_parallel",
+    "kept_slots",
+    "mark_kept_slots",
+]  # marks: .routing

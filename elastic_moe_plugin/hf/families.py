@@ -24,6 +24,7 @@ import torch
 
 from elastic_moe_plugin.core.patching import unwrap
 from elastic_moe_plugin.core.router_state import ensure_state, state_of
+
 # "...layers.<i>.mlp.gate": the ModuleList index of the decoder layer is its layer_idx.
 _ROUTER_NAME = re.compile(r"(?:^|\.)(\d+)\.mlp\.gate$")
 
@@ -71,19 +72,42 @@ FAMILIES: tuple[RouterFamily, ...] = (
     RouterFamily("flex_olmo", "flex_olmo", "FlexOlmoTopKRouter", "FlexOlmoDecoderLayer"),
     RouterFamily("qwen2_moe", "qwen2_moe", "Qwen2MoeTopKRouter", "Qwen2MoeDecoderLayer"),
     RouterFamily("qwen3_next", "qwen3_next", "Qwen3NextTopKRouter", "Qwen3NextDecoderLayer"),
-    RouterFamily("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeTopKRouter", "Qwen3_5MoeDecoderLayer",
-                 reads_norm_topk_prob=False),
-    RouterFamily("qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeTextTopKRouter", "Qwen3VLMoeTextDecoderLayer",
-                 reads_norm_topk_prob=False),
-    RouterFamily("qwen3_omni_moe.thinker", "qwen3_omni_moe", "Qwen3OmniMoeThinkerTextTopKRouter",
-                 "Qwen3OmniMoeThinkerTextDecoderLayer"),
-    RouterFamily("qwen3_omni_moe.talker", "qwen3_omni_moe", "Qwen3OmniMoeTalkerTextTopKRouter",
-                 "Qwen3OmniMoeTalkerDecoderLayer"),
+    RouterFamily(
+        "qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeTopKRouter", "Qwen3_5MoeDecoderLayer", reads_norm_topk_prob=False
+    ),
+    RouterFamily(
+        "qwen3_vl_moe",
+        "qwen3_vl_moe",
+        "Qwen3VLMoeTextTopKRouter",
+        "Qwen3VLMoeTextDecoderLayer",
+        reads_norm_topk_prob=False,
+    ),
+    RouterFamily(
+        "qwen3_omni_moe.thinker",
+        "qwen3_omni_moe",
+        "Qwen3OmniMoeThinkerTextTopKRouter",
+        "Qwen3OmniMoeThinkerTextDecoderLayer",
+    ),
+    RouterFamily(
+        "qwen3_omni_moe.talker", "qwen3_omni_moe", "Qwen3OmniMoeTalkerTextTopKRouter", "Qwen3OmniMoeTalkerDecoderLayer"
+    ),
     RouterFamily("qwen4_exp", "qwen4_exp", "Qwen4ExpTextTopKRouter", "Qwen4ExpTextDecoderLayer"),
-    RouterFamily("mixtral", "mixtral", "MixtralTopKRouter", "MixtralDecoderLayer",
-                 reads_norm_topk_prob=False, casts_weights=False),
-    RouterFamily("minimax", "minimax", "MiniMaxTopKRouter", "MiniMaxDecoderLayer",
-                 reads_norm_topk_prob=False, casts_weights=False),
+    RouterFamily(
+        "mixtral",
+        "mixtral",
+        "MixtralTopKRouter",
+        "MixtralDecoderLayer",
+        reads_norm_topk_prob=False,
+        casts_weights=False,
+    ),
+    RouterFamily(
+        "minimax",
+        "minimax",
+        "MiniMaxTopKRouter",
+        "MiniMaxDecoderLayer",
+        reads_norm_topk_prob=False,
+        casts_weights=False,
+    ),
     RouterFamily("mellum", "mellum", "MellumTopKRouter", "MellumDecoderLayer"),
 )
 
@@ -211,8 +235,9 @@ def _positive_int(value: Any) -> bool:
 
 def _declares_experts(config: Any) -> bool:
     if isinstance(config, dict):
-        return any(key in TOPK_CONFIG_KEYS + EXPERT_COUNT_KEYS and _positive_int(value) for key, value in config.items()) \
-            or any(_declares_experts(value) for value in config.values())
+        return any(
+            key in TOPK_CONFIG_KEYS + EXPERT_COUNT_KEYS and _positive_int(value) for key, value in config.items()
+        ) or any(_declares_experts(value) for value in config.values())
     if isinstance(config, list):
         return any(_declares_experts(value) for value in config)
     return False
@@ -233,8 +258,9 @@ def config_routers(config: dict) -> ConfigRouters:
             shape = ModelShape(topk, experts, layers if _positive_int(layers) else None)
             break
     model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
-    return ConfigRouters(model_type, shape, _declares_experts(config),
-                         covered=model_type in {family.module for family in FAMILIES})
+    return ConfigRouters(
+        model_type, shape, _declares_experts(config), covered=model_type in {family.module for family in FAMILIES}
+    )
 
 
 def family_names() -> str:

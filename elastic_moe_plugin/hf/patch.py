@@ -47,11 +47,11 @@ from typing import Any
 import torch
 from packaging.version import Version
 
+from elastic_moe_plugin.core import plan as core_plan
+from elastic_moe_plugin.core import records as core_records
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError, UnsupportedTransformersError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
-from elastic_moe_plugin.core import plan as core_plan
-from elastic_moe_plugin.core import records as core_records
 from elastic_moe_plugin.core.plan import LayerPlan, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.core.router_state import state_of
 from elastic_moe_plugin.core.schedule import BudgetSchedule
@@ -71,6 +71,7 @@ from elastic_moe_plugin.hf.routing import dispatched_slots, patched_forward, rea
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
+
 def transformers_version() -> Version | None:
     """The version of the ``transformers`` Python imports, i.e. of the code :func:`apply` patches
     (:meth:`VersionGuard.imported_version`: the imported package's ``__version__`` first, as the
@@ -83,9 +84,15 @@ def transformers_version() -> Version | None:
 
 
 # exclusive maximum: ms-swift 4.6 caps transformers at <5.20
-VERSION_GUARD = VersionGuard("transformers", Version("5.0"), Version("5.20"),
-                             "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS", UnsupportedTransformersError, extra="hf",
-                             module="transformers")
+VERSION_GUARD = VersionGuard(
+    "transformers",
+    Version("5.0"),
+    Version("5.20"),
+    "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS",
+    UnsupportedTransformersError,
+    extra="hf",
+    module="transformers",
+)
 SUPPORTED_TRANSFORMERS_RANGE, ALLOW_UNSUPPORTED_ENV = VERSION_GUARD.range, VERSION_GUARD.override_env
 
 
@@ -105,8 +112,11 @@ def _install(config: ElasticConfig, patches: AttributePatches) -> None:
                 )
             logger.debug("elastic-moe: skipping %s: %s", family.name, loaded)
             continue
-        patches.wrap(loaded.router, "forward",
-                     functools.partial(patched_forward, family=family, lifecycle=_PATCH, resolve_plan=resolve_plan))
+        patches.wrap(
+            loaded.router,
+            "forward",
+            functools.partial(patched_forward, family=family, lifecycle=_PATCH, resolve_plan=resolve_plan),
+        )
         patches.wrap(loaded.decoder_layer, "__init__", functools.partial(_layer_init, router_cls=loaded.router))
         if loaded.experts is not None:
             patches.wrap(loaded.experts, "forward", experts_forward)
@@ -118,8 +128,12 @@ def _install(config: ElasticConfig, patches: AttributePatches) -> None:
                 f"install a tested version."
             )
         else:
-            logger.debug("elastic-moe: %s experts stay stock (every slot computed): %s.%s has another shape",
-                         family.name, family.module_path, family.experts)
+            logger.debug(
+                "elastic-moe: %s experts stay stock (every slot computed): %s.%s has another shape",
+                family.name,
+                family.module_path,
+                family.experts,
+            )
         module = loaded.module
         if callable(module.__dict__.get("load_balancing_loss_func")) and id(module) not in loss_patched:
             loss_patched.add(id(module))  # families sharing a modeling module share one loss function
@@ -262,8 +276,14 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
     top_p = {}
     if config.mode == "top_p":
         top_p = {"top_p": config.top_p, "top_p_width": config.top_p_max_experts or int(router.num_experts)}
-    return LayerPlan(schedule=schedule, gate=gate, sampling=config.sampling, layer_index=layer_index,
-                     cast_weights_to_logits=family.casts_weights, **top_p)
+    return LayerPlan(
+        schedule=schedule,
+        gate=gate,
+        sampling=config.sampling,
+        layer_index=layer_index,
+        cast_weights_to_logits=family.casts_weights,
+        **top_p,
+    )
 
 
 def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
@@ -273,8 +293,9 @@ def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], di
     or it is disabled. Layer indices as :mod:`.records` keys them."""
     config = _PATCH.active_config()
     families = covered_router_classes()
-    return core_records.model_plans(router_sites(model), config,
-                                    lambda site: resolve_plan(site.router, families[type(site.router)], config))
+    return core_records.model_plans(
+        router_sites(model), config, lambda site: resolve_plan(site.router, families[type(site.router)], config)
+    )
 
 
 def log_plan(model: torch.nn.Module) -> str | None:

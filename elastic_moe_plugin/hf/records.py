@@ -18,8 +18,10 @@ from elastic_moe_plugin.hf.families import covered_routers, router_layer_index
 
 def router_sites(model: torch.nn.Module) -> list[RouterSite]:
     """Every covered router of ``model``: name, module, layer index, k = ``top_k``, E = ``num_experts``."""
-    return [RouterSite(name, router, router_layer_index(name, router), int(router.top_k), int(router.num_experts))
-            for name, router, _ in covered_routers(model)]
+    return [
+        RouterSite(name, router, router_layer_index(name, router), int(router.top_k), int(router.num_experts))
+        for name, router, _ in covered_routers(model)
+    ]
 
 
 def routing_records(model: torch.nn.Module) -> dict[int, RoutingRecord]:
@@ -63,5 +65,11 @@ def routing_metrics(model: torch.nn.Module) -> dict[str, float]:
     return metrics.model_routing_metrics(router_sites(model))
 
 
-__all__ = ["budget_histograms", "reset_budget_histograms", "router_sites", "routing_metrics", "routing_records",
-           "static_layers"]
+__all__ = [
+    "budget_histograms",
+    "reset_budget_histograms",
+    "router_sites",
+    "routing_metrics",
+    "routing_records",
+    "static_layers",
+]

@@ -58,14 +58,21 @@ def routing_rule(plan: LayerPlan) -> RoutingRule:
     """The routing rule of a covered (softmax → top-k) family under ``plan``: softmax scores in
     fp32, top-b by probability, weights p (``full_softmax``) or p / Σ_kept p (``renormalized``),
     cast to the logits' dtype unless the family keeps fp32 (Mixtral, MiniMax)."""
-    return RoutingRule(score_function="softmax", select_on="scores",
-                       normalization="none" if plan.gate == "full_softmax" else "kept_sum",
-                       weights_in_logits_dtype=plan.cast_weights_to_logits)
+    return RoutingRule(
+        score_function="softmax",
+        select_on="scores",
+        normalization="none" if plan.gate == "full_softmax" else "kept_sum",
+        weights_in_logits_dtype=plan.cast_weights_to_logits,
+    )
 
 
 # ---------------------------------------------------------------------------------- the forward
-def patched_forward(original: Callable, family: Any, lifecycle: Any,
-                    resolve_plan: Callable[[torch.nn.Module, Any, Any], LayerPlan | None]) -> Callable:
+def patched_forward(
+    original: Callable,
+    family: Any,
+    lifecycle: Any,
+    resolve_plan: Callable[[torch.nn.Module, Any, Any], LayerPlan | None],
+) -> Callable:
     """The replacement of a covered router's ``forward``: the stock forward in eval mode, without
     an active enabled config, and where the router's plan is None; else :func:`_elastic_forward`.
 
@@ -94,8 +101,7 @@ def resolve_state(router: torch.nn.Module, plan: LayerPlan | None, generation: A
     the router's token shard (:func:`.budget_rng.token_shard`)."""
     state = ensure_state(router)
     state.shard = budget_rng.token_shard(router)[1] if plan is not None else None
-    return state.resolved(generation, plan, routing_rule(plan) if plan is not None else None,
-                          stream=budget_rng.STREAM)
+    return state.resolved(generation, plan, routing_rule(plan) if plan is not None else None, stream=budget_rng.STREAM)
 
 
 def elastic_routing(
@@ -120,21 +126,29 @@ def elastic_routing(
     return _elastic_forward(router, state, hidden_states, budgets)
 
 
-def _elastic_forward(router: torch.nn.Module, state: RouterState, hidden_states: torch.Tensor,
-                     budgets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _elastic_forward(
+    router: torch.nn.Module, state: RouterState, hidden_states: torch.Tensor, budgets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = state.plan
     router_logits = F.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)  # (1) as stock
     recompute = _in_backward()
     host_budgets = host_counts = probabilities = None
     if budgets is None and plan.top_p is None:  # (2) κ's own stream, on the host
         num_tokens, device = router_logits.shape[0], router_logits.device
-        drawn = budget_rng.replayed_draw(router, state, num_tokens, device) if recompute else \
-            state.draw(num_tokens, device)
+        drawn = (
+            budget_rng.replayed_draw(router, state, num_tokens, device) if recompute else state.draw(num_tokens, device)
+        )
         budgets, host_budgets, host_counts = drawn.budgets, drawn.host_budgets, drawn.counts
     elif budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass
         probabilities = score(router_logits, "softmax")  # p in fp32: the scores and top-p's κ
-    routing = route(router_logits, state.rule, plan.width, budgets=budgets, top_p=plan.top_p,  # (3)-(4)
-                    probabilities=probabilities)
+    routing = route(
+        router_logits,
+        state.rule,
+        plan.width,
+        budgets=budgets,
+        top_p=plan.top_p,  # (3)-(4)
+        probabilities=probabilities,
+    )
     if host_budgets is None:
         # κ was computed on the device (top-p mode) or given (tests): the experts size their work
         # from κ on the host, so read it once (a host sync on an accelerator, none on the CPU).
@@ -268,5 +282,14 @@ def kept_slots(top_k_index: torch.Tensor) -> KeptSlots | None:
     return _MARKS.get(top_k_index)
 
 
-__all__ = ["KeptSlots", "dispatched_slots", "elastic_routing", "kept_slots", "mark_kept_slots", "patched_forward",
-           "realised_load_balancing_loss", "resolve_state", "routing_rule"]
+__all__ = [
+    "KeptSlots",
+    "dispatched_slots",
+    "elastic_routing",
+    "kept_slots",
+    "mark_kept_slots",
+    "patched_forward",
+    "realised_load_balancing_loss",
+    "resolve_state",
+    "routing_rule",
+]

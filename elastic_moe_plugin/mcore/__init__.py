@@ -43,8 +43,8 @@ Padding-mask polarity, as Megatron's code uses it: ``padding_mask`` True = paddi
 """
 
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
-from elastic_moe_plugin.core.records import RoutingRecord
 from elastic_moe_plugin.core.plan import LayerPlan
+from elastic_moe_plugin.core.records import RoutingRecord
 from elastic_moe_plugin.mcore.patch import (
     ALLOW_UNSUPPORTED_ENV,
     SUPPORTED_MCORE_RANGE,
@@ -77,9 +77,31 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ALLOW_UNSUPPORTED_ENV", "SUPPORTED_MCORE_RANGE", "ElasticTopKRouter", "LayerPlan", "RoutingRecord",
-    "UnsupportedMegatronError", "active_config", "apply", "budget_histograms", "check_megatron_version",
-    "elastic_router_spec", "elastic_routing", "gate_for", "is_applied", "log_plan", "log_routing_metrics",
-    "megatron_core_version", "model_plans", "patched", "patched_symbols", "remove", "reset_budget_histograms",
-    "resolve_plan", "routing_metrics", "routing_records", "static_layers", "validate_router",
+    "ALLOW_UNSUPPORTED_ENV",
+    "SUPPORTED_MCORE_RANGE",
+    "ElasticTopKRouter",
+    "LayerPlan",
+    "RoutingRecord",
+    "UnsupportedMegatronError",
+    "active_config",
+    "apply",
+    "budget_histograms",
+    "check_megatron_version",
+    "elastic_router_spec",
+    "elastic_routing",
+    "gate_for",
+    "is_applied",
+    "log_plan",
+    "log_routing_metrics",
+    "megatron_core_version",
+    "model_plans",
+    "patched",
+    "patched_symbols",
+    "remove",
+    "reset_budget_histograms",
+    "resolve_plan",
+    "routing_metrics",
+    "routing_records",
+    "static_layers",
+    "validate_router",
 ]

@@ -53,9 +53,17 @@ class RealisedAssignments:
     host_total: int | None = None
 
 
-def realised_assignments(router, plan: LayerPlan, logits: torch.Tensor, realised_map: torch.Tensor,
-                         padding_mask: torch.Tensor | None, seq_length: int, bsz: int,
-                         probabilities: torch.Tensor | None = None, host_total: int | None = None) -> RealisedAssignments:
+def realised_assignments(
+    router,
+    plan: LayerPlan,
+    logits: torch.Tensor,
+    realised_map: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    seq_length: int,
+    bsz: int,
+    probabilities: torch.Tensor | None = None,
+    host_total: int | None = None,
+) -> RealisedAssignments:
     """Scores and the valid realised map (``logits`` [T, E], ``realised_map`` [T, E] before capacity drops).
 
     ``probabilities``: ``torch.softmax(logits, dim=-1, dtype=torch.float32)`` [T, E] when the caller
@@ -65,12 +73,23 @@ def realised_assignments(router, plan: LayerPlan, logits: torch.Tensor, realised
     scores = aux_loss_scores(logits, router.score_function, padding_mask, probabilities)
     valid_map = realised_map if padding_mask is None else realised_map & (~padding_mask).unsqueeze(-1)
     host_topk = plan.fixed_budget
-    return RealisedAssignments(scores, valid_map, padding_mask, host_topk, seq_length, bsz,
-                               host_total=host_total if padding_mask is None else None)
+    return RealisedAssignments(
+        scores,
+        valid_map,
+        padding_mask,
+        host_topk,
+        seq_length,
+        bsz,
+        host_total=host_total if padding_mask is None else None,
+    )
 
 
-def aux_loss_scores(logits: torch.Tensor, score_function: str, padding_mask: torch.Tensor | None = None,
-                    probabilities: torch.Tensor | None = None) -> torch.Tensor:
+def aux_loss_scores(
+    logits: torch.Tensor,
+    score_function: str,
+    padding_mask: torch.Tensor | None = None,
+    probabilities: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The full-distribution scores s [T, E] of the aux losses, bit for bit what Megatron's
     ``compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=False, padding_mask)``
     returns as its scores, without the static top-k map it also builds (a top-k and a scatter over
@@ -103,8 +122,9 @@ def _stock_score_dtype(score_function: str, logits_dtype: torch.dtype) -> torch.
     for a score function it does not know (0.16: sqrtsoftplus), as it would on the real input."""
     from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 
-    _, scores = compute_routing_scores_for_aux_loss(torch.zeros(1, 2, dtype=logits_dtype), 1, score_function,
-                                                    fused=False)
+    _, scores = compute_routing_scores_for_aux_loss(
+        torch.zeros(1, 2, dtype=logits_dtype), 1, score_function, fused=False
+    )
     return scores.dtype
 
 
@@ -121,13 +141,26 @@ def _apply_aux_loss(router, assignments: RealisedAssignments, probs: torch.Tenso
     coeff = router.get_aux_loss_coeff("aux_loss")
     if coeff == 0:
         return probs
-    counts, local_tokens, total_tokens = _token_counts(assignments, assignments.valid_map, router.tp_cp_group,
-                                                       assignments.padding_mask)
-    aux_loss = _switch_loss(router, assignments, assignments.scores, counts, total_tokens, coeff,
-                            realised_sum=_realised_sum(assignments, router.tp_cp_group))
+    counts, local_tokens, total_tokens = _token_counts(
+        assignments, assignments.valid_map, router.tp_cp_group, assignments.padding_mask
+    )
+    aux_loss = _switch_loss(
+        router,
+        assignments,
+        assignments.scores,
+        counts,
+        total_tokens,
+        coeff,
+        realised_sum=_realised_sum(assignments, router.tp_cp_group),
+    )
     return router.attach_and_log_load_balancing_loss(
-        probs, coeff, aux_loss, "load_balancing_loss", router.tp_cp_group,
-        valid_token_count=local_tokens, **_attach_kwargs(router, needs_dp_avg=True),
+        probs,
+        coeff,
+        aux_loss,
+        "load_balancing_loss",
+        router.tp_cp_group,
+        valid_token_count=local_tokens,
+        **_attach_kwargs(router, needs_dp_avg=True),
     )
 
 
@@ -145,12 +178,14 @@ def _apply_seq_aux_loss(router, assignments: RealisedAssignments, probs: torch.T
     seq_scores = assignments.scores.reshape(assignments.seq_length, -1)
     seq_map = assignments.valid_map.reshape(assignments.seq_length, -1)
     if assignments.host_topk is not None:
-        counts, local_tokens, total_tokens = _token_counts(assignments, seq_map, router.tp_cp_group, None,
-                                                           topk_scale=bsz)
+        counts, local_tokens, total_tokens = _token_counts(
+            assignments, seq_map, router.tp_cp_group, None, topk_scale=bsz
+        )
         aux_loss = _switch_loss(router, assignments, seq_scores, counts, total_tokens, coeff) / bsz
     else:
-        counts, local_tokens, total_tokens = _realised_token_counts(seq_map, router.tp_cp_group,
-                                                                    assignments.padding_mask)
+        counts, local_tokens, total_tokens = _realised_token_counts(
+            seq_map, router.tp_cp_group, assignments.padding_mask
+        )
         if assignments.padding_mask is not None:
             # tokens per sequence, averaged over the micro-batch (stock's convention for P)
             local_tokens, total_tokens = local_tokens / bsz, total_tokens / bsz
@@ -169,8 +204,13 @@ def _apply_seq_aux_loss(router, assignments: RealisedAssignments, probs: torch.T
         weighted = (seq_scores.sum(dim=0) * counts).view(bsz, num_experts).sum(dim=-1)
         aux_loss = (weighted * (num_experts * coeff / (topk * total_tokens * total_tokens))).sum() / bsz
     return router.attach_and_log_load_balancing_loss(
-        probs, coeff, aux_loss, "seq_load_balancing_loss", router.tp_cp_group,
-        valid_token_count=local_tokens * bsz, **_attach_kwargs(router, needs_dp_avg=True),
+        probs,
+        coeff,
+        aux_loss,
+        "seq_load_balancing_loss",
+        router.tp_cp_group,
+        valid_token_count=local_tokens * bsz,
+        **_attach_kwargs(router, needs_dp_avg=True),
     )
 
 
@@ -182,21 +222,28 @@ def _apply_global_aux_loss(router, assignments: RealisedAssignments, probs: torc
     coeff = router.get_aux_loss_coeff("global_aux_loss")
     if coeff == 0:
         return probs
-    counts, local_tokens, total_tokens = _token_counts(assignments, assignments.valid_map, router.tp_dp_cp_group,
-                                                       assignments.padding_mask)
+    counts, local_tokens, total_tokens = _token_counts(
+        assignments, assignments.valid_map, router.tp_dp_cp_group, assignments.padding_mask
+    )
     router.global_tokens_per_expert += counts
     router.ga_steps += 1
     averaged_counts = router.global_tokens_per_expert / router.ga_steps
     aux_loss = _switch_loss(router, assignments, assignments.scores, averaged_counts, total_tokens, coeff)
     return router.attach_and_log_load_balancing_loss(
-        probs, coeff, aux_loss, "global_load_balancing_loss", router.tp_dp_cp_group,
-        valid_token_count=local_tokens, **_attach_kwargs(router, needs_dp_avg=False),
+        probs,
+        coeff,
+        aux_loss,
+        "global_load_balancing_loss",
+        router.tp_dp_cp_group,
+        valid_token_count=local_tokens,
+        **_attach_kwargs(router, needs_dp_avg=False),
     )
 
 
 # ---------------------------------------------------------------------------------- shared steps
-def _switch_loss(router, assignments: RealisedAssignments, scores, counts, total_tokens, coeff,
-                 realised_sum: int | None = None):
+def _switch_loss(
+    router, assignments: RealisedAssignments, scores, counts, total_tokens, coeff, realised_sum: int | None = None
+):
     """Megatron's E·coeff·Σ_i P_i·f_i with f_i = c_i / Σ_j c_j = c_i / Σκ (its topk·T := Σκ).
 
     Σ_j c_j is ``realised_sum`` when the host knows it (:func:`_realised_sum`), then the scale
@@ -211,8 +258,13 @@ def _switch_loss(router, assignments: RealisedAssignments, scores, counts, total
     else:
         topk = counts.sum() / total_tokens
     return switch_load_balancing_loss_func(
-        probs=scores, tokens_per_expert=counts, total_num_tokens=total_tokens, topk=topk,
-        num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coeff, fused=False,
+        probs=scores,
+        tokens_per_expert=counts,
+        total_num_tokens=total_tokens,
+        topk=topk,
+        num_experts=router.config.num_moe_experts,
+        moe_aux_loss_coeff=coeff,
+        fused=False,
     )
 
 
@@ -228,7 +280,9 @@ def _token_counts(assignments: RealisedAssignments, routing_map, group, padding_
         from megatron.core.transformer.moe.moe_utils import get_tokens_per_expert_and_token_count
 
         return get_tokens_per_expert_and_token_count(
-            routing_map=routing_map, reduce_group=group, topk=assignments.host_topk * topk_scale,
+            routing_map=routing_map,
+            reduce_group=group,
+            topk=assignments.host_topk * topk_scale,
             with_padding_mask=assignments.padding_mask is not None,
         )
     return _realised_token_counts(routing_map, group, padding_mask)

@@ -80,8 +80,9 @@ def stream() -> BudgetStream:
     return STREAM.load()
 
 
-def draw(schedule: BudgetSchedule, sampling: SamplingMode, shard: int, num_tokens: int,
-         device: torch.device | str) -> BudgetDraw:
+def draw(
+    schedule: BudgetSchedule, sampling: SamplingMode, shard: int, num_tokens: int, device: torch.device | str
+) -> BudgetDraw:
     """κ [T] of this rank's token shard from the stream, which advances by one draw."""
     return STREAM.draw(schedule, sampling, shard, num_tokens, device)
 

@@ -61,13 +61,14 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch, is_patched
-from elastic_moe_plugin.mcore.routing import BALANCED_ATTR, TOTAL_ATTR, WIDTH_ATTR, elastic_width, mark_elastic
+from elastic_moe_plugin.mcore.routing import BALANCED_ATTR, TOTAL_ATTR, elastic_width
 
 #: ``ELASTIC_MOE_DEBUG=1`` checks the tag's host Σκ against the device's count (one read per layer)
 DEBUG_ENV = "ELASTIC_MOE_DEBUG"
@@ -86,7 +87,9 @@ def _map_tag(manager: Any, routing_map: torch.Tensor) -> tuple[int, bool] | None
     return tag or None
 
 
-def indices_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def indices_from_routing_map(
+    routing_map: torch.Tensor, probs: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Convert a multi-hot map [T, E] into (probs [T, width], indices [T, width]) with −1 slots.
 
     Routed experts come first (their key is 1, others 0); slots past a token's κ get index −1 and
@@ -114,8 +117,9 @@ def _check_host_total(routing_map: torch.Tensor, total: int) -> None:
         return
     if getattr(routing_map, BALANCED_ATTR, False):
         raise AssertionError(f"balanced elastic routing dispatched {realised} pairs, expected T·k = {total}")
-    raise AssertionError(f"elastic routing dispatched {realised} pairs, but the κ drawn on the host sum to "
-                         f"Σκ = {total}")
+    raise AssertionError(
+        f"elastic routing dispatched {realised} pairs, but the κ drawn on the host sum to Σκ = {total}"
+    )
 
 
 # ------------------------------------------------------------------------------------- patches
@@ -155,7 +159,8 @@ def _flex_dispatch_preprocess(original: Callable) -> Callable:
             return original(self, hidden_states, routing_map, probs)
         width = elastic_width(routing_map)
         manager.__dict__[MANAGER_TAG_ATTR] = (
-            False if width is None else (width, bool(getattr(routing_map, BALANCED_ATTR, False))))
+            False if width is None else (width, bool(getattr(routing_map, BALANCED_ATTR, False)))
+        )
         try:
             return original(self, hidden_states, routing_map, probs)
         finally:
@@ -247,5 +252,8 @@ def reinstall_spec_fixes() -> None:
 
 def installed_targets() -> list[str]:
     """Dotted names of the dispatcher methods an elastic patch (any holder) wraps now."""
-    return [f"{owner.__module__}.{owner.__qualname__}.{name}" for owner, name, _ in _targets()
-            if is_patched(owner.__dict__.get(name))]
+    return [
+        f"{owner.__module__}.{owner.__qualname__}.{name}"
+        for owner, name, _ in _targets()
+        if is_patched(owner.__dict__.get(name))
+    ]

@@ -71,9 +71,15 @@ def router_sites(model: torch.nn.Module | Sequence[torch.nn.Module]) -> ModelRou
                 continue
             layer_number = getattr(module, "layer_number", None)
             config = module.config
-            sites.append(RouterSite(name if len(chunks) == 1 else f"{number}.{name}", module,
-                                    None if layer_number is None else int(layer_number) - 1,
-                                    int(config.moe_router_topk), int(config.num_moe_experts)))
+            sites.append(
+                RouterSite(
+                    name if len(chunks) == 1 else f"{number}.{name}",
+                    module,
+                    None if layer_number is None else int(layer_number) - 1,
+                    int(config.moe_router_topk),
+                    int(config.num_moe_experts),
+                )
+            )
     return ModelRouters(sites, chunks)
 
 
@@ -102,5 +108,13 @@ def static_layers(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[in
     return records.static_layers(router_sites(model))
 
 
-__all__ = ["ModelRouters", "budget_histograms", "is_mtp_router", "model_chunks", "reset_budget_histograms", "router_sites",
-           "routing_records", "static_layers"]
+__all__ = [
+    "ModelRouters",
+    "budget_histograms",
+    "is_mtp_router",
+    "model_chunks",
+    "reset_budget_histograms",
+    "router_sites",
+    "routing_records",
+    "static_layers",
+]

@@ -45,9 +45,16 @@ _NORMALIZATIONS = {
 
 
 # ---------------------------------------------------------------------------------- the rule
-def routing_rule(score_function: str, gate: str, *, topk: int, use_pre_softmax: bool = False,
-                 num_groups: int | None = None, group_topk: int | None = None,
-                 scaling_factor: float | None = None) -> RoutingRule:
+def routing_rule(
+    score_function: str,
+    gate: str,
+    *,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+) -> RoutingRule:
     """Megatron's routing (``topk_routing_with_score_function``) as a routing rule::
 
         softmax, post-softmax (default)   rank by z,        weigh z (renormalized) or p = softmax(z)
@@ -72,27 +79,44 @@ def routing_rule(score_function: str, gate: str, *, topk: int, use_pre_softmax: 
             f"gates for {score_function!r}: {', '.join(accepted)}. Resolve the plan for the router as it is now: "
             f"under mcore.apply plans re-resolve by themselves; a LayerPlan built by hand needs one of those gates."
         )
-    return RoutingRule(score_function=score_function,  # type: ignore[arg-type]
-                       select_on="logits" if family == "softmax" and not use_pre_softmax else "scores",
-                       normalization=normalization,  # type: ignore[arg-type]
-                       renormalization_eps=SIGMOID_EPS if family == "sigmoid" else 0.0,
-                       num_groups=num_groups if group_topk else None, groups_kept=group_topk or None,
-                       group_score_topk=topk // group_topk if group_topk else None,
-                       scaling_factor=scaling_factor or None)
+    return RoutingRule(
+        score_function=score_function,  # type: ignore[arg-type]
+        select_on="logits" if family == "softmax" and not use_pre_softmax else "scores",
+        normalization=normalization,  # type: ignore[arg-type]
+        renormalization_eps=SIGMOID_EPS if family == "sigmoid" else 0.0,
+        num_groups=num_groups if group_topk else None,
+        groups_kept=group_topk or None,
+        group_score_topk=topk // group_topk if group_topk else None,
+        scaling_factor=scaling_factor or None,
+    )
 
 
 def router_rule(router, plan: LayerPlan) -> RoutingRule:
     """:func:`routing_rule` of ``router`` as it is now, under ``plan``'s gate."""
     model = router.config
-    return routing_rule(router.score_function, plan.gate, topk=plan.schedule.center,
-                        use_pre_softmax=model.moe_router_pre_softmax, num_groups=model.moe_router_num_groups,
-                        group_topk=model.moe_router_group_topk, scaling_factor=model.moe_router_topk_scaling_factor)
+    return routing_rule(
+        router.score_function,
+        plan.gate,
+        topk=plan.schedule.center,
+        use_pre_softmax=model.moe_router_pre_softmax,
+        num_groups=model.moe_router_num_groups,
+        group_topk=model.moe_router_group_topk,
+        scaling_factor=model.moe_router_topk_scaling_factor,
+    )
 
 
-def select_candidates(logits: torch.Tensor, width: int, topk: int, gate: str, score_function: str = "softmax",
-                      use_pre_softmax: bool = False, num_groups: int | None = None, group_topk: int | None = None,
-                      expert_bias: torch.Tensor | None = None,
-                      probabilities: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_candidates(
+    logits: torch.Tensor,
+    width: int,
+    topk: int,
+    gate: str,
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    expert_bias: torch.Tensor | None = None,
+    probabilities: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-b candidates of Megatron's selection rule with plain arguments, as Megatron's
     ``topk_routing_with_score_function`` takes them: ``(values [T, b], ids [T, b])``, sorted by
     rank, ``values`` what the gate weighs (fp32 probabilities for full_softmax, raw logits for
@@ -101,8 +125,9 @@ def select_candidates(logits: torch.Tensor, width: int, topk: int, gate: str, sc
     Raises:
         UnsupportedMegatronError: another score function.
     """
-    rule = routing_rule(score_function, gate, topk=topk, use_pre_softmax=use_pre_softmax, num_groups=num_groups,
-                        group_topk=group_topk)
+    rule = routing_rule(
+        score_function, gate, topk=topk, use_pre_softmax=use_pre_softmax, num_groups=num_groups, group_topk=group_topk
+    )
     bias = expert_bias if score_function != "softmax" else None
     ids, values = select(logits, rule, width, selection_bias=bias, probabilities=probabilities)
     return values, ids
@@ -115,10 +140,18 @@ def router_options(router) -> tuple:
     factor, fusion and routing-replay flags. A change re-resolves the router's state, and re-runs
     the start-up checks, at the next forward."""
     model = router.config
-    return (router.layer_number, router.score_function, model.moe_router_topk, model.num_moe_experts,
-            model.moe_router_pre_softmax, model.moe_router_num_groups, model.moe_router_group_topk,
-            model.moe_router_topk_scaling_factor, getattr(model, "moe_router_fusion", False),
-            getattr(model, "moe_enable_routing_replay", False))
+    return (
+        router.layer_number,
+        router.score_function,
+        model.moe_router_topk,
+        model.num_moe_experts,
+        model.moe_router_pre_softmax,
+        model.moe_router_num_groups,
+        model.moe_router_group_topk,
+        model.moe_router_topk_scaling_factor,
+        getattr(model, "moe_router_fusion", False),
+        getattr(model, "moe_enable_routing_replay", False),
+    )
 
 
 def token_shard(router) -> tuple[int, int]:
@@ -159,8 +192,9 @@ def resolve_state(router, plan: LayerPlan | None, generation: Any, options: Any 
     return state.resolved(generation, plan, rule, options, budget_rng.STREAM)
 
 
-def training_state(router, config: ElasticConfig, generation: Any,
-                   resolve_plan: Callable[[Any, ElasticConfig], LayerPlan | None]) -> RouterState | None:
+def training_state(
+    router, config: ElasticConfig, generation: Any, resolve_plan: Callable[[Any, ElasticConfig], LayerPlan | None]
+) -> RouterState | None:
     """The state of this forward, or None when the stock path must run (eval mode, a disabled
     config, a plan of None: an MTP layer, a static schedule, a layer outside ``layers``)."""
     if not router.training or not config.enabled:
@@ -172,8 +206,9 @@ def training_state(router, config: ElasticConfig, generation: Any,
     return state if state.plan is not None else None
 
 
-def patched_routing(original: Callable, lifecycle: Any,
-                    resolve_plan: Callable[[Any, ElasticConfig], LayerPlan | None]) -> Callable:
+def patched_routing(
+    original: Callable, lifecycle: Any, resolve_plan: Callable[[Any, ElasticConfig], LayerPlan | None]
+) -> Callable:
     """The replacement of ``TopKRouter.routing``: :func:`elastic_forward` where the router's state
     has a plan (:func:`training_state`), else the original, bit for bit stock."""
 
@@ -238,19 +273,33 @@ def elastic_forward(router, state: RouterState, logits: torch.Tensor, padding_ma
         with contextlib.nullcontext() if selection_reads_them or with_aux_loss else torch.no_grad():
             probabilities = score(logits, "softmax")
     bias = router.expert_bias if state.rule.score_function != "softmax" else None
-    routing = route(logits, state.rule, plan.width, budgets=budgets, top_p=plan.top_p, selection_bias=bias,
-                    probabilities=probabilities)
+    routing = route(
+        logits,
+        state.rule,
+        plan.width,
+        budgets=budgets,
+        top_p=plan.top_p,
+        selection_bias=bias,
+        probabilities=probabilities,
+    )
     probs, realised_map = _dense(routing, logits)
     probs, routing_map, capacity_dropped = _drop_over_capacity(plan, model, routing, probs, realised_map)
     if with_aux_loss:  # on the realised assignments, before capacity drops
-        assignments = realised_assignments(router, plan, logits, realised_map, padding_mask, seq_length, bsz,
-                                           probabilities=None if selection_reads_them else probabilities,
-                                           host_total=host_total)
+        assignments = realised_assignments(
+            router,
+            plan,
+            logits,
+            realised_map,
+            padding_mask,
+            seq_length,
+            bsz,
+            probabilities=None if selection_reads_them else probabilities,
+            host_total=host_total,
+        )
         probs = apply_realised_aux_losses(router, assignments, probs)
     router._apply_expert_bias(routing_map, padding_mask=padding_mask)
     # Counted once per real step: recompute's first pass runs without grad (as stock expert-bias counting).
-    state.remember(routing, count=torch.is_grad_enabled(), capacity_dropped=capacity_dropped,
-                   budget_counts=host_counts)
+    state.remember(routing, count=torch.is_grad_enabled(), capacity_dropped=capacity_dropped, budget_counts=host_counts)
     # Capacity drops leave the map with fewer entries than Σκ, which only the device counts.
     total = None if capacity_dropped is not None else host_total
     return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced", total=total)
@@ -277,8 +326,12 @@ def _drop_over_capacity(plan: LayerPlan, model, routing, probs: torch.Tensor, ro
     from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
 
     probs, dropped_map = apply_router_token_dropping(
-        probs, routing_map, router_topk=plan.schedule.center, capacity_factor=model.moe_expert_capacity_factor,
-        drop_policy=model.moe_token_drop_policy, pad_to_capacity=model.moe_pad_expert_input_to_capacity,
+        probs,
+        routing_map,
+        router_topk=plan.schedule.center,
+        capacity_factor=model.moe_expert_capacity_factor,
+        drop_policy=model.moe_token_drop_policy,
+        pad_to_capacity=model.moe_pad_expert_input_to_capacity,
     )
     # [T, b]: selected slots the capacity mask removed (for the drop metrics; no host sync)
     return probs, dropped_map, routing.kept & ~dropped_map.gather(1, routing.ids)
@@ -302,6 +355,20 @@ def elastic_width(routing_map: torch.Tensor) -> int | None:
     return getattr(routing_map, WIDTH_ATTR, None)
 
 
-__all__ = ["BALANCED_ATTR", "TOTAL_ATTR", "WIDTH_ATTR", "elastic_forward", "elastic_routing", "elastic_width",
-           "mark_elastic", "patched_routing", "resolve_state", "router_options", "router_rule", "routing_rule",
-           "select_candidates", "token_shard", "training_state"]
+__all__ = [
+    "BALANCED_ATTR",
+    "TOTAL_ATTR",
+    "WIDTH_ATTR",
+    "elastic_forward",
+    "elastic_routing",
+    "elastic_width",
+    "mark_elastic",
+    "patched_routing",
+    "resolve_state",
+    "router_options",
+    "router_rule",
+    "routing_rule",
+    "select_candidates",
+    "token_shard",
+    "training_state",
+]

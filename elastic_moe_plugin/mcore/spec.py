@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.patching import unwrap

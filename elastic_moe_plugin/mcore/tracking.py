@@ -217,7 +217,7 @@ def _layers_from_flat(flat: dict[str, float]) -> dict[int, dict[str, float]]:
     prefix = TRACKER_PREFIX + "layer_"
     for key, value in flat.items():
         if key.startswith(prefix):
-            layer, _, name = key[len(prefix):].partition("/")
+            layer, _, name = key[len(prefix) :].partition("/")
             layers.setdefault(int(layer), {})[name] = value
     return dict(sorted(layers.items()))
 
@@ -231,8 +231,9 @@ def _record(chunks: Sequence[torch.nn.Module], flat: dict[str, float], loss_scal
     return record_layer_table(layers, int(model_config.num_layers), device, loss_scale=loss_scale)
 
 
-def record_layer_table(per_layer: dict[int, dict[str, float]], num_layers: int, device: Any, *,
-                       loss_scale: float = 1.0) -> list[str]:
+def record_layer_table(
+    per_layer: dict[int, dict[str, float]], num_layers: int, device: Any, *, loss_scale: float = 1.0
+) -> list[str]:
     """Record ``{0-based layer: {metric: value}}`` into Megatron's current MoE tracker.
 
     Each value lands at ``values[layer]`` of ``elastic_moe/<metric>`` (tensor [num_layers] on
@@ -246,14 +247,16 @@ def record_layer_table(per_layer: dict[int, dict[str, float]], num_layers: int, 
         return []
     names = sorted({name for values in per_layer.values() for name in values})
     layers = list(per_layer)
-    table = torch.tensor([[per_layer[layer].get(name, 0.0) / loss_scale for layer in layers] for name in names],
-                         dtype=torch.float64).to(device=device, dtype=torch.float32)
+    table = torch.tensor(
+        [[per_layer[layer].get(name, 0.0) / loss_scale for layer in layers] for name in names], dtype=torch.float64
+    ).to(device=device, dtype=torch.float32)
     dp_group = None if megatron_tracker.has_metrics_tracker() else _data_parallel_group()
     for row, name in enumerate(names):
         present = [column for column, layer in enumerate(layers) if name in per_layer[layer]]
         values = table[row] if len(present) == len(layers) else table[row, present]
-        megatron_tracker.record_layers(TRACKER_PREFIX + name, values, [layers[column] + 1 for column in present],
-                                       num_layers, dp_group)
+        megatron_tracker.record_layers(
+            TRACKER_PREFIX + name, values, [layers[column] + 1 for column in present], num_layers, dp_group
+        )
     return [TRACKER_PREFIX + name for name in names]
 
 
@@ -304,8 +307,14 @@ def log_routing_metrics(
     resolved = resolve_schedule(chunks)
     elastic = patch.active_config()
     if elastic is None:
-        elastic = next((getattr(site.router, "elastic_config", None) for site in sites
-                        if getattr(site.router, "elastic_config", None) is not None), None)
+        elastic = next(
+            (
+                getattr(site.router, "elastic_config", None)
+                for site in sites
+                if getattr(site.router, "elastic_config", None) is not None
+            ),
+            None,
+        )
     if resolved is None or (resolved[0].is_static and elastic.mode != "top_p"):
         return {}  # the same answer on every rank: the config is global
     schedule, num_experts, model_config = resolved
@@ -325,15 +334,31 @@ def log_routing_metrics(
         # leaves unchanged): the report all-reduces each name, and the other stages would wait.
         for name in names:
             megatron_tracker.ensure(name, int(model_config.num_layers), device)
-        megatron_tracker.report(names, iteration, writer=writer, wandb_writer=wandb_writer,
-                                per_layer_logging=per_layer_logging, num_layers=divisor, pg_collection=pg_collection)
+        megatron_tracker.report(
+            names,
+            iteration,
+            writer=writer,
+            wandb_writer=wandb_writer,
+            per_layer_logging=per_layer_logging,
+            num_layers=divisor,
+            pg_collection=pg_collection,
+        )
     if reset_histograms:
         reset(chunks)
     return values
 
 
 __all__ = [
-    "TRACKER_PREFIX", "log_plan", "log_routing_metrics", "model_plans", "num_elastic_moe_layers",
-    "per_layer_logging", "per_layer_metrics", "record_routing_metrics", "reset", "resolve_schedule", "routing_metrics",
+    "TRACKER_PREFIX",
+    "log_plan",
+    "log_routing_metrics",
+    "model_plans",
+    "num_elastic_moe_layers",
+    "per_layer_logging",
+    "per_layer_metrics",
+    "record_routing_metrics",
+    "reset",
+    "resolve_schedule",
+    "routing_metrics",
     "static_layers",
 ]

@@ -204,8 +204,10 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
     routers = tracking.router_sites(routers) if routers else routers  # enumerated once for the metrics and the reset
     reported = reported_metrics(schedule, megatron_args)
     per_layer = tracking.per_layer_metrics(routers) if routers else {}
-    per_layer = {layer: {name: value for name, value in values.items() if name in reported}
-                 for layer, values in per_layer.items()}
+    per_layer = {
+        layer: {name: value for name, value in values.items() if name in reported}
+        for layer, values in per_layer.items()
+    }
     names = [tracking.TRACKER_PREFIX + name for name in reported]
     num_layers = int(megatron_args.num_layers)
     divisor = tracking.num_elastic_moe_layers(megatron_args, config, per_layer)  # one rule for both hooks
@@ -215,13 +217,22 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
         tracking.record_layer_table(per_layer, num_layers, device)
         for name in names:
             megatron_tracker.ensure(name, num_layers, device)
-        megatron_tracker.report(names, iteration, writer=writer, wandb_writer=get_wandb_writer(),
-                                per_layer_logging=bool(getattr(megatron_args, "moe_per_layer_logging", False)),
-                                num_layers=divisor, pg_collection=pg_collection)
+        megatron_tracker.report(
+            names,
+            iteration,
+            writer=writer,
+            wandb_writer=get_wandb_writer(),
+            per_layer_logging=bool(getattr(megatron_args, "moe_per_layer_logging", False)),
+            num_layers=divisor,
+            pg_collection=pg_collection,
+        )
     if routers:
         tracking.reset(routers)
-    return "".join(f" {tracking.TRACKER_PREFIX}{name}: {writer.scalars[tracking.TRACKER_PREFIX + name]:.2f} |"
-                   for name in CONSOLE_METRICS if tracking.TRACKER_PREFIX + name in writer.scalars)
+    return "".join(
+        f" {tracking.TRACKER_PREFIX}{name}: {writer.scalars[tracking.TRACKER_PREFIX + name]:.2f} |"
+        for name in CONSOLE_METRICS
+        if tracking.TRACKER_PREFIX + name in writer.scalars
+    )
 
 
 __all__ = ["CONSOLE_METRICS", "TRAINING_MODULE", "install", "is_installed", "log_step", "remove", "reported_metrics"]

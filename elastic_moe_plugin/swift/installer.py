@@ -71,16 +71,23 @@ def install(config: ElasticConfig | None = None) -> ElasticConfig | None:
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     entry = _swift_entry()
     if entry is not None and entry.route not in TRAINING_ROUTES:
-        logger.info("rank %s/%s: plugin loaded in `%s %s`, which does not train: nothing patched, ELASTIC_MOE_* not "
-                    "read (a checkpoint routes static top-k at inference)", rank, world,
-                    "megatron" if entry.megatron else "swift", entry.route)
+        logger.info(
+            "rank %s/%s: plugin loaded in `%s %s`, which does not train: nothing patched, ELASTIC_MOE_* not "
+            "read (a checkpoint routes static top-k at inference)",
+            rank,
+            world,
+            "megatron" if entry.megatron else "swift",
+            entry.route,
+        )
         return None
     peeked = peek_model(sys.argv[1:]) if entry is not None and not entry.megatron else None
     model = peeked[1].shape if peeked is not None and peeked[1].covered else None
     config = ElasticConfig.from_env(model=model) if config is None else config
     if peeked is not None and config.enabled and not peeked[1].declares_experts:
-        raise no_moe_router(config, f"the model {peeked[0]} (model_type={peeked[1].model_type!r}) declares no experts "
-                                    f"in its config.json")
+        raise no_moe_router(
+            config,
+            f"the model {peeked[0]} (model_type={peeked[1].model_type!r}) declares no experts in its config.json",
+        )
     patched = _patch_frameworks(config)
     registered = register_callbacks()
     args_json = args_json_patch()
@@ -88,9 +95,17 @@ def install(config: ElasticConfig | None = None) -> ElasticConfig | None:
     if args_json.is_on and importable("swift.arguments"):
         patched.append("ms-swift's args.json (the plugin is not replayed at inference)")
     checked = f"; checked against {peeked[0]} ({model.describe()})" if model is not None else ""
-    logger.info("rank %s/%s: plugin loaded (pid %d): %s%s; patched %s; callback %r registered in %s", rank, world,
-                os.getpid(), config, checked, ", ".join(patched) or "nothing (no framework found)", CALLBACK_NAME,
-                ", ".join(registered) or "nothing")
+    logger.info(
+        "rank %s/%s: plugin loaded (pid %d): %s%s; patched %s; callback %r registered in %s",
+        rank,
+        world,
+        os.getpid(),
+        config,
+        checked,
+        ", ".join(patched) or "nothing (no framework found)",
+        CALLBACK_NAME,
+        ", ".join(registered) or "nothing",
+    )
     return config
 
 

@@ -54,7 +54,8 @@ def no_moe_router(config: ElasticConfig, what: str):
         f"{what}: it has no mixture-of-experts router, so elastic routing would change nothing and the run would "
         f"train it plain. The plugin covers the transformers router families {family_names()} (docs/transformers.md) "
         f"and Megatron-core's TopKRouter. Train this model without --plugin elastic_moe, or use "
-        f"{config.spell('enabled', False)} to keep the plugin loaded with every router stock.")
+        f"{config.spell('enabled', False)} to keep the plugin loaded with every router stock."
+    )
 
 
 def require_covered_routers(model, config: ElasticConfig | None, framework: str, plans: dict) -> None:

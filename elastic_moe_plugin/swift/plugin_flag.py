@@ -68,8 +68,7 @@ EXTERNAL_PLUGINS_FLAG = "--external_plugins"
 CALLBACKS_FLAG = "--callbacks"
 #: where ms-swift 4.6 declares its arguments and loads plugin files: a future ``--plugin`` or
 #: plugin registry would most likely appear here (relative to the ``swift`` package directory)
-_SWIFT_PLUGIN_SOURCES = ("arguments/base_args/base_args.py", "megatron/arguments/megatron_args.py",
-                         "utils/utils.py")
+_SWIFT_PLUGIN_SOURCES = ("arguments/base_args/base_args.py", "megatron/arguments/megatron_args.py", "utils/utils.py")
 _PLUGIN_FIELD = r"^[ \t]+(plugin\w*)[ \t]*:"
 _ENTRY_POINTS = r"entry_points\("
 
@@ -91,9 +90,14 @@ def known_plugins() -> dict[str, SwiftPlugin]:
     """``{name: SwiftPlugin}`` of the plugins this package ships (one today)."""
     from elastic_moe_plugin.swift.names import CALLBACK_NAME, PLUGIN_FILE
 
-    return {"elastic_moe": SwiftPlugin(
-        name="elastic_moe", file=str(PLUGIN_FILE), callbacks=(CALLBACK_NAME,),
-        description="Elastic Expert Routing (elastic-moe-plugin): per-token expert budgets in training")}
+    return {
+        "elastic_moe": SwiftPlugin(
+            name="elastic_moe",
+            file=str(PLUGIN_FILE),
+            callbacks=(CALLBACK_NAME,),
+            description="Elastic Expert Routing (elastic-moe-plugin): per-token expert budgets in training",
+        )
+    }
 
 
 def swift_handles_plugins(swift_dir: str) -> str | None:
@@ -138,7 +142,8 @@ def _unknown(name: str, known: dict[str, SwiftPlugin], how: str) -> PluginFlagEr
     listing = "; ".join(f"{plugin.name} ({plugin.description})" for plugin in known.values())
     return PluginFlagError(
         f"{how} {name!r}: no such plugin. Known plugins: {listing}. Pass one of those names "
-        f"(e.g. --plugin {next(iter(known))}), or a plugin file with --external_plugins PATH.")
+        f"(e.g. --plugin {next(iter(known))}), or a plugin file with --external_plugins PATH."
+    )
 
 
 def _looks_like_name(value: str) -> bool:
@@ -171,8 +176,9 @@ def _add_named(named: list[SwiftPlugin], plugin: SwiftPlugin) -> None:
         named.append(plugin)
 
 
-def _take_plugin_flags(groups: list[tuple[str | None, list[str]]], known: dict[str, SwiftPlugin],
-                       named: list[SwiftPlugin]) -> tuple[list[tuple[str | None, list[str]]], int | None]:
+def _take_plugin_flags(
+    groups: list[tuple[str | None, list[str]]], known: dict[str, SwiftPlugin], named: list[SwiftPlugin]
+) -> tuple[list[tuple[str | None, list[str]]], int | None]:
     """The groups other than ``--plugin`` (copies), and where the first ``--plugin`` stood among them
     (None: there was none); the plugins those flags name are added to ``named``."""
     first_plugin_group = None
@@ -182,7 +188,8 @@ def _take_plugin_flags(groups: list[tuple[str | None, list[str]]], known: dict[s
             if not values:
                 raise PluginFlagError(
                     f"{PLUGIN_FLAG} needs a plugin name, e.g. {PLUGIN_FLAG} {next(iter(known))}. "
-                    f"Known plugins: {', '.join(known)}.")
+                    f"Known plugins: {', '.join(known)}."
+                )
             for value in values:
                 if value not in known:
                     raise _unknown(value, known, PLUGIN_FLAG)
@@ -207,8 +214,13 @@ def _replace_plugin_names(values: list[str], known: dict[str, SwiftPlugin], name
             raise _unknown(value, known, EXTERNAL_PLUGINS_FLAG)
 
 
-def _add_flags(kept: list[tuple[str | None, list[str]]], last: dict[str | None, int], first_plugin_group: int | None,
-               named: list[SwiftPlugin], route: str) -> None:
+def _add_flags(
+    kept: list[tuple[str | None, list[str]]],
+    last: dict[str | None, int],
+    first_plugin_group: int | None,
+    named: list[SwiftPlugin],
+    route: str,
+) -> None:
     """Put the files of ``named`` into the last ``--external_plugins`` of ``kept`` (a new one where the
     first ``--plugin`` stood, else at the end) and, on a training route, their callbacks into the last
     ``--callbacks`` (a new one right after it); ``last`` holds where those flags are in ``kept``."""
@@ -319,17 +331,40 @@ def activate() -> None:
     if result.changed:
         sys.argv[1:] = result.argv
         if _is_rank_zero(environ):
-            added = " ".join(word for flag, values in argument_groups(result.argv)
-                             if flag in (EXTERNAL_PLUGINS_FLAG, CALLBACKS_FLAG) for word in [flag, *values])
+            added = " ".join(
+                word
+                for flag, values in argument_groups(result.argv)
+                if flag in (EXTERNAL_PLUGINS_FLAG, CALLBACKS_FLAG)
+                for word in [flag, *values]
+            )
             names = ", ".join(plugin.name for plugin in result.named)
-            _say(f"plugin {names}: passing it to ms-swift as {added} (ms-swift has no --plugin flag; "
-                 f"{OFF_SWITCH}=0 turns this off).")
+            _say(
+                f"plugin {names}: passing it to ms-swift as {added} (ms-swift has no --plugin flag; "
+                f"{OFF_SWITCH}=0 turns this off)."
+            )
     # training routes only: infer/export re-import the plugins saved in a checkpoint's args.json
     if variables and entry.route in TRAINING_ROUTES and not loads_elastic_moe(sys.argv[1:]) and _is_rank_zero(environ):
-        _say(f"WARNING: {', '.join(variables)} set, but no elastic-moe plugin is loaded: this run trains plain "
-             f"top-k and ignores them. Add --plugin elastic_moe (or --external_plugins \"$(elastic-moe plugin-path)\" "
-             f"--callbacks elastic_moe), or unset the variables.")
+        _say(
+            f"WARNING: {', '.join(variables)} set, but no elastic-moe plugin is loaded: this run trains plain "
+            f'top-k and ignores them. Add --plugin elastic_moe (or --external_plugins "$(elastic-moe plugin-path)" '
+            f"--callbacks elastic_moe), or unset the variables."
+        )
 
 
-__all__ = ["OFF_SWITCH", "PTH_NAME", "TRAINING_ROUTES", "argument_groups", "hook_installed", "PluginFlagError", "Rewrite", "SwiftEntry", "SwiftPlugin", "activate", "known_plugins",
-           "loads_elastic_moe", "rewrite", "swift_entry", "swift_handles_plugins"]
+__all__ = [
+    "OFF_SWITCH",
+    "PTH_NAME",
+    "TRAINING_ROUTES",
+    "PluginFlagError",
+    "Rewrite",
+    "SwiftEntry",
+    "SwiftPlugin",
+    "activate",
+    "argument_groups",
+    "hook_installed",
+    "known_plugins",
+    "loads_elastic_moe",
+    "rewrite",
+    "swift_entry",
+    "swift_handles_plugins",
+]

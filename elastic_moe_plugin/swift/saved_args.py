@@ -54,8 +54,10 @@ def _save_args_without_replay(original):
             "version": __version__,
             "external_plugins": [os.path.abspath(path) for path in ours],
             "config": None if config is None else config.to_dict(),
-            "note": ("left out of external_plugins: a checkpoint routes static top-k at inference, so swift "
-                     "infer/export/deploy need no plugin; pass --plugin elastic_moe again to train on elastically"),
+            "note": (
+                "left out of external_plugins: a checkpoint routes static top-k at inference, so swift "
+                "infer/export/deploy need no plugin; pass --plugin elastic_moe again to train on elastically"
+            ),
         }
         try:
             return original(self, *args, **kwargs)

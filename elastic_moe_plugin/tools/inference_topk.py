@@ -58,7 +58,9 @@ def megatron(model: Any, k: int) -> Iterator[int]:
 
     layers = [module for module in model.modules() if isinstance(module, MoELayer)]
     if not layers:
-        raise NotAMoEError(f"{type(model).__name__} holds no megatron-core MoELayer, so its top-k cannot be overridden.")
+        raise NotAMoEError(
+            f"{type(model).__name__} holds no megatron-core MoELayer, so its top-k cannot be overridden."
+        )
     for layer in layers:
         experts = int(layer.config.num_moe_experts)
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
@@ -183,6 +185,12 @@ def transformers(model: Any, k: int) -> Iterator[list[str]]:
 
 
 __all__ = [
-    "EXPERT_COUNT_KEYS", "TOPK_CONFIG_KEYS", "NotAMoEError", "config_num_experts", "config_topk", "find_routers",
-    "megatron", "transformers",
+    "EXPERT_COUNT_KEYS",
+    "TOPK_CONFIG_KEYS",
+    "NotAMoEError",
+    "config_num_experts",
+    "config_topk",
+    "find_routers",
+    "megatron",
+    "transformers",
 ]

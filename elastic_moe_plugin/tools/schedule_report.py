@@ -33,8 +33,9 @@ def schedule_summary(schedule: BudgetSchedule, num_ranks: int | None = None) -> 
 
 def format_summary(summary: dict[str, Any]) -> str:
     """A fixed-width text table of :func:`schedule_summary`."""
-    resolved = (" (resolved from the top-k: 'auto', k-2..k+2 within the experts)"
-                if summary.get("resolved_from_model") else "")
+    resolved = (
+        " (resolved from the top-k: 'auto', k-2..k+2 within the experts)" if summary.get("resolved_from_model") else ""
+    )
     lines = [
         f"schedule {summary['schedule']} around k={summary['center']} (sigma={summary['sigma']:g}){resolved}",
         "",
@@ -71,7 +72,9 @@ def plot_schedule(schedule: BudgetSchedule, path: str | Path) -> Path:
     ax_pmf.set_xlabel("budget κ")
     ax_pmf.set_ylabel("q(κ)")
     ax_pmf.set_title(f"pmf {schedule.describe()}")
-    ax_exposure.step(summary["ranks"], summary["static_step"], where="mid", label=f"static top-{schedule.center}", color="gray")
+    ax_exposure.step(
+        summary["ranks"], summary["static_step"], where="mid", label=f"static top-{schedule.center}", color="gray"
+    )
     ax_exposure.plot(summary["ranks"], summary["survival"], "o-", label="elastic P(κ ≥ rank)", color="#DD8452")
     ax_exposure.set_xlabel("router rank")
     ax_exposure.set_ylabel("exposure")

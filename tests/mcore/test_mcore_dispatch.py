@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin import ElasticConfig, mcore
 from elastic_moe_plugin.mcore import dispatch
-from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError
+from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError, mark_elastic
 from megatron_support import force_budgets, in_megatron_rng_fork
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
@@ -171,7 +171,7 @@ def test_debug_mode_asserts_the_balanced_invariant(make_config, make_moe_layer, 
     layer = _balanced_layer(make_config, make_moe_layer)
     bad = torch.zeros(S * B, E, dtype=torch.bool)
     bad[:, 0] = True  # Σκ = T, not T·k
-    dispatch.mark_elastic(bad, WIDTH, balanced=True)
+    mark_elastic(bad, WIDTH, balanced=True)
     layer.token_dispatcher.preprocess(bad)  # without the debug flag: no check, no sync
     monkeypatch.setenv(dispatch.DEBUG_ENV, "1")
     with pytest.raises(AssertionError, match=rf"balanced elastic routing dispatched {S * B} pairs, expected T·k = {S * B * K}"):
@@ -192,7 +192,7 @@ def test_debug_mode_asserts_the_host_total_under_iid(make_config, make_moe_layer
     layer = make_moe_layer(config)
     bad = torch.zeros(S * B, E, dtype=torch.bool)
     bad[:, :2] = True
-    dispatch.mark_elastic(bad, WIDTH, balanced=False, total=S * B * 2 + 1)  # a host Σκ the map does not have
+    mark_elastic(bad, WIDTH, balanced=False, total=S * B * 2 + 1)  # a host Σκ the map does not have
     layer.token_dispatcher.preprocess(bad)  # without the debug flag: no check, no sync
     assert layer.token_dispatcher.num_out_tokens == S * B * 2 + 1
     monkeypatch.setenv(dispatch.DEBUG_ENV, "1")
@@ -373,7 +373,7 @@ def _elastic_map(budgets, seed=0, width=WIDTH, num_experts=E):
     ranks = torch.empty_like(order).scatter_(1, order, torch.arange(num_experts).expand_as(order))
     routing_map = ranks < torch.tensor(budgets).unsqueeze(1)
     probs = torch.softmax(logits.masked_fill(~routing_map, float("-inf")), dim=1).nan_to_num(0.0)
-    return probs, dispatch.mark_elastic(routing_map, width, balanced=False)
+    return probs, mark_elastic(routing_map, width, balanced=False)
 
 
 def _manager(name, make_config, *, tp=1, capacity_factor=None, **attributes):

@@ -101,9 +101,11 @@ def _rows(result: ScenarioResult, label: str, width: int) -> list[str]:
 
 
 def _header(first: str, width: int, *, dispatched: bool = False) -> str:
-    return (f"{first:{width}s} {'variant':9s} {'median ms':>10s} {'min-max ms':>17s} {'time x':>7s} "
-            f"{'peak MiB':>9s} {'mem x':>6s} {'syncs':>5s} {'+syncs':>6s} {'pairs exp/real':>16s}"
-            + (f" {'Σκ':>7s}" if dispatched else ""))
+    return (
+        f"{first:{width}s} {'variant':9s} {'median ms':>10s} {'min-max ms':>17s} {'time x':>7s} "
+        f"{'peak MiB':>9s} {'mem x':>6s} {'syncs':>5s} {'+syncs':>6s} {'pairs exp/real':>16s}"
+        + (f" {'Σκ':>7s}" if dispatched else "")
+    )
 
 
 def format_results(results: list[ScenarioResult]) -> str:
@@ -127,8 +129,10 @@ def format_results(results: list[ScenarioResult]) -> str:
         for result in blocks:
             lines.append(f"-- {result.scenario}, experts_implementation={result.implementation}: {result.shape}")
             lines += _rows(result, f"{result.scenario.removesuffix('-block')} {result.implementation}", 22)
-        lines.append("pairs exp/real: T·k / rows the expert GEMMs multiplied in one forward; Σκ: what the router "
-                     "dispatched in that forward (stock: T·k)")
+        lines.append(
+            "pairs exp/real: T·k / rows the expert GEMMs multiplied in one forward; Σκ: what the router "
+            "dispatched in that forward (stock: T·k)"
+        )
     if draws:
         from elastic_moe_plugin.tools.bench import kappa
 
@@ -160,27 +164,49 @@ def to_json(results: list) -> dict:
         report["megatron_core"] = importlib.metadata.version("megatron-core")
     if any(_is_block(result) for result in results):
         report["transformers"] = _version("transformers")
-    report.update({
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "threads": torch.get_num_threads(),
-        "scenarios": [
-            {"scenario": r.scenario, **({"implementation": r.implementation} if _is_block(r) else {}),
-             "shape": r.shape, "variants": {n: asdict(v) for n, v in r.variants.items()}, "ratios": r.ratios()}
-            for r in results
-        ],
-    })
+    report.update(
+        {
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "threads": torch.get_num_threads(),
+            "scenarios": [
+                {
+                    "scenario": r.scenario,
+                    **({"implementation": r.implementation} if _is_block(r) else {}),
+                    "shape": r.shape,
+                    "variants": {n: asdict(v) for n, v in r.variants.items()},
+                    "ratios": r.ratios(),
+                }
+                for r in results
+            ],
+        }
+    )
     if draws:
         report["kappa_draw"] = draws
     if launchers:
         from elastic_moe_plugin.tools.bench import e2e
 
-        report.update(e2e_versions={name: _version(name) for name in ("ms-swift", "megatron-core", "transformers",
-                                                                       "mcore-bridge")},
-                      e2e=e2e.to_json(launchers))
+        report.update(
+            e2e_versions={
+                name: _version(name) for name in ("ms-swift", "megatron-core", "transformers", "mcore-bridge")
+            },
+            e2e=e2e.to_json(launchers),
+        )
     return report
 
 
 __all__ = [
-    "DEFAULT_SCENARIOS", "MEGATRON_SCENARIOS", "SCENARIOS", "SYNC_OPS", "VARIANTS", "LiveBytes", "ScenarioResult", "Step", "SyncCounter",
-    "VariantResult", "format_results", "measure", "run_suite", "to_json",
+    "DEFAULT_SCENARIOS",
+    "MEGATRON_SCENARIOS",
+    "SCENARIOS",
+    "SYNC_OPS",
+    "VARIANTS",
+    "LiveBytes",
+    "ScenarioResult",
+    "Step",
+    "SyncCounter",
+    "VariantResult",
+    "format_results",
+    "measure",
+    "run_suite",
+    "to_json",
 ]

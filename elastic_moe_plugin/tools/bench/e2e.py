@@ -59,9 +59,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from elastic_moe_plugin.tools.bench import e2e_interleaved
 from elastic_moe_plugin.tools.bench.e2e_child import Command, RunReading
@@ -94,26 +95,38 @@ class E2EOptions:
             raise ValueError(f"--rounds {self.rounds}: at least 1 round, e.g. --rounds {DEFAULT_ROUNDS}.")
         unknown = [name for name in self.launchers if name not in LAUNCHERS]
         if unknown:
-            raise ValueError(f"--launchers {' '.join(unknown)}: expected some of {', '.join(LAUNCHERS)}, "
-                             f"e.g. --launchers {LAUNCHERS[0]}.")
+            raise ValueError(
+                f"--launchers {' '.join(unknown)}: expected some of {', '.join(LAUNCHERS)}, "
+                f"e.g. --launchers {LAUNCHERS[0]}."
+            )
         if self.steps is not None and self.warmup is not None and not 1 <= self.warmup < self.steps:
-            raise ValueError(f"--steps {self.steps} --warmup {self.warmup}: the warm-up must leave timed steps "
-                             f"(1 <= warmup < steps), e.g. --steps {self.warmup + 8} --warmup {self.warmup}.")
+            raise ValueError(
+                f"--steps {self.steps} --warmup {self.warmup}: the warm-up must leave timed steps "
+                f"(1 <= warmup < steps), e.g. --steps {self.warmup + 8} --warmup {self.warmup}."
+            )
         if self.steps is not None and self.steps < 2:
             raise ValueError(f"--steps {self.steps}: at least 2 (1 warm-up step and 1 timed one), e.g. --steps 20.")
         if self.hidden is not None and (self.hidden < 8 or self.hidden % 4):
-            raise ValueError(f"--hidden {self.hidden}: a multiple of 4 (the tiny model's 4 heads), at least 8, "
-                             f"e.g. --hidden 256.")
+            raise ValueError(
+                f"--hidden {self.hidden}: a multiple of 4 (the tiny model's 4 heads), at least 8, e.g. --hidden 256."
+            )
         if self.work is not None:
             # runs go to WORK/<launcher>/<run>; an earlier bench's would be mixed with these, or stop
             # this one midway (its folders exist): refuse before anything runs
-            runs = sorted(path for launcher in self.launchers if (self.work / launcher).is_dir()
-                          for path in (self.work / launcher).iterdir() if path.name != "assets")
+            runs = sorted(
+                path
+                for launcher in self.launchers
+                if (self.work / launcher).is_dir()
+                for path in (self.work / launcher).iterdir()
+                if path.name != "assets"
+            )
             if runs:
                 folders = " ".join(str(folder) for folder in sorted({path.parent for path in runs}))
-                raise ValueError(f"--work {self.work}: it holds the runs of an earlier bench ({runs[0]}"
-                                 f"{f' and {len(runs) - 1} more' if len(runs) > 1 else ''}): pass a new or empty "
-                                 f"folder, e.g. --work {self.work / 'next'}, or remove {folders}.")
+                raise ValueError(
+                    f"--work {self.work}: it holds the runs of an earlier bench ({runs[0]}"
+                    f"{f' and {len(runs) - 1} more' if len(runs) > 1 else ''}): pass a new or empty "
+                    f"folder, e.g. --work {self.work / 'next'}, or remove {folders}."
+                )
 
 
 class Launcher(Protocol):
@@ -136,8 +149,9 @@ class Launcher(Protocol):
 
     def prepare(self, work: Path, steps: int) -> None: ...
 
-    def command(self, schedule: str, steps: int, out: Path, sync_step: int,
-                interleave_block: int | None = None) -> Command: ...
+    def command(
+        self, schedule: str, steps: int, out: Path, sync_step: int, interleave_block: int | None = None
+    ) -> Command: ...
 
     def read(self, out: Path, output: str, warmup: int) -> RunReading: ...
 
@@ -182,8 +196,11 @@ class E2EResult:
     def round_ratios(self) -> list[float]:
         """Per round: elastic over static steps/s (an interleaved round: the median of its block pairs')."""
         static = {run.round: run.steps_per_second for run in self.of(self.static)}
-        return [statistics.median(run.pair_ratios) if run.pair_ratios else run.steps_per_second / static[run.round]
-                for run in self.of(self.elastic) if run.round in static]
+        return [
+            statistics.median(run.pair_ratios) if run.pair_ratios else run.steps_per_second / static[run.round]
+            for run in self.of(self.elastic)
+            if run.round in static
+        ]
 
     def summary(self) -> dict:
         ratios = self.round_ratios()
@@ -199,9 +216,14 @@ class E2EResult:
                 "mean_kappa": statistics.fmean(kappas) if kappas else None,
             }
 
-        return {"static": column(self.static), "elastic": column(self.elastic),
-                "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                "rounds": len(ratios)}
+        return {
+            "static": column(self.static),
+            "elastic": column(self.elastic),
+            "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "rounds": len(ratios),
+        }
 
 
 # ------------------------------------------------------------------------------------ children
@@ -226,8 +248,13 @@ def _run_child(command: Command, log: Path) -> tuple[int, int, float]:
     start = time.perf_counter()
     rss_file = log.with_name("max_rss_kib")
     with log.open("wb") as sink:
-        code = subprocess.call([sys.executable, "-I", "-S", "-c", _RSS_PARENT, str(rss_file), *command.argv],
-                               env=command.env, cwd=command.cwd, stdout=sink, stderr=subprocess.STDOUT)
+        code = subprocess.call(
+            [sys.executable, "-I", "-S", "-c", _RSS_PARENT, str(rss_file), *command.argv],
+            env=command.env,
+            cwd=command.cwd,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     peak = int(rss_file.read_text()) * 1024 if rss_file.exists() else 0  # Linux: ru_maxrss in KiB
     return code, peak, time.perf_counter() - start
 
@@ -242,13 +269,20 @@ def _one_run(launcher: Launcher, schedule: str, round_index: int, steps: int, wa
     if code != 0:
         raise RuntimeError(f"{launcher.label} ({schedule}) exited {code}; its log: {log}\n{output[-3000:]}")
     reading = launcher.read(out, output, warmup)
-    return E2ERun(schedule=schedule, round=round_index, steps_per_second=reading.steps_per_second,
-                  peak_rss_bytes=peak, syncs_per_step=launcher.syncs(out), mean_kappa=reading.mean_kappa,
-                  wall_s=seconds)
+    return E2ERun(
+        schedule=schedule,
+        round=round_index,
+        steps_per_second=reading.steps_per_second,
+        peak_rss_bytes=peak,
+        syncs_per_step=launcher.syncs(out),
+        mean_kappa=reading.mean_kappa,
+        wall_s=seconds,
+    )
 
 
-def _interleaved_runs(launcher: Launcher, round_index: int, steps: int, warmup: int, block: int,
-                      work: Path) -> list[E2ERun]:
+def _interleaved_runs(
+    launcher: Launcher, round_index: int, steps: int, warmup: int, block: int, work: Path
+) -> list[E2ERun]:
     """One interleaved round: a single run of the elastic schedule that switches blocks (both rows)."""
     out = work / launcher.key / f"interleaved_{round_index}"
     out.mkdir(parents=True)
@@ -260,11 +294,19 @@ def _interleaved_runs(launcher: Launcher, round_index: int, steps: int, warmup: 
         raise RuntimeError(f"{launcher.label} (interleaved) exited {code}; its log: {log}\n{output[-3000:]}")
     reading, kappa = launcher.read_interleaved(out, output, warmup)
     mode_schedule = {"static": launcher.static, "elastic": launcher.elastic}
-    return [E2ERun(schedule=mode_schedule[mode], round=round_index, steps_per_second=reading.steps_per_second[mode],
-                   peak_rss_bytes=peak, syncs_per_step=reading.syncs[mode],
-                   mean_kappa=kappa if mode == "elastic" else None, wall_s=seconds,
-                   pair_ratios=list(reading.pair_ratios) if mode == "elastic" else None)
-            for mode in e2e_interleaved.MODES]
+    return [
+        E2ERun(
+            schedule=mode_schedule[mode],
+            round=round_index,
+            steps_per_second=reading.steps_per_second[mode],
+            peak_rss_bytes=peak,
+            syncs_per_step=reading.syncs[mode],
+            mean_kappa=kappa if mode == "elastic" else None,
+            wall_s=seconds,
+            pair_ratios=list(reading.pair_ratios) if mode == "elastic" else None,
+        )
+        for mode in e2e_interleaved.MODES
+    ]
 
 
 def _run_plan(launcher: Launcher, options: E2EOptions, quick: bool) -> tuple[int, int, int | None]:
@@ -276,15 +318,19 @@ def _run_plan(launcher: Launcher, options: E2EOptions, quick: bool) -> tuple[int
         steps = options.steps or e2e_interleaved.run_steps(warmup, block, pairs)
         least = e2e_interleaved.run_steps(warmup, block, 1)
         if steps < least:
-            raise ValueError(f"--steps {steps} --warmup {warmup}: {launcher.label} interleaves blocks of {block} "
-                             f"steps and needs two whole blocks after the warm-up; pass --steps {least} or more "
-                             f"(or --separate-runs).")
+            raise ValueError(
+                f"--steps {steps} --warmup {warmup}: {launcher.label} interleaves blocks of {block} "
+                f"steps and needs two whole blocks after the warm-up; pass --steps {least} or more "
+                f"(or --separate-runs)."
+            )
         return steps, warmup, block
     steps = options.steps or (QUICK_STEPS if quick else launcher.default_steps)
     warmup = options.warmup or (QUICK_WARMUP if quick else min(launcher.default_warmup, steps - 1))
     if not 1 <= warmup < steps:
-        raise ValueError(f"--steps {steps}: {launcher.label} warms up {warmup} steps; pass --warmup "
-                         f"{max(1, steps // 4)} or more --steps.")
+        raise ValueError(
+            f"--steps {steps}: {launcher.label} warms up {warmup} steps; pass --warmup "
+            f"{max(1, steps // 4)} or more --steps."
+        )
     return steps, warmup, None
 
 
@@ -314,24 +360,36 @@ def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None 
         started = time.perf_counter()
         launcher.prepare(work / launcher.key / "assets", steps)
         timing = e2e_interleaved.TIMING.format(block=block) if interleaved else launcher.timing
-        result = E2EResult(launcher.key, launcher.label, launcher.describe(), launcher.static, launcher.elastic,
-                           steps, warmup, timing, interleave_block=block)
+        result = E2EResult(
+            launcher.key,
+            launcher.label,
+            launcher.describe(),
+            launcher.static,
+            launcher.elastic,
+            steps,
+            warmup,
+            timing,
+            interleave_block=block,
+        )
         for round_index in range(rounds):
             order = (launcher.static, launcher.elastic)[:: 1 if round_index % 2 == 0 else -1]
             if interleaved:
                 runs = _interleaved_runs(launcher, round_index, steps, warmup, block, work)
             elif quick:
                 with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-                    runs = list(pool.map(lambda schedule: _one_run(launcher, schedule, round_index, steps, warmup,
-                                                                   work), order))
+                    runs = list(
+                        pool.map(lambda schedule: _one_run(launcher, schedule, round_index, steps, warmup, work), order)
+                    )
             else:
                 runs = [_one_run(launcher, schedule, round_index, steps, warmup, work) for schedule in order]
             for run in runs:
                 result.runs.append(run)
                 kappa = f"{run.mean_kappa:.3f}" if run.mean_kappa is not None else "-"
-                log(f"e2e {launcher.label} round {round_index} {run.schedule}: {run.steps_per_second:.4f} steps/s, "
+                log(
+                    f"e2e {launcher.label} round {round_index} {run.schedule}: {run.steps_per_second:.4f} steps/s, "
                     f"peak RSS {run.peak_rss_bytes / 2**20:.0f} MiB, syncs/step {_or_na(run.syncs_per_step)}, "
-                    f"mean κ {kappa}, {run.wall_s:.0f} s")
+                    f"mean κ {kappa}, {run.wall_s:.0f} s"
+                )
         log(f"e2e {launcher.label}: {time.perf_counter() - started:.0f} s in all (work folder {work / launcher.key})")
         results.append(result)
     return results
@@ -348,39 +406,68 @@ COLUMNS = ("launcher", "schedule", "steps/s", "x static", "min-max x", "peak RSS
 def format_table(results: list[E2EResult]) -> str:
     """One row per launcher and schedule; the ratio columns on the elastic row."""
     widths = (13, 8, 8, 8, 13, 12, 10, 7)
-    header = " ".join(f"{name:{width}s}" if i < 2 else f"{name:>{width}s}"
-                      for i, (name, width) in enumerate(zip(COLUMNS, widths)))
+    header = " ".join(
+        f"{name:{width}s}" if i < 2 else f"{name:>{width}s}" for i, (name, width) in enumerate(zip(COLUMNS, widths))
+    )
     lines = [header]
     for result in results:
         summary = result.summary()
-        lines.append(f"-- {result.label}: {result.model}; {result.steps} steps, {result.warmup} warm-up, "
-                     f"{summary['rounds']} round(s); steps/s {result.timing}")
+        lines.append(
+            f"-- {result.label}: {result.model}; {result.steps} steps, {result.warmup} warm-up, "
+            f"{summary['rounds']} round(s); steps/s {result.timing}"
+        )
         for schedule, column in ((result.static, summary["static"]), (result.elastic, summary["elastic"])):
             elastic = schedule == result.elastic
             cells = [
-                f"{result.label:13s}", f"{schedule:8s}", f"{column['median_steps_per_second']:8.4f}",
+                f"{result.label:13s}",
+                f"{schedule:8s}",
+                f"{column['median_steps_per_second']:8.4f}",
                 f"{summary['ratio_median']:8.3f}" if elastic else f"{'1':>8s}",
                 (f"{summary['ratio_min']:6.3f}-{summary['ratio_max']:6.3f}" if elastic else f"{'':13s}"),
-                f"{column['peak_rss_bytes'] / 2**20:12.0f}", f"{_or_na(column['syncs_per_step']):>10s}",
+                f"{column['peak_rss_bytes'] / 2**20:12.0f}",
+                f"{_or_na(column['syncs_per_step']):>10s}",
                 f"{column['mean_kappa']:7.3f}" if column["mean_kappa"] is not None else f"{'-':>7s}",
             ]
             lines.append(" ".join(cells))
-    lines.append("steps/s: median over rounds, steady state (after the warm-up steps), from the launcher's own "
-                 "timings, or for an interleaved row from the one process's step times; x static: median of the "
-                 "rounds' elastic/static ratios (an interleaved round's: the median of its block pairs'), min-max "
-                 "across rounds; peak RSS: largest process of the run (ru_maxrss); syncs/step: host reads of device "
-                 "values in one training step (step = warm-up's last; interleaved: each mode's first after the "
-                 "warm-up); mean κ: the realised experts per token the run logged")
+    lines.append(
+        "steps/s: median over rounds, steady state (after the warm-up steps), from the launcher's own "
+        "timings, or for an interleaved row from the one process's step times; x static: median of the "
+        "rounds' elastic/static ratios (an interleaved round's: the median of its block pairs'), min-max "
+        "across rounds; peak RSS: largest process of the run (ru_maxrss); syncs/step: host reads of device "
+        "values in one training step (step = warm-up's last; interleaved: each mode's first after the "
+        "warm-up); mean κ: the realised experts per token the run logged"
+    )
     return "\n".join(lines)
 
 
 def to_json(results: list[E2EResult]) -> list[dict]:
     """Per launcher: its settings, ``schedules`` (``static`` and ``elastic``: the schedule names),
     every run, and the summary (``static`` / ``elastic``: the columns of the table's two rows)."""
-    return [{"launcher": r.launcher, "label": r.label, "model": r.model,
-             "schedules": {"static": r.static, "elastic": r.elastic}, "steps": r.steps, "warmup": r.warmup,
-             "timing": r.timing, "runs": [asdict(run) for run in r.runs], **r.summary()} for r in results]
+    return [
+        {
+            "launcher": r.launcher,
+            "label": r.label,
+            "model": r.model,
+            "schedules": {"static": r.static, "elastic": r.elastic},
+            "steps": r.steps,
+            "warmup": r.warmup,
+            "timing": r.timing,
+            "runs": [asdict(run) for run in r.runs],
+            **r.summary(),
+        }
+        for r in results
+    ]
 
 
-__all__ = ["COLUMNS", "DEFAULT_ROUNDS", "LAUNCHERS", "E2EOptions", "E2EResult", "E2ERun", "Launcher", "format_table",
-           "run_e2e", "to_json"]
+__all__ = [
+    "COLUMNS",
+    "DEFAULT_ROUNDS",
+    "LAUNCHERS",
+    "E2EOptions",
+    "E2EResult",
+    "E2ERun",
+    "Launcher",
+    "format_table",
+    "run_e2e",
+    "to_json",
+]

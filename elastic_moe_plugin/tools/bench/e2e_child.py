@@ -35,14 +35,26 @@ def child_env(**extra: str) -> dict[str, str]:
     first on ``PYTHONPATH``, and nothing of a surrounding run (``ELASTIC_MOE_*``, torchrun's
     variables) that would change what the child does."""
     drop = ("ELASTIC_MOE_", "MASTER_", "TORCHELASTIC_", "PET_", "E2E_BENCH_")
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(drop) and key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                       "NPROC_PER_NODE", "NNODES", "SWIFT_CONFIG_FILE")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(drop)
+        and key
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NPROC_PER_NODE", "NNODES", "SWIFT_CONFIG_FILE")
+    }
     package_root = str(Path(__file__).resolve().parents[3])
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
-               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TORCH_COMPILE_DISABLE="1",
-               PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        TORCH_COMPILE_DISABLE="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     env.update(extra)
     return env
 
@@ -61,5 +73,15 @@ def console_script(name: str) -> str:
     return str(script)
 
 
-__all__ = ["INTERLEAVE_BLOCK_ENV", "INTERLEAVE_OUT_ENV", "SYNC_OUT_ENV", "SYNC_STEP_ENV", "TARGET_ENV", "Command",
-           "RunReading", "child_env", "console_script", "step_probe_dir"]
+__all__ = [
+    "INTERLEAVE_BLOCK_ENV",
+    "INTERLEAVE_OUT_ENV",
+    "SYNC_OUT_ENV",
+    "SYNC_STEP_ENV",
+    "TARGET_ENV",
+    "Command",
+    "RunReading",
+    "child_env",
+    "console_script",
+    "step_probe_dir",
+]

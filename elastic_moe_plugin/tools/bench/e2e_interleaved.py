@@ -36,9 +36,11 @@ BLOCK = 10
 PAIRS = 4  # block pairs after the warm-up in a default Megatron-LM run
 QUICK_BLOCK, QUICK_PAIRS = 2, 1
 #: the table's timing note for an interleaved row
-TIMING = ("interleaved in one process, blocks of {block} steps switching static/elastic, each step timed from one "
-          "train_step to the next, the switch left out (each mode's first step after the warm-up, sync-counted, left "
-          "out too); x static: median of the adjacent block pairs' ratios; peak RSS: the one process's")
+TIMING = (
+    "interleaved in one process, blocks of {block} steps switching static/elastic, each step timed from one "
+    "train_step to the next, the switch left out (each mode's first step after the warm-up, sync-counted, left "
+    "out too); x static: median of the adjacent block pairs' ratios; peak RSS: the one process's"
+)
 
 
 def run_steps(warmup: int, block: int, pairs: int) -> int:
@@ -70,8 +72,10 @@ def read(path: Path, warmup: int) -> InterleavedReading:
         RuntimeError: the file is missing, or leaves no timed block pair after the warm-up.
     """
     if not path.exists():
-        raise RuntimeError(f"{path} is missing: the interleaving start-up module wrote no timings (did the run "
-                           f"reach its first training step?)")
+        raise RuntimeError(
+            f"{path} is missing: the interleaving start-up module wrote no timings (did the run "
+            f"reach its first training step?)"
+        )
     data = json.loads(path.read_text())
     block, rows = int(data["block"]), data["iterations"]
     blocks: dict[int, list[float]] = {}
@@ -89,8 +93,10 @@ def read(path: Path, warmup: int) -> InterleavedReading:
             static, elastic = sorted((index, index + 1), key=lambda j: MODES.index(modes[j]))
             ratios.append(per_iteration[static] / per_iteration[elastic])
     if not ratios:
-        raise RuntimeError(f"{path}: no two adjacent timed blocks of {block} steps after the warm-up's {warmup} "
-                           f"(blocks {timed}); run more steps, e.g. --steps {run_steps(warmup, block, 1)}.")
+        raise RuntimeError(
+            f"{path}: no two adjacent timed blocks of {block} steps after the warm-up's {warmup} "
+            f"(blocks {timed}); run more steps, e.g. --steps {run_steps(warmup, block, 1)}."
+        )
     rates = {}
     for mode in MODES:
         seconds = [value for index in timed if modes[index] == mode for value in blocks[index]]

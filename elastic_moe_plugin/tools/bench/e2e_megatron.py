@@ -57,8 +57,12 @@ def _probe_env(out: Path, step: int, target: str, interleave_block: int | None) 
     """The start-up module's variables: count the syncs of call ``step``, or interleave blocks
     (and count the syncs of each mode's first call after the warm-up of ``step`` calls)."""
     if interleave_block:
-        return {INTERLEAVE_BLOCK_ENV: str(interleave_block), INTERLEAVE_OUT_ENV: str(out / "interleaved.json"),
-                SYNC_STEP_ENV: str(step), TARGET_ENV: target}
+        return {
+            INTERLEAVE_BLOCK_ENV: str(interleave_block),
+            INTERLEAVE_OUT_ENV: str(out / "interleaved.json"),
+            SYNC_STEP_ENV: str(step),
+            TARGET_ENV: target,
+        }
     return {SYNC_STEP_ENV: str(step), SYNC_OUT_ENV: str(out / "syncs.json"), TARGET_ENV: target}
 
 
@@ -75,9 +79,18 @@ class MegatronSft:
     interleave_block, interleave_pairs = 5, 8
     timing = "from Megatron-SWIFT's logged cumulative train_speed(s/it)"
     MODEL = {
-        "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512, "router_aux_loss_coef": 0.01,
-        "tie_word_embeddings": False, "num_experts": 16, "num_experts_per_tok": 8, "moe_intermediate_size": 16,
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "router_aux_loss_coef": 0.01,
+        "tie_word_embeddings": False,
+        "num_experts": 16,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 16,
         "norm_topk_prob": True,
     }
     MICRO_BATCH, MAX_LENGTH = 2, 192
@@ -88,9 +101,11 @@ class MegatronSft:
 
     def describe(self) -> str:
         m = self.MODEL
-        return (f"Qwen3-MoE, {m['num_hidden_layers']} layers, H={m['hidden_size']}, {m['num_experts']} experts of "
-                f"width {m['moe_intermediate_size']}, top-{m['num_experts_per_tok']}, micro-batch {self.MICRO_BATCH} "
-                f"x {self.MAX_LENGTH} tokens, 1 CPU rank")
+        return (
+            f"Qwen3-MoE, {m['num_hidden_layers']} layers, H={m['hidden_size']}, {m['num_experts']} experts of "
+            f"width {m['moe_intermediate_size']}, top-{m['num_experts_per_tok']}, micro-batch {self.MICRO_BATCH} "
+            f"x {self.MAX_LENGTH} tokens, 1 CPU rank"
+        )
 
     def prepare(self, work: Path, steps: int) -> None:
         import random
@@ -99,13 +114,15 @@ class MegatronSft:
 
         rng = random.Random(0)
         tokenizer = tiny_assets.train_tokenizer(rng)
-        self.model_dir = tiny_assets.write_model(work / "qwen3_moe_e16_k8", "qwen3_moe", tokenizer,
-                                                 {**self.MODEL, "vocab_size": tiny_assets.VOCAB})
+        self.model_dir = tiny_assets.write_model(
+            work / "qwen3_moe_e16_k8", "qwen3_moe", tokenizer, {**self.MODEL, "vocab_size": tiny_assets.VOCAB}
+        )
         rows = tiny_assets.chat_rows(rng, max(64, self.MICRO_BATCH * (steps + 2)))
         self.dataset = tiny_assets.write_chat_dataset(work / "train.jsonl", rows)
 
-    def command(self, schedule: str, steps: int, out: Path, sync_step: int,
-                interleave_block: int | None = None) -> Command:
+    def command(
+        self, schedule: str, steps: int, out: Path, sync_step: int, interleave_block: int | None = None
+    ) -> Command:
         """One run; with ``interleave_block`` an interleaved one (``schedule`` the elastic one)."""
         from elastic_moe_plugin.cpu_runtime.megatron_swift import CPU_FLAGS
         from elastic_moe_plugin.swift import plugin_path
@@ -113,20 +130,68 @@ class MegatronSft:
 
         base = child_env()
         path = [str(cpu_bootstrap_dir()), str(step_probe_dir()), base["PYTHONPATH"]]
-        env = child_env(PYTHONPATH=":".join(path), NPROC_PER_NODE="1", MASTER_PORT=str(_free_port()),
-                        HF_DATASETS_CACHE=str(out / "hf_datasets"), MODELSCOPE_CACHE=str(out / "modelscope"),
-                        ELASTIC_MOE_SCHEDULE=schedule,
-                        **_probe_env(out, sync_step, "megatron_swift", interleave_block))
+        env = child_env(
+            PYTHONPATH=":".join(path),
+            NPROC_PER_NODE="1",
+            MASTER_PORT=str(_free_port()),
+            HF_DATASETS_CACHE=str(out / "hf_datasets"),
+            MODELSCOPE_CACHE=str(out / "modelscope"),
+            ELASTIC_MOE_SCHEDULE=schedule,
+            **_probe_env(out, sync_step, "megatron_swift", interleave_block),
+        )
         argv = [
-            console_script("megatron"), "sft", "--model", str(self.model_dir), "--model_type", "qwen3_moe",
-            "--template", "qwen3", "--dataset", str(self.dataset), "--split_dataset_ratio", "0",
-            "--check_model", "false", "--external_plugins", str(plugin_path()), "--callbacks", "elastic_moe",
-            "--tuner_type", "full", "--finetune", "true", "--micro_batch_size", str(self.MICRO_BATCH),
-            "--global_batch_size", str(self.MICRO_BATCH), "--max_length", str(self.MAX_LENGTH),
-            "--truncation_strategy", "left", "--train_iters", str(steps), "--logging_steps", "1", "--lr", "1e-4",
-            "--moe_aux_loss_coeff", "0.01", "--clip_grad", "1.0", "--moe_token_dispatcher_type", "alltoall",
-            "--dataset_num_proc", "1", "--dataloader_num_workers", "0", "--save_steps", str(10 * steps),
-            "--output_dir", str(out / "out"), "--add_version", "false",
+            console_script("megatron"),
+            "sft",
+            "--model",
+            str(self.model_dir),
+            "--model_type",
+            "qwen3_moe",
+            "--template",
+            "qwen3",
+            "--dataset",
+            str(self.dataset),
+            "--split_dataset_ratio",
+            "0",
+            "--check_model",
+            "false",
+            "--external_plugins",
+            str(plugin_path()),
+            "--callbacks",
+            "elastic_moe",
+            "--tuner_type",
+            "full",
+            "--finetune",
+            "true",
+            "--micro_batch_size",
+            str(self.MICRO_BATCH),
+            "--global_batch_size",
+            str(self.MICRO_BATCH),
+            "--max_length",
+            str(self.MAX_LENGTH),
+            "--truncation_strategy",
+            "left",
+            "--train_iters",
+            str(steps),
+            "--logging_steps",
+            "1",
+            "--lr",
+            "1e-4",
+            "--moe_aux_loss_coeff",
+            "0.01",
+            "--clip_grad",
+            "1.0",
+            "--moe_token_dispatcher_type",
+            "alltoall",
+            "--dataset_num_proc",
+            "1",
+            "--dataloader_num_workers",
+            "0",
+            "--save_steps",
+            str(10 * steps),
+            "--output_dir",
+            str(out / "out"),
+            "--add_version",
+            "false",
             *[word for flag, (value, _) in CPU_FLAGS.items() for word in (f"--{flag}", value)],
         ]
         return Command(argv, env, out)
@@ -142,12 +207,16 @@ class MegatronSft:
         rows = self._logged_rows(out)
         return RunReading(steady_steps_per_second(rows, warmup, "iteration"), logged_mean_kappa(rows), len(rows))
 
-    def read_interleaved(self, out: Path, output: str, warmup: int) -> tuple[e2e_interleaved.InterleavedReading,
-                                                                              float | None]:
+    def read_interleaved(
+        self, out: Path, output: str, warmup: int
+    ) -> tuple[e2e_interleaved.InterleavedReading, float | None]:
         """The interleaved run's timings, and the mean κ its elastic iterations logged."""
         reading = e2e_interleaved.read(out / "interleaved.json", warmup)
-        rows = [row for row in self._logged_rows(out)  # "iteration": "i/n"
-                if int(str(row["iteration"]).split("/")[0]) in reading.elastic_iterations]
+        rows = [
+            row
+            for row in self._logged_rows(out)  # "iteration": "i/n"
+            if int(str(row["iteration"]).split("/")[0]) in reading.elastic_iterations
+        ]
         return reading, logged_mean_kappa(rows)
 
     def syncs(self, out: Path) -> int | None:
@@ -162,22 +231,28 @@ class MegatronLM:
     default_steps, default_warmup = 60, 10
     interleaves = True  # static and elastic blocks in one process (e2e_interleaved)
     interleave_block, interleave_pairs = e2e_interleaved.BLOCK, e2e_interleaved.PAIRS
-    timing = ("from Megatron-LM's logged elapsed time per iteration (ms), logged every 10 iterations as the "
-              "pretraining recipe logs (every iteration when the warm-up or the steps are not multiples of 10)")
+    timing = (
+        "from Megatron-LM's logged elapsed time per iteration (ms), logged every 10 iterations as the "
+        "pretraining recipe logs (every iteration when the warm-up or the steps are not multiples of 10)"
+    )
     #: the pretraining recipe's --log-interval (configs/pretrain/base.yaml)
     RECIPE_LOG_INTERVAL = 10
     LAYERS, HIDDEN, EXPERTS, TOPK, EXPERT_FFN, SEQ, MICRO_BATCH, GLOBAL_BATCH = 2, 64, 16, 8, 32, 64, 4, 8
 
     def describe(self) -> str:
-        return (f"GPT, {self.LAYERS} layers, H={self.HIDDEN}, {self.EXPERTS} experts of width {self.EXPERT_FFN}, "
-                f"top-{self.TOPK}, alltoall, {self.GLOBAL_BATCH // self.MICRO_BATCH} micro-batches of "
-                f"{self.MICRO_BATCH} x {self.SEQ} tokens, 1 gloo rank")
+        return (
+            f"GPT, {self.LAYERS} layers, H={self.HIDDEN}, {self.EXPERTS} experts of width {self.EXPERT_FFN}, "
+            f"top-{self.TOPK}, alltoall, {self.GLOBAL_BATCH // self.MICRO_BATCH} micro-batches of "
+            f"{self.MICRO_BATCH} x {self.SEQ} tokens, 1 gloo rank"
+        )
 
     def prepare(self, work: Path, steps: int) -> None:
         if not MEGATRON_LM_SCRIPT.is_file():
-            raise RuntimeError(f"{MEGATRON_LM_SCRIPT} is missing: the Megatron-LM row runs the repository's example "
-                               f"trainer; run the bench from a checkout of elastic-moe-plugin, or pass --launchers "
-                               f"swift_sft megatron_sft.")
+            raise RuntimeError(
+                f"{MEGATRON_LM_SCRIPT} is missing: the Megatron-LM row runs the repository's example "
+                f"trainer; run the bench from a checkout of elastic-moe-plugin, or pass --launchers "
+                f"swift_sft megatron_sft."
+            )
         work.mkdir(parents=True, exist_ok=True)
 
     def log_interval(self, steps: int, warmup: int, interleave_block: int | None = None) -> int:
@@ -190,31 +265,96 @@ class MegatronLM:
 
     def megatron_args(self, steps: int, log_interval: int = 1) -> list[str]:
         return [
-            "--num-layers", str(self.LAYERS), "--hidden-size", str(self.HIDDEN), "--num-attention-heads", "4",
-            "--ffn-hidden-size", str(2 * self.HIDDEN), "--num-experts", str(self.EXPERTS),
-            "--moe-router-topk", str(self.TOPK), "--moe-ffn-hidden-size", str(self.EXPERT_FFN),
-            "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
-            "--moe-aux-loss-coeff", "0.01", "--seq-length", str(self.SEQ), "--max-position-embeddings", str(self.SEQ),
-            "--micro-batch-size", str(self.MICRO_BATCH), "--global-batch-size", str(self.GLOBAL_BATCH),
-            "--train-iters", str(steps), "--lr", "1e-4", "--seed", "1234", "--mock-data",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--log-interval", str(log_interval), "--eval-iters", "0",
-            "--eval-interval", str(10 * steps), "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--num-layers",
+            str(self.LAYERS),
+            "--hidden-size",
+            str(self.HIDDEN),
+            "--num-attention-heads",
+            "4",
+            "--ffn-hidden-size",
+            str(2 * self.HIDDEN),
+            "--num-experts",
+            str(self.EXPERTS),
+            "--moe-router-topk",
+            str(self.TOPK),
+            "--moe-ffn-hidden-size",
+            str(self.EXPERT_FFN),
+            "--moe-token-dispatcher-type",
+            "alltoall",
+            "--moe-router-load-balancing-type",
+            "aux_loss",
+            "--moe-aux-loss-coeff",
+            "0.01",
+            "--seq-length",
+            str(self.SEQ),
+            "--max-position-embeddings",
+            str(self.SEQ),
+            "--micro-batch-size",
+            str(self.MICRO_BATCH),
+            "--global-batch-size",
+            str(self.GLOBAL_BATCH),
+            "--train-iters",
+            str(steps),
+            "--lr",
+            "1e-4",
+            "--seed",
+            "1234",
+            "--mock-data",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "128",
+            "--log-interval",
+            str(log_interval),
+            "--eval-iters",
+            "0",
+            "--eval-interval",
+            str(10 * steps),
+            "--num-workers",
+            "0",
+            "--hidden-dropout",
+            "0",
+            "--attention-dropout",
+            "0",
             # CPU: gloo, no fused kernels or Transformer Engine; --clip-grad 0 as the tests run --cpu
-            "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
-            "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-gelu-fusion",
-            "--disable-bias-linear", "--clip-grad", "0",
+            "--distributed-backend",
+            "gloo",
+            "--transformer-impl",
+            "local",
+            "--use-cpu-initialization",
+            "--no-gradient-accumulation-fusion",
+            "--no-persist-layer-norm",
+            "--no-bias-gelu-fusion",
+            "--disable-bias-linear",
+            "--clip-grad",
+            "0",
         ]
 
-    def command(self, schedule: str, steps: int, out: Path, sync_step: int,
-                interleave_block: int | None = None) -> Command:
+    def command(
+        self, schedule: str, steps: int, out: Path, sync_step: int, interleave_block: int | None = None
+    ) -> Command:
         """One run; with ``interleave_block`` an interleaved one (``schedule`` the elastic one)."""
         base = child_env()
-        env = child_env(PYTHONPATH=":".join([str(step_probe_dir()), base["PYTHONPATH"]]), NO_VCS_VERSION="1",
-                        **_probe_env(out, sync_step, "megatron_lm", interleave_block))
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                "-m", "elastic_moe_plugin.megatron_lm", "--cpu", str(MEGATRON_LM_SCRIPT),
-                *self.megatron_args(steps, self.log_interval(steps, sync_step, interleave_block)),
-                "--elastic-moe-schedule", schedule]
+        env = child_env(
+            PYTHONPATH=":".join([str(step_probe_dir()), base["PYTHONPATH"]]),
+            NO_VCS_VERSION="1",
+            **_probe_env(out, sync_step, "megatron_lm", interleave_block),
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "elastic_moe_plugin.megatron_lm",
+            "--cpu",
+            str(MEGATRON_LM_SCRIPT),
+            *self.megatron_args(steps, self.log_interval(steps, sync_step, interleave_block)),
+            "--elastic-moe-schedule",
+            schedule,
+        ]
         return Command(argv, env, out)
 
     @staticmethod
@@ -232,12 +372,14 @@ class MegatronLM:
                 kappas[iteration] = float(kappa.group(1))
         return elapsed, kappas
 
-    def read_interleaved(self, out: Path, output: str, warmup: int) -> tuple[e2e_interleaved.InterleavedReading,
-                                                                              float | None]:
+    def read_interleaved(
+        self, out: Path, output: str, warmup: int
+    ) -> tuple[e2e_interleaved.InterleavedReading, float | None]:
         """The interleaved run's timings, and the mean κ its elastic iterations logged."""
         reading = e2e_interleaved.read(out / "interleaved.json", warmup)
-        kappas = [kappa for iteration, kappa in self._logged(output)[1].items()
-                  if iteration in reading.elastic_iterations]
+        kappas = [
+            kappa for iteration, kappa in self._logged(output)[1].items() if iteration in reading.elastic_iterations
+        ]
         return reading, sum(kappas) / len(kappas) if kappas else None
 
     def read(self, out: Path, output: str, warmup: int) -> RunReading:
@@ -245,8 +387,11 @@ class MegatronLM:
         kappas = list(logged_kappas.values())
         # each logged figure is the mean over the iterations since the previous logged one
         logged = sorted(elapsed)
-        spans = [(iteration - previous, elapsed[iteration])
-                 for previous, iteration in zip([0, *logged], logged) if previous >= warmup]
+        spans = [
+            (iteration - previous, elapsed[iteration])
+            for previous, iteration in zip([0, *logged], logged)
+            if previous >= warmup
+        ]
         if not spans:
             raise RuntimeError(f"Megatron-LM logged iterations {logged}: none after the warm-up's {warmup}")
         timed_steps = sum(span for span, _ in spans)

@@ -19,7 +19,6 @@ self CPU time differs most between the two.
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -27,9 +26,18 @@ from elastic_moe_plugin.tools.bench.e2e_child import Command, RunReading, child_
 
 #: OLMoE-shaped routing (64 experts, top-8, full-softmax gate), tiny width and depth
 MODEL = {
-    "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,
-    "num_key_value_heads": 4, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
-    "vocab_size": None, "max_position_embeddings": 512, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+    "num_hidden_layers": 4,
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": False,
+    "vocab_size": None,
+    "max_position_embeddings": 512,
+    "router_aux_loss_coef": 0.01,
+    "tie_word_embeddings": False,
 }
 SCHEDULES = ("static", "6-10")
 DATASET_ROWS, BATCH_SIZE = 64, 8
@@ -46,20 +54,33 @@ def build(work: Path, model: dict) -> tuple[Path, Path]:
     rng = random.Random(0)
     tokenizer = tiny_assets.train_tokenizer(rng)
     config = {**model, "vocab_size": model["vocab_size"] or tiny_assets.VOCAB}
-    model_dir = tiny_assets.write_model(work / f"olmoe_e{model['num_experts']}_k{model['num_experts_per_tok']}",
-                                        "olmoe", tokenizer, config)
+    model_dir = tiny_assets.write_model(
+        work / f"olmoe_e{model['num_experts']}_k{model['num_experts_per_tok']}", "olmoe", tokenizer, config
+    )
     dataset = tiny_assets.write_chat_dataset(work / "train.jsonl", tiny_assets.chat_rows(rng, DATASET_ROWS))
     return model_dir, dataset
 
 
-def command(model_dir: Path, dataset: Path, schedule: str, steps: int, out: Path, experts_impl: str | None = None, *,
-            profile: str | None = None, sync_step: int | None = None) -> Command:
+def command(
+    model_dir: Path,
+    dataset: Path,
+    schedule: str,
+    steps: int,
+    out: Path,
+    experts_impl: str | None = None,
+    *,
+    profile: str | None = None,
+    sync_step: int | None = None,
+) -> Command:
     """One ``swift sft`` run writing under ``out``. ``profile`` ("first:count"): the profiler's table in
     ``out / "profile.json"``; ``sync_step``: the host syncs of that step in ``out / "syncs.json"``."""
     from elastic_moe_plugin.swift import plugin_path
 
-    env = child_env(HF_DATASETS_CACHE=str(out / "hf_datasets"), MODELSCOPE_CACHE=str(out / "modelscope"),
-                    ELASTIC_MOE_SCHEDULE=schedule)
+    env = child_env(
+        HF_DATASETS_CACHE=str(out / "hf_datasets"),
+        MODELSCOPE_CACHE=str(out / "modelscope"),
+        ELASTIC_MOE_SCHEDULE=schedule,
+    )
     plugins, callbacks = [str(plugin_path())], ["elastic_moe"]
     if profile is not None:
         callbacks.append("sft_profile")
@@ -72,13 +93,48 @@ def command(model_dir: Path, dataset: Path, schedule: str, steps: int, out: Path
     if len(callbacks) > 1:
         plugins.append(str(CALLBACKS_PLUGIN))
     argv = [
-        console_script("swift"), "sft", "--model", str(model_dir), "--model_type", "olmoe", "--template", "olmoe",
-        "--dataset", str(dataset), "--check_model", "false",
-        "--external_plugins", *plugins, "--callbacks", *callbacks,
-        "--tuner_type", "full", "--max_steps", str(steps), "--logging_steps", "1", "--router_aux_loss_coef", "0.01",
-        "--per_device_train_batch_size", str(BATCH_SIZE), "--gradient_accumulation_steps", "1", "--max_length", "512",
-        "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0", "--dataset_num_proc", "1",
-        "--output_dir", str(out / "run"), "--add_version", "false",
+        console_script("swift"),
+        "sft",
+        "--model",
+        str(model_dir),
+        "--model_type",
+        "olmoe",
+        "--template",
+        "olmoe",
+        "--dataset",
+        str(dataset),
+        "--check_model",
+        "false",
+        "--external_plugins",
+        *plugins,
+        "--callbacks",
+        *callbacks,
+        "--tuner_type",
+        "full",
+        "--max_steps",
+        str(steps),
+        "--logging_steps",
+        "1",
+        "--router_aux_loss_coef",
+        "0.01",
+        "--per_device_train_batch_size",
+        str(BATCH_SIZE),
+        "--gradient_accumulation_steps",
+        "1",
+        "--max_length",
+        "512",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--dataloader_num_workers",
+        "0",
+        "--dataset_num_proc",
+        "1",
+        "--output_dir",
+        str(out / "run"),
+        "--add_version",
+        "false",
     ]
     if experts_impl is not None:
         argv += ["--experts_impl", experts_impl]
@@ -112,8 +168,11 @@ def logged_mean_kappa(rows: list[dict]) -> float | None:
         if "elastic_moe/mean_kappa" in row:
             means.append(row["elastic_moe/mean_kappa"])
         else:
-            layers = [value for key, value in row.items()
-                      if key.startswith("elastic_moe/layer_") and key.endswith("/mean_kappa")]
+            layers = [
+                value
+                for key, value in row.items()
+                if key.startswith("elastic_moe/layer_") and key.endswith("/mean_kappa")
+            ]
             if layers:
                 means.append(sum(layers) / len(layers))
     return sum(means) / len(means) if means else None
@@ -147,9 +206,11 @@ class SwiftSft:
 
     def describe(self) -> str:
         m = self.model
-        return (f"OLMoE-shaped, {m['num_hidden_layers']} layers, H={m['hidden_size']}, {m['num_experts']} experts of "
-                f"width {m['intermediate_size']}, top-{m['num_experts_per_tok']}, batch {BATCH_SIZE}, "
-                f"experts {self.experts_impl or 'grouped_mm (default)'}")
+        return (
+            f"OLMoE-shaped, {m['num_hidden_layers']} layers, H={m['hidden_size']}, {m['num_experts']} experts of "
+            f"width {m['intermediate_size']}, top-{m['num_experts_per_tok']}, batch {BATCH_SIZE}, "
+            f"experts {self.experts_impl or 'grouped_mm (default)'}"
+        )
 
     def prepare(self, work: Path, steps: int) -> None:
         self.model_dir, self.dataset = build(work, self.model)
@@ -174,8 +235,9 @@ def run_once(cmd: Command, log: Path) -> None:
         raise RuntimeError(f"swift sft exited {code}; see {log}")
 
 
-def profile_differences(model_dir: Path, dataset: Path, work: Path, steps: int, experts_impl: str | None,
-                        profile: str, top: int = 15) -> dict:
+def profile_differences(
+    model_dir: Path, dataset: Path, work: Path, steps: int, experts_impl: str | None, profile: str, top: int = 15
+) -> dict:
     """One profiled run per schedule; prints and returns the largest self-CPU differences by op."""
     tables = {}
     for schedule in SCHEDULES:
@@ -185,9 +247,13 @@ def profile_differences(model_dir: Path, dataset: Path, work: Path, steps: int, 
         tables[schedule] = json.loads((out / "profile.json").read_text())
     static, elastic = tables["static"], tables["6-10"]
     totals = {schedule: sum(us for us, _ in table.values()) / 1e3 for schedule, table in tables.items()}
-    rows = sorted(((elastic.get(op, [0, 0])[0] - static.get(op, [0, 0])[0]) / 1e3, op) for op in set(static) | set(elastic))
-    print(f"self CPU over steps {profile}: static {totals['static']:.0f} ms, 6-10 {totals['6-10']:.0f} ms "
-          f"({totals['6-10'] - totals['static']:+.0f} ms)")
+    rows = sorted(
+        ((elastic.get(op, [0, 0])[0] - static.get(op, [0, 0])[0]) / 1e3, op) for op in set(static) | set(elastic)
+    )
+    print(
+        f"self CPU over steps {profile}: static {totals['static']:.0f} ms, 6-10 {totals['6-10']:.0f} ms "
+        f"({totals['6-10'] - totals['static']:+.0f} ms)"
+    )
     print(f"{'op':42s} {'static ms':>10s} {'6-10 ms':>10s} {'diff ms':>9s} {'calls':>13s}")
     for diff, op in sorted(rows, key=lambda row: -abs(row[0]))[:top]:
         (s_us, s_calls), (e_us, e_calls) = static.get(op, [0, 0]), elastic.get(op, [0, 0])
@@ -195,5 +261,17 @@ def profile_differences(model_dir: Path, dataset: Path, work: Path, steps: int, 
     return {"totals_ms": totals, "top": [(op, diff) for diff, op in sorted(rows, key=lambda row: -abs(row[0]))[:top]]}
 
 
-__all__ = ["CALLBACKS_PLUGIN", "MODEL", "SCHEDULES", "SwiftSft", "build", "command", "logged_mean_kappa", "logged_rows",
-           "profile_differences", "read_syncs", "run_once", "steady_steps_per_second"]
+__all__ = [
+    "CALLBACKS_PLUGIN",
+    "MODEL",
+    "SCHEDULES",
+    "SwiftSft",
+    "build",
+    "command",
+    "logged_mean_kappa",
+    "logged_rows",
+    "profile_differences",
+    "read_syncs",
+    "run_once",
+    "steady_steps_per_second",
+]

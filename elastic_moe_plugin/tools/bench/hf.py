@@ -65,8 +65,12 @@ class BlockShape:
 #: family -> (config class, block class, the config field of the expert FFN width, norm_topk_prob)
 _BLOCKS: dict[str, tuple[str, str, str, bool]] = {
     "olmoe": ("olmoe.OlmoeConfig", "olmoe.modeling_olmoe.OlmoeSparseMoeBlock", "intermediate_size", False),
-    "qwen3_moe": ("qwen3_moe.Qwen3MoeConfig", "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
-                  "moe_intermediate_size", True),
+    "qwen3_moe": (
+        "qwen3_moe.Qwen3MoeConfig",
+        "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+        "moe_intermediate_size",
+        True,
+    ),
 }
 
 
@@ -81,8 +85,11 @@ def _sizes(hidden: int, ffn: int) -> dict[str, Size]:
       [E, H, F] weight gradient for every expert it indexes (stock behaviour), about 70 s a step on
       one CPU thread at OLMoE's width.
     """
-    return {"grouped_mm": Size(hidden, ffn, 256), "batched_mm": Size(hidden, ffn, 8),
-            "eager": Size(hidden // 8, ffn // 8, 256)}
+    return {
+        "grouped_mm": Size(hidden, ffn, 256),
+        "batched_mm": Size(hidden, ffn, 8),
+        "eager": Size(hidden // 8, ffn // 8, 256),
+    }
 
 
 FULL_SHAPES = (  # the widths of OLMoE-1B-7B and Qwen3-30B-A3B
@@ -92,8 +99,13 @@ FULL_SHAPES = (  # the widths of OLMoE-1B-7B and Qwen3-30B-A3B
 _QUICK = {"grouped_mm": Size(128, 64, 128), "batched_mm": Size(128, 64, 32), "eager": Size(128, 64, 128)}
 QUICK_SHAPES = (
     BlockShape("olmoe", experts=64, topk=8, schedule="6-10", sizes=_QUICK),
-    BlockShape("qwen3_moe", experts=128, topk=8, schedule="6-10",
-               sizes={name: dataclasses.replace(size, ffn=48) for name, size in _QUICK.items()}),
+    BlockShape(
+        "qwen3_moe",
+        experts=128,
+        topk=8,
+        schedule="6-10",
+        sizes={name: dataclasses.replace(size, ffn=48) for name, size in _QUICK.items()},
+    ),
 )
 
 
@@ -127,8 +139,10 @@ class ExpertGemmRows(TorchDispatchMode):
         self.flops_per_row = 2 * experts.hidden_dim * up_width + 2 * experts.intermediate_dim * experts.hidden_dim
         self.flops = 0
         self._active = False
-        self._handles = [experts.register_forward_pre_hook(lambda module, args: self._set(True)),
-                         experts.register_forward_hook(lambda module, args, out: self._set(False))]
+        self._handles = [
+            experts.register_forward_pre_hook(lambda module, args: self._set(True)),
+            experts.register_forward_hook(lambda module, args, out: self._set(False)),
+        ]
 
     def _set(self, active: bool) -> None:
         self._active = active
@@ -137,8 +151,10 @@ class ExpertGemmRows(TorchDispatchMode):
     def rows(self) -> int:
         rows, remainder = divmod(self.flops, self.flops_per_row)
         if remainder:
-            raise RuntimeError(f"expert GEMM FLOPs {self.flops} are not a whole number of rows of "
-                               f"{self.flops_per_row} FLOPs: a GEMM was counted wrongly")
+            raise RuntimeError(
+                f"expert GEMM FLOPs {self.flops} are not a whole number of rows of "
+                f"{self.flops_per_row} FLOPs: a GEMM was counted wrongly"
+            )
         return rows
 
     def __exit__(self, *exc):
@@ -173,8 +189,13 @@ def build_block(shape: BlockShape, implementation: str) -> torch.nn.Module:
     """transformers' sparse MoE block of ``shape.family`` in training mode, random N(0, 0.02) weights."""
     config_path, block_path, ffn_field, norm = _BLOCKS[shape.family]
     size = shape.sizes[implementation]
-    config = _resolve(config_path)(hidden_size=size.hidden, num_experts=shape.experts,
-                                   num_experts_per_tok=shape.topk, norm_topk_prob=norm, **{ffn_field: size.ffn})
+    config = _resolve(config_path)(
+        hidden_size=size.hidden,
+        num_experts=shape.experts,
+        num_experts_per_tok=shape.topk,
+        norm_topk_prob=norm,
+        **{ffn_field: size.ffn},
+    )
     config._experts_implementation = implementation
     torch.manual_seed(0)
     block = _resolve(block_path)(config)
@@ -212,6 +233,7 @@ def block_scenario(shape: BlockShape, implementation: str) -> tuple[dict[str, St
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(1, tokens, size.hidden, generator=generator)
     grad_out = torch.randn(1, tokens, size.hidden, generator=generator)
+
     def elastic(sampling: str):
         def setup() -> None:
             hf.apply(ElasticConfig(schedule=shape.schedule, sampling=sampling))
@@ -219,6 +241,7 @@ def block_scenario(shape: BlockShape, implementation: str) -> tuple[dict[str, St
             # syncs once per expert hit, so a count that moved with the draw would compare nothing.
             torch.manual_seed(0)
             budget_rng.reset()
+
         return setup
 
     setups = {"stock": hf.remove, "iid": elastic("iid"), "balanced": elastic("balanced")}
@@ -238,10 +261,12 @@ def block_scenario(shape: BlockShape, implementation: str) -> tuple[dict[str, St
             record = hf.routing_records(block).get(0) if name != "stock" else None
             dispatched[name] = int(record.budgets.sum()) if record is not None else tokens * shape.topk
             return counted.rows
+
         return rows
 
-    steps = {name: Step(run=run, forward=forward, pairs=counted_rows(name), setup=setup)
-             for name, setup in setups.items()}
+    steps = {
+        name: Step(run=run, forward=forward, pairs=counted_rows(name), setup=setup) for name, setup in setups.items()
+    }
     return steps, dispatched
 
 
@@ -264,9 +289,22 @@ def run_suite(quick: bool, threads: int) -> list[ExpertsScenarioResult]:
     if threads:
         torch.set_num_threads(threads)
     shapes, (warmup, repeats) = (QUICK_SHAPES, (1, 5)) if quick else (FULL_SHAPES, (2, 11))
-    return [measure_block(shape, implementation, warmup, repeats)
-            for shape in shapes for implementation in IMPLEMENTATIONS]
+    return [
+        measure_block(shape, implementation, warmup, repeats) for shape in shapes for implementation in IMPLEMENTATIONS
+    ]
 
 
-__all__ = ["BlockShape", "ExpertGemmRows", "Size", "ExpertsScenarioResult", "ExpertsVariantResult", "FULL_SHAPES",
-           "IMPLEMENTATIONS", "QUICK_SHAPES", "block_scenario", "build_block", "measure_block", "run_suite"]
+__all__ = [
+    "FULL_SHAPES",
+    "IMPLEMENTATIONS",
+    "QUICK_SHAPES",
+    "BlockShape",
+    "ExpertGemmRows",
+    "ExpertsScenarioResult",
+    "ExpertsVariantResult",
+    "Size",
+    "block_scenario",
+    "build_block",
+    "measure_block",
+    "run_suite",
+]

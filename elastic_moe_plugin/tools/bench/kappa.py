@@ -22,8 +22,8 @@ from __future__ import annotations
 import statistics
 import time
 import tracemalloc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -56,7 +56,7 @@ def _before(schedule: BudgetSchedule, sampling: str, num_shards: int, tokens: in
 
     def draw() -> torch.Tensor:
         uniforms = torch.rand(num_shards * tokens, dtype=torch.float64, generator=generator)
-        return schedule.budgets_from_uniforms(uniforms[shard * tokens:(shard + 1) * tokens], sampling)
+        return schedule.budgets_from_uniforms(uniforms[shard * tokens : (shard + 1) * tokens], sampling)
 
     return draw
 
@@ -94,8 +94,10 @@ def run_suite(quick: bool, threads: int) -> list[KappaDrawResult]:
     results = []
     for sampling in ("iid", "balanced"):
         for num_shards in shards:
-            draws = {"before": _before(schedule, sampling, num_shards, tokens),
-                     "after": _after(schedule, sampling, num_shards, tokens)}
+            draws = {
+                "before": _before(schedule, sampling, num_shards, tokens),
+                "after": _after(schedule, sampling, num_shards, tokens),
+            }
             for name, draw in draws.items():
                 # each path timed on its own: a 64 MiB `before` draw between two `after` draws would
                 # evict the caches the `after` draw then pays for (drift is what the rounds absorb)
@@ -106,10 +108,18 @@ def run_suite(quick: bool, threads: int) -> list[KappaDrawResult]:
                     start = time.perf_counter()
                     draw()
                     times.append((time.perf_counter() - start) * 1e6)
-                results.append(KappaDrawResult(
-                    sampling=sampling, num_shards=num_shards, path=name, tokens=tokens,
-                    median_us=statistics.median(times), min_us=min(times), max_us=max(times),
-                    peak_bytes=_peak_bytes(draw)))
+                results.append(
+                    KappaDrawResult(
+                        sampling=sampling,
+                        num_shards=num_shards,
+                        path=name,
+                        tokens=tokens,
+                        median_us=statistics.median(times),
+                        min_us=min(times),
+                        max_us=max(times),
+                        peak_bytes=_peak_bytes(draw),
+                    )
+                )
     return results
 
 
@@ -117,16 +127,20 @@ def format_table(results: list[KappaDrawResult]) -> str:
     """One row per (sampling, num_shards): before and after, time and peak memory."""
     cells = {(r.sampling, r.num_shards, r.path): r for r in results}
     tokens = results[0].tokens
-    lines = [f"κ draw per router call, T={tokens}, schedule {SCHEDULE_SPEC} around {CENTER}, host CPU "
-             f"(before: num_shards·T uniforms, this rank's slice; after: this rank's T from the counter-based stream)",
-             f"{'sampling':9s} {'num_shards':>10s} {'before µs':>11s} {'after µs':>10s} {'after min-max µs':>17s} "
-             f"{'before MiB':>11s} {'after MiB':>10s}"]
+    lines = [
+        f"κ draw per router call, T={tokens}, schedule {SCHEDULE_SPEC} around {CENTER}, host CPU "
+        f"(before: num_shards·T uniforms, this rank's slice; after: this rank's T from the counter-based stream)",
+        f"{'sampling':9s} {'num_shards':>10s} {'before µs':>11s} {'after µs':>10s} {'after min-max µs':>17s} "
+        f"{'before MiB':>11s} {'after MiB':>10s}",
+    ]
     for sampling, num_shards in dict.fromkeys((r.sampling, r.num_shards) for r in results):
         before, after = cells[sampling, num_shards, "before"], cells[sampling, num_shards, "after"]
-        lines.append(f"{sampling:9s} {num_shards:10d} {before.median_us:11.1f} {after.median_us:10.1f} "
-                     f"{after.min_us:8.1f}-{after.max_us:8.1f} {before.peak_bytes / 2**20:11.3f} "
-                     f"{after.peak_bytes / 2**20:10.3f}")
+        lines.append(
+            f"{sampling:9s} {num_shards:10d} {before.median_us:11.1f} {after.median_us:10.1f} "
+            f"{after.min_us:8.1f}-{after.max_us:8.1f} {before.peak_bytes / 2**20:11.3f} "
+            f"{after.peak_bytes / 2**20:10.3f}"
+        )
     return "\n".join(lines)
 
 
-__all__ = ["KappaDrawResult", "QUICK_SHARDS", "SHARDS", "format_table", "run_suite"]
+__all__ = ["QUICK_SHARDS", "SHARDS", "KappaDrawResult", "format_table", "run_suite"]

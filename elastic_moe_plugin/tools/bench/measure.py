@@ -20,8 +20,8 @@ import gc
 import statistics
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -148,8 +148,16 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def measure(scenario: str, shape: str, steps: dict[str, Step], warmup: int, repeats: int, *,
-            reset: Callable[[], None] = _nothing, between_runs: Callable[[], None] = _nothing) -> ScenarioResult:
+def measure(
+    scenario: str,
+    shape: str,
+    steps: dict[str, Step],
+    warmup: int,
+    repeats: int,
+    *,
+    reset: Callable[[], None] = _nothing,
+    between_runs: Callable[[], None] = _nothing,
+) -> ScenarioResult:
     """Interleaved timing, then memory, syncs and pairs of each variant.
 
     Args:
@@ -188,8 +196,12 @@ def measure(scenario: str, shape: str, steps: dict[str, Step], warmup: int, repe
         steps["stock"].setup()
         expected = steps["stock"].pairs()
         result.variants[name] = VariantResult(
-            median_ms=statistics.median(times[name]), min_ms=min(times[name]), max_ms=max(times[name]),
-            peak_bytes=live.peak, syncs_per_forward=syncs.count, expected_pairs=expected,
+            median_ms=statistics.median(times[name]),
+            min_ms=min(times[name]),
+            max_ms=max(times[name]),
+            peak_bytes=live.peak,
+            syncs_per_forward=syncs.count,
+            expected_pairs=expected,
             realised_pairs=realised,
         )
     return result

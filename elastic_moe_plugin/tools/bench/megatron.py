@@ -34,6 +34,7 @@ import torch
 from elastic_moe_plugin.compat import megatron_tracker
 from elastic_moe_plugin.tools.bench.measure import ScenarioResult, Step, measure
 
+
 # ------------------------------------------------------------------------------------ set-up
 def _megatron_setup(threads: int) -> None:
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
@@ -68,10 +69,19 @@ def _config(**overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     values = dict(
-        num_layers=1, num_attention_heads=4, moe_router_dtype="fp32", moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=0.01, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-        use_cpu_initialization=True, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        activation_func=F.gelu, gated_linear_unit=False,
+        num_layers=1,
+        num_attention_heads=4,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.01,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        activation_func=F.gelu,
+        gated_linear_unit=False,
     )
     values.update(overrides)
     return TransformerConfig(**values)
@@ -129,7 +139,11 @@ def _router_step(router, x, grad_probs, expected_pairs) -> Step:
         router.zero_grad(set_to_none=True)
         (forward() * grad_probs).sum().backward()
 
-    return Step(run=run, forward=lambda: forward(), pairs=lambda: int(state["pairs"].sum()) if "pairs" in state else expected_pairs)
+    return Step(
+        run=run,
+        forward=lambda: forward(),
+        pairs=lambda: int(state["pairs"].sum()) if "pairs" in state else expected_pairs,
+    )
 
 
 def _moe_submodules():
@@ -139,8 +153,16 @@ def _moe_submodules():
     return mlp.submodules if hasattr(mlp, "submodules") else mlp.keywords["submodules"]
 
 
-def layer_scenario(dispatcher: str, num_experts: int, topk: int, schedule: str, tokens: int, hidden: int,
-                   ffn: int, drop_and_pad: bool = False) -> dict[str, Step]:
+def layer_scenario(
+    dispatcher: str,
+    num_experts: int,
+    topk: int,
+    schedule: str,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    drop_and_pad: bool = False,
+) -> dict[str, Step]:
     import dataclasses
 
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -149,8 +171,15 @@ def layer_scenario(dispatcher: str, num_experts: int, topk: int, schedule: str, 
     from elastic_moe_plugin import mcore
 
     capacity = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True) if drop_and_pad else {}
-    config = _config(hidden_size=hidden, ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, num_moe_experts=num_experts,
-                     moe_router_topk=topk, moe_token_dispatcher_type=dispatcher, **capacity)
+    config = _config(
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        moe_ffn_hidden_size=ffn,
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_token_dispatcher_type=dispatcher,
+        **capacity,
+    )
     device = _device()
     torch.manual_seed(0)
     layers = {"stock": MoELayer(config=config, submodules=_moe_submodules())}
@@ -165,7 +194,9 @@ def layer_scenario(dispatcher: str, num_experts: int, topk: int, schedule: str, 
     grad_out = torch.randn(sequence, 4, hidden, device=device)
     expected_rows = sequence * 4 * topk
     if drop_and_pad:  # stock's buffers: every expert padded to the capacity of T·k assignments
-        expected_rows = num_experts * get_capacity(num_tokens=expected_rows, num_experts=num_experts, capacity_factor=1.0)
+        expected_rows = num_experts * get_capacity(
+            num_tokens=expected_rows, num_experts=num_experts, capacity_factor=1.0
+        )
     steps = {}
     for name, layer in layers.items():
         layer.to(device).set_layer_number(1)
@@ -197,16 +228,25 @@ def gpt_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hidden
 
     vocab, batch = 256, 4
     sequence = max(8, tokens // batch)
-    config = _config(num_layers=layers, hidden_size=hidden, ffn_hidden_size=2 * hidden, moe_ffn_hidden_size=2 * hidden,
-                     num_moe_experts=num_experts, moe_router_topk=topk)
+    config = _config(
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=2 * hidden,
+        moe_ffn_hidden_size=2 * hidden,
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+    )
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     device = _device()
     torch.manual_seed(0)
-    models = {"stock": GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=sequence)}
+    models = {
+        "stock": GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=sequence)
+    }
     for sampling in ("iid", "balanced"):
         elastic_spec = mcore.elastic_router_spec(spec, _elastic_config(schedule, sampling))
-        models[sampling] = GPTModel(config=config, transformer_layer_spec=elastic_spec, vocab_size=vocab,
-                                    max_sequence_length=sequence)
+        models[sampling] = GPTModel(
+            config=config, transformer_layer_spec=elastic_spec, vocab_size=vocab, max_sequence_length=sequence
+        )
         models[sampling].load_state_dict(models["stock"].state_dict())
     generator = torch.Generator().manual_seed(1)
     tokens_in = torch.randint(0, vocab, (batch, sequence), generator=generator).to(device)
@@ -226,15 +266,19 @@ def gpt_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hidden
             call(module).backward()
             megatron_tracker.zero()
 
-        steps[name] = Step(run=run, forward=lambda module=model, call=call: call(module),
-                           pairs=lambda module=model: _records_pairs(module, batch * sequence * topk * layers))
+        steps[name] = Step(
+            run=run,
+            forward=lambda module=model, call=call: call(module),
+            pairs=lambda module=model: _records_pairs(module, batch * sequence * topk * layers),
+        )
     return steps
 
 
 # ------------------------------------------------------------------------------------ running
 def _measure(scenario: str, shape: str, steps: dict[str, Step], warmup: int, repeats: int) -> ScenarioResult:
-    return measure(scenario, shape, steps, warmup, repeats, reset=megatron_tracker.reset,
-                   between_runs=megatron_tracker.zero)
+    return measure(
+        scenario, shape, steps, warmup, repeats, reset=megatron_tracker.reset, between_runs=megatron_tracker.zero
+    )
 
 
 def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list[ScenarioResult]:
@@ -255,13 +299,24 @@ def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list[
     if "router" in wanted:
         for experts, topk, schedule, tokens, hidden in router_shapes:
             shape = f"E={experts} k={topk} {schedule} T={tokens} H={hidden}"
-            results.append(_measure("router", shape, router_scenario(experts, topk, schedule, tokens, hidden), warmup, repeats))
+            results.append(
+                _measure("router", shape, router_scenario(experts, topk, schedule, tokens, hidden), warmup, repeats)
+            )
     if "layer" in wanted:
         shape = "E={num_experts} k={topk} {schedule} T={tokens} H={hidden} F={ffn}".format(**layer_shape)
         for dispatcher in ("allgather", "alltoall"):
-            results.append(_measure(f"layer-{dispatcher}", shape, layer_scenario(dispatcher, **layer_shape), warmup, repeats))
-        results.append(_measure("layer-droppad", "alltoall " + shape + " cf=1 pad",
-                                layer_scenario("alltoall", **layer_shape, drop_and_pad=True), warmup, repeats))
+            results.append(
+                _measure(f"layer-{dispatcher}", shape, layer_scenario(dispatcher, **layer_shape), warmup, repeats)
+            )
+        results.append(
+            _measure(
+                "layer-droppad",
+                "alltoall " + shape + " cf=1 pad",
+                layer_scenario("alltoall", **layer_shape, drop_and_pad=True),
+                warmup,
+                repeats,
+            )
+        )
     if "gpt" in wanted:
         shape = "L={layers} E={num_experts} k={topk} {schedule} T={tokens} H={hidden}".format(**gpt_shape)
         results.append(_measure("gpt-step", shape, gpt_scenario(**gpt_shape), warmup, repeats))

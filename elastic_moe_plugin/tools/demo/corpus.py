@@ -120,8 +120,12 @@ class Corpus:
                 yield torch.stack([self.stream[s : s + span] for s in starts.tolist()])
 
     def to_dict(self) -> dict[str, Any]:
-        info = {"description": self.description, "vocab_size": self.vocab_size, "seq_len": self.seq_len,
-                "heldout_sequences": int(self.heldout.shape[0])}
+        info = {
+            "description": self.description,
+            "vocab_size": self.vocab_size,
+            "seq_len": self.seq_len,
+            "heldout_sequences": int(self.heldout.shape[0]),
+        }
         if self.train is not None:
             info["train_sequences"] = int(self.train.shape[0])
         else:

@@ -40,8 +40,10 @@ def model_config(settings: DemoSettings, vocab_size: int) -> dict[str, Any]:
             use_cpu_initialization=True,
         ),
         "gpt_model": dict(vocab_size=vocab_size, max_sequence_length=settings.seq_len),
-        "layer_spec": {"function": "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec",
-                       "kwargs": {"num_experts": settings.num_experts, "moe_grouped_gemm": False}},
+        "layer_spec": {
+            "function": "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec",
+            "kwargs": {"num_experts": settings.num_experts, "moe_grouped_gemm": False},
+        },
     }
 
 
@@ -53,8 +55,9 @@ def build_model(config: dict[str, Any]):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     spec = get_gpt_layer_local_spec(**config["layer_spec"]["kwargs"])
-    return GPTModel(config=TransformerConfig(**config["transformer_config"]), transformer_layer_spec=spec,
-                    **config["gpt_model"])
+    return GPTModel(
+        config=TransformerConfig(**config["transformer_config"]), transformer_layer_spec=spec, **config["gpt_model"]
+    )
 
 
 def load_trained(out_dir: str | os.PathLike[str], run: str = "elastic"):

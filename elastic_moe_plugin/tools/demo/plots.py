@@ -18,14 +18,18 @@ _COLORS = {"static": "#4C72B0", "elastic": "#DD8452"}
 
 
 def _labels(summary: dict[str, Any]) -> dict[str, str]:
-    return {"static": f"static top-{summary['settings']['topk']}",
-            "elastic": f"elastic {summary['runs']['elastic']['schedule']}"}
+    return {
+        "static": f"static top-{summary['settings']['topk']}",
+        "elastic": f"elastic {summary['runs']['elastic']['schedule']}",
+    }
 
 
 def _moving_average(values: list[float], window: int) -> list[float]:
     """Mean of the last ``window`` values at each position (fewer at the start)."""
-    return [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
-            for i in range(len(values))]
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def _loss_curves(plt, summary: dict[str, Any], out: Path) -> str:
@@ -40,9 +44,16 @@ def _loss_curves(plt, summary: dict[str, Any], out: Path) -> str:
         tokens = [step * tokens_per_step for step in steps]
         eval_tokens = [step * tokens_per_step for step in run["history"]["eval_step"]]
         for axis in (ax, zoom):
-            axis.plot(tokens, smoothed[name], color=_COLORS[name], alpha=0.6,
-                      label=f"{labels[name]} train (moving avg {window})")
-            axis.plot(eval_tokens, run["history"]["eval_loss"], "o--", color=_COLORS[name], label=f"{labels[name]} held-out")
+            axis.plot(
+                tokens,
+                smoothed[name],
+                color=_COLORS[name],
+                alpha=0.6,
+                label=f"{labels[name]} train (moving avg {window})",
+            )
+            axis.plot(
+                eval_tokens, run["history"]["eval_loss"], "o--", color=_COLORS[name], label=f"{labels[name]} held-out"
+            )
     for axis in (ax, zoom):
         axis.set_xlabel("training tokens")
         axis.set_ylabel("loss (nats/token)")
@@ -50,10 +61,18 @@ def _loss_curves(plt, summary: dict[str, Any], out: Path) -> str:
     ax.legend(frameon=False, fontsize=8)
     # right: the second half of training, where the two runs separate (if at all)
     half = s["steps"] * tokens_per_step / 2
-    tail = [v for run in runs.values() for step, v in zip(run["history"]["eval_step"], run["history"]["eval_loss"])
-            if step * tokens_per_step >= half]
-    tail += [v for name, run in runs.items() for step, v in zip(run["history"]["step"], smoothed[name])
-             if step * tokens_per_step >= half]
+    tail = [
+        v
+        for run in runs.values()
+        for step, v in zip(run["history"]["eval_step"], run["history"]["eval_loss"])
+        if step * tokens_per_step >= half
+    ]
+    tail += [
+        v
+        for name, run in runs.items()
+        for step, v in zip(run["history"]["step"], smoothed[name])
+        if step * tokens_per_step >= half
+    ]
     if tail:
         spread = max(tail) - min(tail)
         zoom.set_xlim(half, s["steps"] * tokens_per_step * 1.02)
@@ -94,8 +113,14 @@ def _kappa_histogram(plt, summary: dict[str, Any], out: Path, schedule: BudgetSc
         total = entry["tokens"]
         freq = [entry["histogram"].get(str(r), 0) / total for r in budgets]
         ax.bar([r - 0.4 + width * (i + 0.5) for r in budgets], freq, width=width, alpha=0.8, label=f"layer {layer}")
-    ax.plot(budgets, [schedule.probability(r) for r in budgets], "k_", markersize=22, mew=2,
-            label=f"pmf {schedule.describe()}")
+    ax.plot(
+        budgets,
+        [schedule.probability(r) for r in budgets],
+        "k_",
+        markersize=22,
+        mew=2,
+        label=f"pmf {schedule.describe()}",
+    )
     ax.set_xticks(budgets)
     ax.set_xlabel("budget κ")
     ax.set_ylabel("share of training tokens")
@@ -114,4 +139,8 @@ def write_plots(summary: dict[str, Any], out: Path, schedule: BudgetSchedule) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return [_loss_curves(plt, summary, out), _topk_sweep(plt, summary, out), _kappa_histogram(plt, summary, out, schedule)]
+    return [
+        _loss_curves(plt, summary, out),
+        _topk_sweep(plt, summary, out),
+        _kappa_histogram(plt, summary, out, schedule),
+    ]

@@ -20,8 +20,10 @@ class Progress:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         filled = int(self.width * step / max(self.total, 1))
         bar = "#" * filled + "-" * (self.width - filled)
-        return (f"{self.label:>8} [{bar}] {step}/{self.total} steps  {tokens / elapsed:,.0f} tok/s  "
-                f"loss {loss:.3f}  {elapsed:.0f}s")
+        return (
+            f"{self.label:>8} [{bar}] {step}/{self.total} steps  {tokens / elapsed:,.0f} tok/s  "
+            f"loss {loss:.3f}  {elapsed:.0f}s"
+        )
 
     def update(self, step: int, tokens: int, loss: float) -> None:
         now = time.perf_counter()

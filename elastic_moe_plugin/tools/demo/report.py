@@ -22,8 +22,13 @@ from elastic_moe_plugin.tools.demo.corpus import Corpus
 from elastic_moe_plugin.tools.demo.settings import FORMAT, PAPER_NOTE, DemoSettings
 
 
-def model_config_file(config: dict[str, Any], settings: DemoSettings, corpus: Corpus,
-                      results: dict[str, dict[str, Any]], mcore_version: str) -> dict[str, Any]:
+def model_config_file(
+    config: dict[str, Any],
+    settings: DemoSettings,
+    corpus: Corpus,
+    results: dict[str, dict[str, Any]],
+    mcore_version: str,
+) -> dict[str, Any]:
     """``model_config.json``: :func:`~elastic_moe_plugin.tools.demo.model.model_config` plus the
     runs' checkpoints and what :func:`~elastic_moe_plugin.tools.demo.model.load_trained` needs."""
     config_file = dict(config)
@@ -33,28 +38,41 @@ def model_config_file(config: dict[str, Any], settings: DemoSettings, corpus: Co
         data=corpus.to_dict(),
         seed=settings.seed,
         megatron_core=mcore_version,
-        runs={name: {"checkpoint": f"{name}.pt", "elastic_config": results[name]["elastic_config"]} for name in results},
+        runs={
+            name: {"checkpoint": f"{name}.pt", "elastic_config": results[name]["elastic_config"]} for name in results
+        },
         how_to_load="elastic_moe_plugin.tools.demo.load_trained(out_dir, 'static' | 'elastic') after "
         "cpu_runtime.enable(); cpu_runtime.initialize_model_parallel()",
     )
     return config_file
 
 
-def build_summary(settings: DemoSettings, corpus: Corpus, schedule: BudgetSchedule, results: dict[str, dict[str, Any]],
-                  parameters: int, mcore_version: str, out: Path) -> dict[str, Any]:
+def build_summary(
+    settings: DemoSettings,
+    corpus: Corpus,
+    schedule: BudgetSchedule,
+    results: dict[str, dict[str, Any]],
+    parameters: int,
+    mcore_version: str,
+    out: Path,
+) -> dict[str, Any]:
     """``summary.json`` without ``files`` and ``wall_time_s`` (known only once everything is written)."""
     return {
         "format": FORMAT,
         "settings": dataclasses.asdict(settings) | {"tokens": settings.tokens},
-        "versions": {"megatron_core": mcore_version, "torch": torch.__version__,
-                     "python": platform.python_version()},
+        "versions": {"megatron_core": mcore_version, "torch": torch.__version__, "python": platform.python_version()},
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
         "parameters": parameters,
         "data": corpus.to_dict(),
-        "schedule": {"spec": schedule.spec(), "center": schedule.center, "sigma": schedule.sigma,
-                     "budgets": list(schedule.budgets), "pmf": list(schedule.pmf),
-                     "survival": list(schedule.exposure(max(schedule.high, settings.topk) + 1))},
+        "schedule": {
+            "spec": schedule.spec(),
+            "center": schedule.center,
+            "sigma": schedule.sigma,
+            "budgets": list(schedule.budgets),
+            "pmf": list(schedule.pmf),
+            "survival": list(schedule.exposure(max(schedule.high, settings.topk) + 1)),
+        },
         "runs": results,
         "heldout_delta_elastic_minus_static": results["elastic"]["heldout_loss"] - results["static"]["heldout_loss"],
         "note": PAPER_NOTE,
@@ -102,14 +120,19 @@ def _loss_lines(summary: dict[str, Any]) -> list[str]:
     static, elastic = summary["runs"]["static"], summary["runs"]["elastic"]
     k = summary["settings"]["topk"]
     lines = [
-        _row(f"final train loss (last {static['final_train_loss_steps']} steps)",
-             _number(static["final_train_loss"]), _number(elastic["final_train_loss"])),
+        _row(
+            f"final train loss (last {static['final_train_loss_steps']} steps)",
+            _number(static["final_train_loss"]),
+            _number(elastic["final_train_loss"]),
+        ),
         _row(f"held-out loss (static top-{k})", _number(static["heldout_loss"]), _number(elastic["heldout_loss"])),
         "  held-out loss, inference top-k' sweep:",
     ]
     for kk in static["topk_sweep"]:
         mark = "  <- trained k" if int(kk) == k else ""
-        lines.append(_row(f"    top-{kk}", _number(static["topk_sweep"][kk]), _number(elastic["topk_sweep"][kk])) + mark)
+        lines.append(
+            _row(f"    top-{kk}", _number(static["topk_sweep"][kk]), _number(elastic["topk_sweep"][kk])) + mark
+        )
     return lines
 
 
@@ -134,13 +157,27 @@ def _routing_lines(summary: dict[str, Any]) -> list[str]:
     window = static["imbalance"]["train_window_steps"]
     lines.append(f"  tokens-per-expert imbalance max/mean (training, last {window} steps):")
     for layer in layers:
-        lines.append(_row(f"    layer {layer}", _number(static["imbalance"]["train"][str(layer)], ".2f"),
-                          _number(elastic["imbalance"]["train"][str(layer)], ".2f")))
-    lines.append(_row(f"    held-out, top-{k}, mean over layers",
-                      _number(_mean(static["imbalance"]["heldout"].values()), ".2f"),
-                      _number(_mean(elastic["imbalance"]["heldout"].values()), ".2f")))
-    lines.append(_row("load-balancing loss (mean/layer)", _number(_mean(static["aux_loss"].values())),
-                      _number(_mean(elastic["aux_loss"].values()))))
+        lines.append(
+            _row(
+                f"    layer {layer}",
+                _number(static["imbalance"]["train"][str(layer)], ".2f"),
+                _number(elastic["imbalance"]["train"][str(layer)], ".2f"),
+            )
+        )
+    lines.append(
+        _row(
+            f"    held-out, top-{k}, mean over layers",
+            _number(_mean(static["imbalance"]["heldout"].values()), ".2f"),
+            _number(_mean(elastic["imbalance"]["heldout"].values()), ".2f"),
+        )
+    )
+    lines.append(
+        _row(
+            "load-balancing loss (mean/layer)",
+            _number(_mean(static["aux_loss"].values())),
+            _number(_mean(elastic["aux_loss"].values())),
+        )
+    )
     return lines
 
 
@@ -149,8 +186,11 @@ def _footer_lines(summary: dict[str, Any]) -> list[str]:
     k, seed = summary["settings"]["topk"], summary["settings"]["seed"]
     delta = elastic["heldout_loss"] - static["heldout_loss"]
     return [
-        _row("train throughput (tokens/s)", _number(static["tokens_per_s"], ",.0f"),
-             _number(elastic["tokens_per_s"], ",.0f")),
+        _row(
+            "train throughput (tokens/s)",
+            _number(static["tokens_per_s"], ",.0f"),
+            _number(elastic["tokens_per_s"], ",.0f"),
+        ),
         _row("wall time (s)", _number(static["wall_time_s"], ".1f"), _number(elastic["wall_time_s"], ".1f")),
         "",
         f"  measured: held-out loss at top-{k}, elastic - static = {delta:+.4f} "

@@ -82,21 +82,28 @@ def observed_exposure(histogram: torch.Tensor, ranks: int) -> list[float]:
     return observed_survival(padded)[1 : ranks + 1].tolist()
 
 
-def kappa_summary(histogram: torch.Tensor, *, elastic: bool, source: str,
-                  matches_routing_maps: bool | None) -> dict[str, Any]:
+def kappa_summary(
+    histogram: torch.Tensor, *, elastic: bool, source: str, matches_routing_maps: bool | None
+) -> dict[str, Any]:
     """One layer's ``kappa`` entry: mean, support and counts of a (non-empty) κ histogram."""
     support = histogram.nonzero().flatten()
     total = float(histogram.sum())
     mean = float((histogram.double() * torch.arange(histogram.numel(), dtype=torch.double)).sum()) / total
     return {
-        "mean": mean, "min": int(support.min()), "max": int(support.max()), "elastic": elastic,
-        "source": source, "tokens": int(total), "histogram_matches_routing_maps": matches_routing_maps,
+        "mean": mean,
+        "min": int(support.min()),
+        "max": int(support.max()),
+        "elastic": elastic,
+        "source": source,
+        "tokens": int(total),
+        "histogram_matches_routing_maps": matches_routing_maps,
         "histogram": {str(r): int(histogram[r]) for r in range(histogram.numel()) if histogram[r] > 0},
     }
 
 
-def _layer_histogram(run: str, layer: int, budget_histogram: torch.Tensor | None,
-                     from_maps: torch.Tensor) -> tuple[torch.Tensor, str, bool | None]:
+def _layer_histogram(
+    run: str, layer: int, budget_histogram: torch.Tensor | None, from_maps: torch.Tensor
+) -> tuple[torch.Tensor, str, bool | None]:
     """(κ histogram, its source, whether it matches the routing maps) for one layer."""
     if budget_histogram is None:
         return from_maps, "routing_maps", None
@@ -105,14 +112,23 @@ def _layer_histogram(run: str, layer: int, budget_histogram: torch.Tensor | None
     padded[: budget_histogram.numel()] = budget_histogram
     agrees = torch.equal(padded, from_maps)
     if not agrees:
-        print(f"elastic-moe demo: warning: {run} run, layer {layer}: mcore.budget_histograms "
-              f"disagrees with the routing maps' row sums", file=sys.stderr)
+        print(
+            f"elastic-moe demo: warning: {run} run, layer {layer}: mcore.budget_histograms "
+            f"disagrees with the routing maps' row sums",
+            file=sys.stderr,
+        )
     return budget_histogram, "budget_histograms", agrees
 
 
-def realised_budgets(run: str, budget_histograms: Mapping[int, torch.Tensor], stats: RoutingStats,
-                     schedule: BudgetSchedule, elastic_layers: Sequence[int], topk: int,
-                     num_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def realised_budgets(
+    run: str,
+    budget_histograms: Mapping[int, torch.Tensor],
+    stats: RoutingStats,
+    schedule: BudgetSchedule,
+    elastic_layers: Sequence[int],
+    topk: int,
+    num_layers: int,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per layer ``{"0": ...}``: the ``kappa`` entries and the ``exposure`` entries (observed P(κ ≥ r)
     for r = 1..max(high, k)+1 against the layer's schedule: ``schedule`` if elastic, static top-k
     otherwise). Elastic layers count κ Megatron-side, static layers through the routing maps."""
@@ -123,6 +139,8 @@ def realised_budgets(run: str, budget_histograms: Mapping[int, torch.Tensor], st
         histogram, source, agrees = _layer_histogram(run, layer, budget_histograms.get(layer), stats.kappa[layer])
         layer_schedule = schedule if elastic else BudgetSchedule.static(topk)
         kappa[str(layer)] = kappa_summary(histogram, elastic=elastic, source=source, matches_routing_maps=agrees)
-        exposure[str(layer)] = {"observed": observed_exposure(histogram, ranks),
-                                "schedule": list(layer_schedule.exposure(ranks))}
+        exposure[str(layer)] = {
+            "observed": observed_exposure(histogram, ranks),
+            "schedule": list(layer_schedule.exposure(ranks)),
+        }
     return kappa, exposure

@@ -31,12 +31,12 @@ from elastic_moe_plugin.compat import megatron_tracker
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.tools import inference_topk
 from elastic_moe_plugin.tools.demo.corpus import Corpus
 from elastic_moe_plugin.tools.demo.model import build_model, causal_mask
 from elastic_moe_plugin.tools.demo.progress import Progress
 from elastic_moe_plugin.tools.demo.settings import DemoSettings
 from elastic_moe_plugin.tools.demo.stats import RoutingStats, realised_budgets
-from elastic_moe_plugin.tools import inference_topk
 
 
 def learning_rate(step: int, settings: DemoSettings) -> float:
@@ -79,8 +79,9 @@ class TrainingLog:
     window_start: int  # first (0-based) step whose tokens per expert are counted
 
 
-def _train_step(model, optimizer: torch.optim.Optimizer, batch: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor, lr: float) -> float:
+def _train_step(
+    model, optimizer: torch.optim.Optimizer, batch: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, lr: float
+) -> float:
     """One optimizer step on ``batch`` [B, S + 1]; returns its training loss."""
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -144,8 +145,9 @@ def _elastic_layers(elastic: ElasticConfig, schedule: BudgetSchedule, num_layers
     return sorted(layer for layer in range(num_layers) if not schedule.is_static and elastic.layer_is_elastic(layer))
 
 
-def _train_and_measure(name: str, elastic: ElasticConfig, settings: DemoSettings, corpus: Corpus,
-                       config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _train_and_measure(
+    name: str, elastic: ElasticConfig, settings: DemoSettings, corpus: Corpus, config: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Steps 1-4 of the module docstring, under the patch; returns (measurements, state dict)."""
     from elastic_moe_plugin import mcore
 
@@ -158,14 +160,15 @@ def _train_and_measure(name: str, elastic: ElasticConfig, settings: DemoSettings
     log = train_loop(name, model, stats, settings, corpus)
     # Realised κ: Megatron-side budget histograms for elastic layers, routing maps otherwise.
     budget_histograms = {layer: h.detach().clone() for layer, h in mcore.budget_histograms(model).items()}
-    kappa, exposure = realised_budgets(name, budget_histograms, stats, schedule, elastic_layers,
-                                       settings.topk, settings.num_layers)
+    kappa, exposure = realised_budgets(
+        name, budget_histograms, stats, schedule, elastic_layers, settings.topk, settings.num_layers
+    )
     aux_loss = aux_loss_per_layer(settings.steps)
     tick = time.perf_counter()
     sweep = topk_sweep(model, stats, settings, corpus.heldout)
     eval_time = log.eval_time + time.perf_counter() - tick
     stats.remove()
-    tail = log.history["loss"][-max(1, settings.steps // 10):]
+    tail = log.history["loss"][-max(1, settings.steps // 10) :]
     result = {
         "schedule": schedule.spec(),
         "elastic_config": elastic.to_dict(),
@@ -189,12 +192,12 @@ def _train_and_measure(name: str, elastic: ElasticConfig, settings: DemoSettings
     return result, state
 
 
-def train_run(name: str, elastic: ElasticConfig, settings: DemoSettings, corpus: Corpus,
-              config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def train_run(
+    name: str, elastic: ElasticConfig, settings: DemoSettings, corpus: Corpus, config: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Train one model from scratch in fresh model-parallel state under ``mcore.patched(elastic)``;
     returns (measurements, state dict). Megatron's MoE tracker is reset before and after."""
-    from elastic_moe_plugin import mcore
-    from elastic_moe_plugin import cpu_runtime
+    from elastic_moe_plugin import cpu_runtime, mcore
 
     run_start = time.perf_counter()
     cpu_runtime.initialize_model_parallel(seed=settings.seed)
@@ -209,8 +212,9 @@ def train_run(name: str, elastic: ElasticConfig, settings: DemoSettings, corpus:
     return result, state
 
 
-def train_runs(runs: Mapping[str, ElasticConfig], settings: DemoSettings, corpus: Corpus,
-               config: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, torch.Tensor]], str]:
+def train_runs(
+    runs: Mapping[str, ElasticConfig], settings: DemoSettings, corpus: Corpus, config: dict[str, Any]
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, torch.Tensor]], str]:
     """:func:`train_run` for each named config, in order, with the CPU compatibility layer on
     (forced on a CUDA machine: the demo runs on the CPU by design). Returns (measurements per
     run, state dict per run, megatron-core version)."""
@@ -227,8 +231,10 @@ def train_runs(runs: Mapping[str, ElasticConfig], settings: DemoSettings, corpus
         from elastic_moe_plugin.mcore import megatron_core_version
 
         if parallel_state.model_parallel_is_initialized():
-            raise ConfigError("Megatron's model-parallel state is already initialised in this process; "
-                              "run the demo in a fresh process.")
+            raise ConfigError(
+                "Megatron's model-parallel state is already initialised in this process; "
+                "run the demo in a fresh process."
+            )
         # the release only: megatron/core/package_info.py appends "+<short hash>" of whatever git
         # work tree holds it, so a venv inside a project checkout would show that project's commit
         version = megatron_core_version()

@@ -59,7 +59,9 @@ def _demo_specs(folder: Path, config: dict[str, Any], run: str | None, label: st
     runs = list(config["runs"]) if run is None else [run]
     for name in runs:
         if name not in config["runs"]:
-            raise DiagnosticsError(f"{folder}: no run {name!r} in model_config.json (runs: {', '.join(config['runs'])}).")
+            raise DiagnosticsError(
+                f"{folder}: no run {name!r} in model_config.json (runs: {', '.join(config['runs'])})."
+            )
         if not (folder / config["runs"][name]["checkpoint"]).is_file():
             raise DiagnosticsError(f"{folder}: checkpoint file {config['runs'][name]['checkpoint']!r} is missing.")
     if label is not None and len(runs) > 1:
@@ -91,5 +93,6 @@ def parse_checkpoint(spec: str) -> list[CheckpointSpec]:
         return _demo_specs(candidate, demo, run, label)
     if (candidate / "config.json").is_file():
         return [CheckpointSpec(label or candidate.name, "hf", str(candidate))]
-    raise DiagnosticsError(f"{path}: neither a transformers checkpoint (config.json) nor an elastic-moe demo "
-                           f"output (model_config.json).")
+    raise DiagnosticsError(
+        f"{path}: neither a transformers checkpoint (config.json) nor an elastic-moe demo output (model_config.json)."
+    )

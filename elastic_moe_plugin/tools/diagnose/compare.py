@@ -41,17 +41,17 @@ LossSums = dict[tuple[int, str, int], list[float]]
 class CompareSettings:
     """Choices of ``compare`` (see the module docstring and docs/diagnostics.md)."""
 
-    k: int | None = None                       # deployment top-k of the sets in Dk (default: the models')
-    sweep: tuple[int, ...] | None = None       # inference top-k values; None: k-2..k+2; () : no sweep
-    boundary: int = 1                          # first/last MoE layers that count as boundary layers
+    k: int | None = None  # deployment top-k of the sets in Dk (default: the models')
+    sweep: tuple[int, ...] | None = None  # inference top-k values; None: k-2..k+2; () : no sweep
+    boundary: int = 1  # first/last MoE layers that count as boundary layers
     boundary_layers: tuple[int, ...] | None = None  # explicit boundary layers (overrides ``boundary``)
-    block_width: int = 5                       # width of the peak non-boundary block (paper: L3-L7)
-    cutoff_window: int = 2                     # w: the last deployed ranks counted as "near the cutoff"
-    log_base: float = 2.0                      # JS in bits by default (0 ≤ JS ≤ 1)
+    block_width: int = 5  # width of the peak non-boundary block (paper: L3-L7)
+    cutoff_window: int = 2  # w: the last deployed ranks counted as "near the cutoff"
+    log_base: float = 2.0  # JS in bits by default (0 ≤ JS ≤ 1)
     batch_size: int = 8
-    seq_len: int | None = None                 # default: the models' smallest max positions (≤ 1024)
-    max_sequences: int | None = None           # per probe file, after chunking
-    all_pairs: bool = False                    # every pair instead of (first model, each other)
+    seq_len: int | None = None  # default: the models' smallest max positions (≤ 1024)
+    max_sequences: int | None = None  # per probe file, after chunking
+    all_pairs: bool = False  # every pair instead of (first model, each other)
 
 
 # ---------------------------------------------------------------------------------- checks
@@ -60,12 +60,16 @@ def _check_same_architecture(models: Sequence[RoutedModel]) -> None:
     for model in models[1:]:
         info = model.info
         if info.num_experts != first.num_experts:
-            raise DiagnosticsError(f"{first.label} has {first.num_experts} experts per layer but {info.label} has "
-                                   f"{info.num_experts}: router distributions over different experts cannot be compared.")
+            raise DiagnosticsError(
+                f"{first.label} has {first.num_experts} experts per layer but {info.label} has "
+                f"{info.num_experts}: router distributions over different experts cannot be compared."
+            )
         if info.num_layers != first.num_layers or info.moe_layers != first.moe_layers:
-            raise DiagnosticsError(f"{first.label} has {first.num_layers} layers (MoE layers {list(first.moe_layers)}) but "
-                                   f"{info.label} has {info.num_layers} (MoE layers {list(info.moe_layers)}): the "
-                                   f"layer-by-layer comparison needs the same architecture.")
+            raise DiagnosticsError(
+                f"{first.label} has {first.num_layers} layers (MoE layers {list(first.moe_layers)}) but "
+                f"{info.label} has {info.num_layers} (MoE layers {list(info.moe_layers)}): the "
+                f"layer-by-layer comparison needs the same architecture."
+            )
 
 
 def _shared_topk(models: Sequence[RoutedModel], settings: CompareSettings) -> int:
@@ -73,8 +77,9 @@ def _shared_topk(models: Sequence[RoutedModel], settings: CompareSettings) -> in
         return settings.k
     topks = {m.info.topk for m in models}
     if len(topks) > 1:
-        raise DiagnosticsError(f"the models route to different top-k ({sorted(topks)}); pass --k to choose the "
-                               f"set size of Dk.")
+        raise DiagnosticsError(
+            f"the models route to different top-k ({sorted(topks)}); pass --k to choose the set size of Dk."
+        )
     return models[0].info.topk
 
 
@@ -87,12 +92,16 @@ def check_compatible(models: Sequence[RoutedModel], settings: CompareSettings) -
         raise DiagnosticsError(f"--k {k} is invalid: the models have {first.num_experts} experts.")
     for value in settings.sweep or ():
         if not 1 <= value <= first.num_experts:
-            raise DiagnosticsError(f"--topk-sweep value {value} is outside 1..{first.num_experts} (the experts per layer).")
+            raise DiagnosticsError(
+                f"--topk-sweep value {value} is outside 1..{first.num_experts} (the experts per layer)."
+            )
     if settings.boundary_layers is not None:
         outside = sorted(set(settings.boundary_layers) - set(first.moe_layers))
         if outside:
-            raise DiagnosticsError(f"--boundary-layers {outside} are not MoE layers of the models "
-                                   f"(0-based MoE layers: {list(first.moe_layers)}).")
+            raise DiagnosticsError(
+                f"--boundary-layers {outside} are not MoE layers of the models "
+                f"(0-based MoE layers: {list(first.moe_layers)})."
+            )
     return first.moe_layers, k
 
 
@@ -106,7 +115,7 @@ def boundary_layers(layers: Sequence[int], settings: CompareSettings) -> tuple[i
     ordered = sorted(layers)
     if 2 * n >= len(ordered):
         return tuple(ordered)
-    return tuple(ordered[:n] + ordered[len(ordered) - n:])
+    return tuple(ordered[:n] + ordered[len(ordered) - n :])
 
 
 def _consecutive_runs(layers: Sequence[int]) -> list[list[int]]:
@@ -131,11 +140,15 @@ def peak_block(values: dict[int, float], excluded: Sequence[int], width: int) ->
     best = None
     for run in runs:
         for start in range(len(run) - width + 1):
-            block = run[start:start + width]
+            block = run[start : start + width]
             mean = sum(values[layer] for layer in block) / width
             if best is None or mean > best["mean"]:
-                best = {"layers": f"{block[0]}-{block[-1]}" if width > 1 else str(block[0]), "first": block[0],
-                        "last": block[-1], "mean": mean}
+                best = {
+                    "layers": f"{block[0]}-{block[-1]}" if width > 1 else str(block[0]),
+                    "first": block[0],
+                    "last": block[-1],
+                    "mean": mean,
+                }
     return best
 
 
@@ -143,25 +156,38 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _layers_over_tasks(per_task: dict[str, dict[int, dict[str, Any]]], k: int,
-                       boundary: Sequence[int]) -> dict[int, dict[str, Any]]:
+def _layers_over_tasks(
+    per_task: dict[str, dict[int, dict[str, Any]]], k: int, boundary: Sequence[int]
+) -> dict[int, dict[str, Any]]:
     """{layer: the task means of js / d1 / dk / retention, tokens summed, dk_experts = k·dk}."""
     tasks = list(per_task)
     per_layer: dict[int, dict[str, Any]] = {}
     for layer in sorted(per_task[tasks[0]]):
         entries = [per_task[task][layer] for task in tasks]
-        retention = [sum(e["retention"][j] for e in entries) / len(entries) for j in range(len(entries[0]["retention"]))]
+        retention = [
+            sum(e["retention"][j] for e in entries) / len(entries) for j in range(len(entries[0]["retention"]))
+        ]
         per_layer[layer] = {
-            "layer": layer, "boundary": layer in boundary, "tokens": sum(e["tokens"] for e in entries),
-            "js": _mean([e["js"] for e in entries]), "d1": _mean([e["d1"] for e in entries]),
-            "dk": _mean([e["dk"] for e in entries]), "retention": retention,
+            "layer": layer,
+            "boundary": layer in boundary,
+            "tokens": sum(e["tokens"] for e in entries),
+            "js": _mean([e["js"] for e in entries]),
+            "d1": _mean([e["d1"] for e in entries]),
+            "dk": _mean([e["dk"] for e in entries]),
+            "retention": retention,
         }
         per_layer[layer]["dk_experts"] = k * per_layer[layer]["dk"]
     return per_layer
 
 
-def _prioritisation(per_task: dict[str, dict[int, dict[str, Any]]], per_layer: dict[int, dict[str, Any]],
-                    d1: float | None, dk: float | None, k: int, settings: CompareSettings) -> dict[str, Any]:
+def _prioritisation(
+    per_task: dict[str, dict[int, dict[str, Any]]],
+    per_layer: dict[int, dict[str, Any]],
+    d1: float | None,
+    dk: float | None,
+    k: int,
+    settings: CompareSettings,
+) -> dict[str, Any]:
     """D1/Dk, the top-1 reorder share, rank retention and the near-cutoff share of one pair."""
     layers = list(per_layer)
     # reorder share: pooled over layers within a task, then averaged over tasks
@@ -170,21 +196,24 @@ def _prioritisation(per_task: dict[str, dict[int, dict[str, Any]]], per_layer: d
         changed = sum(entries[layer]["d1_count"] for layer in layers)
         if changed > 0:
             shares.append(sum(entries[layer]["reorder_count"] for layer in layers) / changed)
-    retention = [_mean([per_layer[layer]["retention"][j] for layer in layers])
-                 for j in range(len(per_layer[layers[0]]["retention"]))]
+    retention = [
+        _mean([per_layer[layer]["retention"][j] for layer in layers])
+        for j in range(len(per_layer[layers[0]]["retention"]))
+    ]
     lost = [1.0 - value for value in retention[:k]]
     window = max(1, min(settings.cutoff_window, k))
     return {
         "d1_over_dk": (d1 / dk) if dk else None,
         "top1_reorder_share": _mean(shares),
         "rank_retention": retention,
-        "near_cutoff_share": sum(lost[k - window:]) / sum(lost) if sum(lost) > 1e-12 else None,
+        "near_cutoff_share": sum(lost[k - window :]) / sum(lost) if sum(lost) > 1e-12 else None,
         "cutoff_window": window,
     }
 
 
-def summarize_pair(per_task: dict[str, dict[int, dict[str, Any]]], k: int, boundary: Sequence[int],
-                   settings: CompareSettings) -> dict[str, Any]:
+def summarize_pair(
+    per_task: dict[str, dict[int, dict[str, Any]]], k: int, boundary: Sequence[int], settings: CompareSettings
+) -> dict[str, Any]:
     """Per-layer values averaged over tasks (each task weighs the same, as the paper averages over
     tasks), then the pair's summary numbers."""
     per_layer = _layers_over_tasks(per_task, k, boundary)
@@ -241,24 +270,35 @@ def _task_windows(task: ProbeTask, seq_len: int, max_sequences: int | None, voca
         windows = windows[:max_sequences]
     largest = max(int(s.max()) for s in windows)
     if largest >= vocab or min(int(s.min()) for s in windows) < 0:
-        raise DiagnosticsError(f"probe file {task.path}: token id {largest} is outside the models' vocabulary "
-                               f"(0..{vocab - 1}).")
+        raise DiagnosticsError(
+            f"probe file {task.path}: token id {largest} is outside the models' vocabulary (0..{vocab - 1})."
+        )
     return windows
 
 
-def _add_loss(sums: LossSums, key: tuple[int, str, int], logits: torch.Tensor, ids: torch.Tensor,
-              valid: torch.Tensor) -> None:
+def _add_loss(
+    sums: LossSums, key: tuple[int, str, int], logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor
+) -> None:
     """Σ next-token NLL over positions t whose token t and target t+1 are both real (float64)."""
     target_valid = valid[:, 1:] & valid[:, :-1]
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                                            ids[:, 1:].reshape(-1), reduction="none").double()
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    ).double()
     entry = sums.setdefault(key, [0.0, 0])
     entry[0] += float((nll * target_valid.reshape(-1)).sum())
     entry[1] += int(target_valid.sum())
 
 
-def _run_model_on_batch(model: RoutedModel, index: int, task: str, ids: torch.Tensor, valid: torch.Tensor,
-                        sweep: tuple[int, ...], capture: bool, loss_sums: LossSums) -> dict[int, torch.Tensor]:
+def _run_model_on_batch(
+    model: RoutedModel,
+    index: int,
+    task: str,
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    sweep: tuple[int, ...],
+    capture: bool,
+    loss_sums: LossSums,
+) -> dict[int, torch.Tensor]:
     """Add the batch's loss at every top-k of the sweep; return {layer: distribution [T_valid, E]}."""
     # routers are compared as deployed: each model at its own static top-k
     native_k = model.info.topk
@@ -277,46 +317,83 @@ def _run_model_on_batch(model: RoutedModel, index: int, task: str, ids: torch.Te
     return distributions
 
 
-def _results_header(models: Sequence[RoutedModel], probe_info: list[dict[str, Any]], seq_len: int, k: int,
-                    sweep: tuple[int, ...], boundary: tuple[int, ...], settings: CompareSettings) -> dict[str, Any]:
+def _results_header(
+    models: Sequence[RoutedModel],
+    probe_info: list[dict[str, Any]],
+    seq_len: int,
+    k: int,
+    sweep: tuple[int, ...],
+    boundary: tuple[int, ...],
+    settings: CompareSettings,
+) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "models": [m.info.describe() for m in models],
-        "probe": {"tasks": probe_info, "seq_len": seq_len, "batch_size": settings.batch_size,
-                  "positions": "every non-padding token of every probe window, teacher-forced, same inputs for all models"},
-        "settings": {"k": k, "sweep": list(sweep), "boundary": settings.boundary, "boundary_layers": list(boundary),
-                     "block_width": settings.block_width, "cutoff_window": settings.cutoff_window,
-                     "js_log_base": settings.log_base, "task_average": "per-task means, then the unweighted mean over tasks"},
+        "probe": {
+            "tasks": probe_info,
+            "seq_len": seq_len,
+            "batch_size": settings.batch_size,
+            "positions": "every non-padding token of every probe window, teacher-forced, same inputs for all models",
+        },
+        "settings": {
+            "k": k,
+            "sweep": list(sweep),
+            "boundary": settings.boundary,
+            "boundary_layers": list(boundary),
+            "block_width": settings.block_width,
+            "cutoff_window": settings.cutoff_window,
+            "js_log_base": settings.log_base,
+            "task_average": "per-task means, then the unweighted mean over tasks",
+        },
         "pairs": {},
         "topk_sweep": {},
     }
 
 
-def _pair_result(per_task: dict[str, dict[int, dict[str, Any]]], a: str, b: str, k: int, boundary: tuple[int, ...],
-                 settings: CompareSettings) -> dict[str, Any]:
+def _pair_result(
+    per_task: dict[str, dict[int, dict[str, Any]]],
+    a: str,
+    b: str,
+    k: int,
+    boundary: tuple[int, ...],
+    settings: CompareSettings,
+) -> dict[str, Any]:
     summary = summarize_pair(per_task, k, boundary, settings)
-    summary["per_task"] = {task: {"D1": _mean([v["d1"] for v in values.values()]),
-                                  "Dk": _mean([v["dk"] for v in values.values()]),
-                                  "js_mean": _mean([v["js"] for v in values.values()])}
-                           for task, values in per_task.items()}
+    summary["per_task"] = {
+        task: {
+            "D1": _mean([v["d1"] for v in values.values()]),
+            "Dk": _mean([v["dk"] for v in values.values()]),
+            "js_mean": _mean([v["js"] for v in values.values()]),
+        }
+        for task, values in per_task.items()
+    }
     summary["a"], summary["b"] = a, b
     return summary
 
 
-def _sweep_result(loss_sums: LossSums, index: int, native_topk: int, sweep: tuple[int, ...],
-                  tasks: Sequence[ProbeTask]) -> dict[str, Any]:
+def _sweep_result(
+    loss_sums: LossSums, index: int, native_topk: int, sweep: tuple[int, ...], tasks: Sequence[ProbeTask]
+) -> dict[str, Any]:
     entry: dict[str, Any] = {"native_topk": native_topk, "k": {}}
     for value in sorted({native_topk, *sweep}):
         sums = [loss_sums[(index, task.name, value)] for task in tasks]
         nll = sum(s[0] for s in sums)
         count = sum(s[1] for s in sums)
-        entry["k"][str(value)] = {"loss": nll / count, "perplexity": math.exp(nll / count), "tokens": int(count),
-                                  "loss_per_task": {task.name: s[0] / s[1] for task, s in zip(tasks, sums)}}
+        entry["k"][str(value)] = {
+            "loss": nll / count,
+            "perplexity": math.exp(nll / count),
+            "tokens": int(count),
+            "loss_per_task": {task.name: s[0] / s[1] for task, s in zip(tasks, sums)},
+        }
     return entry
 
 
-def compare(models: Sequence[RoutedModel], tasks: Sequence[ProbeTask], settings: CompareSettings,
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def compare(
+    models: Sequence[RoutedModel],
+    tasks: Sequence[ProbeTask],
+    settings: CompareSettings,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Stream every probe task through every model; return the results dict of ``diagnostics.json``.
 
     Per batch: one static-top-k forward per model captures the router logits of every MoE layer
@@ -338,18 +415,27 @@ def compare(models: Sequence[RoutedModel], tasks: Sequence[ProbeTask], settings:
     probe_info = []
     for task in tasks:
         windows = _task_windows(task, seq_len, settings.max_sequences, vocab)
-        probe_info.append({"name": task.name, "path": task.path, "sequences": len(windows),
-                           "tokens": sum(int(s.numel()) for s in windows)})
+        probe_info.append(
+            {
+                "name": task.name,
+                "path": task.path,
+                "sequences": len(windows),
+                "tokens": sum(int(s.numel()) for s in windows),
+            }
+        )
         batches = math.ceil(len(windows) / settings.batch_size)
         for number, (ids, valid) in enumerate(probe_batches(windows, settings.batch_size)):
             if progress is not None:
                 progress(f"{task.name}: batch {number + 1}/{batches}")
-            distributions = [_run_model_on_batch(model, index, task.name, ids, valid, sweep, bool(pairs), loss_sums)
-                             for index, model in enumerate(models)]
+            distributions = [
+                _run_model_on_batch(model, index, task.name, ids, valid, sweep, bool(pairs), loss_sums)
+                for index, model in enumerate(models)
+            ]
             for i, j in pairs:
                 for layer in layers:
-                    pair_sums[(i, j, task.name)].add(layer, pair_token_sums(distributions[i][layer], distributions[j][layer],
-                                                                            k, settings.log_base))
+                    pair_sums[(i, j, task.name)].add(
+                        layer, pair_token_sums(distributions[i][layer], distributions[j][layer], k, settings.log_base)
+                    )
             del distributions
 
     results = _results_header(models, probe_info, seq_len, k, sweep, boundary, settings)

@@ -46,7 +46,11 @@ def _pmf_from_survival(metrics: dict[str, float]) -> dict[int, float]:
     if not survival:
         return {}
     high = max(survival)
-    return {r: survival[r] - survival.get(r + 1, 0.0) for r in range(1, high + 1) if survival[r] - survival.get(r + 1, 0.0) > 0}
+    return {
+        r: survival[r] - survival.get(r + 1, 0.0)
+        for r in range(1, high + 1)
+        if survival[r] - survival.get(r + 1, 0.0) > 0
+    }
 
 
 def _read_json_or_lines(file: Path, path: str | os.PathLike[str]) -> Any:
@@ -98,15 +102,22 @@ def load_kappa(path: str | os.PathLike[str], label: str | None = None) -> dict[s
     with_shares = [e for e in entries if _kappa_from_flat(e)]
     if not with_shares:
         means_only = any(_LAYER_MEAN_SHARE_KEY.fullmatch(key) for entry in entries for key in entry)
-        hint = (" It holds layer means only ('elastic_moe/kappa_frac_<r>'), as megatron sft and Megatron-LM log "
-                "unless Megatron's per-layer switch is on: train with --megatron_extra_kwargs "
-                "'{\"moe_per_layer_logging\": true}' (megatron sft) or --moe-per-layer-logging (Megatron-LM)."
-                if means_only else "")
+        hint = (
+            " It holds layer means only ('elastic_moe/kappa_frac_<r>'), as megatron sft and Megatron-LM log "
+            "unless Megatron's per-layer switch is on: train with --megatron_extra_kwargs "
+            "'{\"moe_per_layer_logging\": true}' (megatron sft) or --moe-per-layer-logging (Megatron-LM)."
+            if means_only
+            else ""
+        )
         raise DiagnosticsError(f"{path}: no 'elastic_moe/layer_<i>/kappa_frac_<r>' values in it.{hint}")
-    return {name: {"observed": _mean_shares(with_shares), "pmf": _pmf_from_survival(with_shares[-1]), "source": str(path)}}
+    return {
+        name: {"observed": _mean_shares(with_shares), "pmf": _pmf_from_survival(with_shares[-1]), "source": str(path)}
+    }
 
 
-def _kappa_from_demo_summary(summary: dict[str, Any], where: str, runs: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+def _kappa_from_demo_summary(
+    summary: dict[str, Any], where: str, runs: Sequence[str] | None = None
+) -> dict[str, dict[str, Any]]:
     out = {}
     schedule = summary.get("schedule") or {}
     pmf = {int(b): float(q) for b, q in zip(schedule.get("budgets", []), schedule.get("pmf", []))}

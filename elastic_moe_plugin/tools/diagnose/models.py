@@ -46,7 +46,9 @@ class RoutedModel:
 
     info: ModelInfo
 
-    def forward(self, ids: torch.Tensor, valid: torch.Tensor, capture: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def forward(
+        self, ids: torch.Tensor, valid: torch.Tensor, capture: bool
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Logits [B, S, V] and, if ``capture``, {layer: router logits [B·S, E]} (batch-major rows)."""
         raise NotImplementedError
 
@@ -74,9 +76,15 @@ class HFRoutedModel(RoutedModel):
         text = getattr(config, "text_config", None) or config
         first = next(iter(self.routers.values()))
         self.info = ModelInfo(
-            label=label, kind="hf", path=path, num_layers=int(text.num_hidden_layers),
-            moe_layers=tuple(sorted(self.routers)), num_experts=int(first.num_experts), topk=int(first.top_k),
-            vocab_size=int(text.vocab_size), max_positions=getattr(text, "max_position_embeddings", None),
+            label=label,
+            kind="hf",
+            path=path,
+            num_layers=int(text.num_hidden_layers),
+            moe_layers=tuple(sorted(self.routers)),
+            num_experts=int(first.num_experts),
+            topk=int(first.top_k),
+            vocab_size=int(text.vocab_size),
+            max_positions=getattr(text, "max_position_embeddings", None),
         )
         self._captured: dict[int, torch.Tensor] | None = None
         for layer, router in self.routers.items():
@@ -136,9 +144,15 @@ class MegatronDemoModel(RoutedModel):
         transformer = config["transformer_config"]
         self.score_function = next(iter(self.routers.values())).score_function if self.routers else "softmax"
         self.info = ModelInfo(
-            label=label, kind="megatron-demo", path=out_dir, run=run, num_layers=int(transformer["num_layers"]),
-            moe_layers=tuple(sorted(self.routers)), num_experts=int(transformer["num_moe_experts"]),
-            topk=int(transformer["moe_router_topk"]), vocab_size=int(config["gpt_model"]["vocab_size"]),
+            label=label,
+            kind="megatron-demo",
+            path=out_dir,
+            run=run,
+            num_layers=int(transformer["num_layers"]),
+            moe_layers=tuple(sorted(self.routers)),
+            num_experts=int(transformer["num_moe_experts"]),
+            topk=int(transformer["moe_router_topk"]),
+            vocab_size=int(config["gpt_model"]["vocab_size"]),
             max_positions=int(config["gpt_model"]["max_sequence_length"]),
         )
         self._captured: dict[int, torch.Tensor] | None = None
@@ -176,13 +190,18 @@ class MegatronDemoModel(RoutedModel):
         if self.score_function == "softmax":
             return torch.softmax(logits.float(), dim=-1)
         # sigmoid / sqrtsoftplus routers: their scores, normalised to a distribution
-        scores = torch.sigmoid(logits.float()) if self.score_function == "sigmoid" else \
-            torch.nn.functional.softplus(logits.float()).sqrt()
+        scores = (
+            torch.sigmoid(logits.float())
+            if self.score_function == "sigmoid"
+            else torch.nn.functional.softplus(logits.float()).sqrt()
+        )
         return scores / scores.sum(-1, keepdim=True)
 
     def topk(self, k):
         if not 1 <= k <= self.info.num_experts:
-            raise DiagnosticsError(f"top-k {k} is invalid for {self.info.label}: it has {self.info.num_experts} experts.")
+            raise DiagnosticsError(
+                f"top-k {k} is invalid for {self.info.label}: it has {self.info.num_experts} experts."
+            )
         return inference_topk.megatron(self.model, k)
 
 
@@ -225,7 +244,9 @@ def _quiet_megatron() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def load_models(specs: Sequence[CheckpointSpec], stack: contextlib.ExitStack, dtype: str = "float32") -> list[RoutedModel]:
+def load_models(
+    specs: Sequence[CheckpointSpec], stack: contextlib.ExitStack, dtype: str = "float32"
+) -> list[RoutedModel]:
     """Load every spec; the first demo checkpoint enters :func:`megatron_session` on ``stack``.
 
     Raises:

@@ -47,8 +47,13 @@ def plot_divergence_by_layer(pairs: dict[str, Any], path: Path) -> Path:
     for layer in sorted(boundary):
         ax.axvspan(layer - 0.5, layer + 0.5, color="0.85", hatch="//", alpha=0.5, lw=0)
     if peak is not None:
-        ax.axvspan(peak["first"] - 0.5, peak["last"] + 0.5, color="tab:orange", alpha=0.15,
-                   label=f"peak non-boundary block L{peak['layers']}")
+        ax.axvspan(
+            peak["first"] - 0.5,
+            peak["last"] + 0.5,
+            color="tab:orange",
+            alpha=0.15,
+            label=f"peak non-boundary block L{peak['layers']}",
+        )
     ax.set_xlabel("MoE layer (0-based; hatched: boundary layers)")
     ax.set_ylabel("mean Jensen-Shannon divergence")
     ax.set_title("Router divergence by layer")
@@ -81,8 +86,10 @@ def plot_disagreement(pairs: dict[str, Any], path: Path) -> Path:
     for label in labels:
         rows = pairs[label]["layers"]
         layers = [row["layer"] for row in rows]
-        line, = right.plot(layers, [row["d1"] for row in rows], marker="o", label=f"{label}: D1")
-        right.plot(layers, [row["dk"] for row in rows], marker="s", ls="--", color=line.get_color(), label=f"{label}: D{k}")
+        (line,) = right.plot(layers, [row["d1"] for row in rows], marker="o", label=f"{label}: D1")
+        right.plot(
+            layers, [row["dk"] for row in rows], marker="s", ls="--", color=line.get_color(), label=f"{label}: D{k}"
+        )
     right.set_xlabel("MoE layer")
     right.set_title("per layer")
     right.grid(alpha=0.3)

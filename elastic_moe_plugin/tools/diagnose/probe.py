@@ -46,8 +46,9 @@ def _tensor_sequences(data: torch.Tensor, where: str) -> list[torch.Tensor]:
         return [data.long()]
     if data.dim() == 2:
         return [row.long() for row in data]
-    raise DiagnosticsError(f"probe file {where}: expected a 1-D or 2-D array of token ids, got shape "
-                           f"{tuple(data.shape)}.")
+    raise DiagnosticsError(
+        f"probe file {where}: expected a 1-D or 2-D array of token ids, got shape {tuple(data.shape)}."
+    )
 
 
 def _list_sequences(data: list | tuple, where: str) -> list[torch.Tensor]:
@@ -95,7 +96,7 @@ def _read_text(file: Path, suffix: str, tokenizer: Any) -> list[torch.Tensor]:
 def _read_torch(file: Path, where: str) -> list[torch.Tensor]:
     try:
         data = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any unpickling failure is a bad input here
+    except Exception as error:
         raise DiagnosticsError(f"probe file {where}: cannot be read by torch.load ({error}).") from None
     return _as_sequences(data, where)
 
@@ -147,8 +148,9 @@ def load_probe(path: str | os.PathLike[str], *, tokenizer: Any = None, name: str
         raise DiagnosticsError(f"probe file {str(path)!r} does not exist.")
     suffix = file.suffix.lower()
     if suffix not in PROBE_SUFFIXES:
-        raise DiagnosticsError(f"probe file {str(path)!r}: unknown format {suffix!r}; expected one of "
-                               f"{', '.join(PROBE_SUFFIXES)}.")
+        raise DiagnosticsError(
+            f"probe file {str(path)!r}: unknown format {suffix!r}; expected one of {', '.join(PROBE_SUFFIXES)}."
+        )
     where = str(path)
     if tokenizer is not None and suffix in (".txt", ".jsonl"):
         sequences = _read_text(file, suffix, tokenizer)
@@ -173,7 +175,7 @@ def chunk_sequences(sequences: Sequence[torch.Tensor], seq_len: int) -> list[tor
     windows = []
     for sequence in sequences:
         for start in range(0, sequence.numel(), seq_len):
-            window = sequence[start:start + seq_len]
+            window = sequence[start : start + seq_len]
             if window.numel() >= 2:
                 windows.append(window)
     return windows
@@ -186,11 +188,11 @@ def probe_batches(sequences: Sequence[torch.Tensor], batch_size: int) -> Iterato
     dropped from every statistic.
     """
     for start in range(0, len(sequences), batch_size):
-        group = sequences[start:start + batch_size]
+        group = sequences[start : start + batch_size]
         length = max(int(s.numel()) for s in group)
         ids = torch.zeros(len(group), length, dtype=torch.long)
         valid = torch.zeros(len(group), length, dtype=torch.bool)
         for row, sequence in enumerate(group):
-            ids[row, :sequence.numel()] = sequence
-            valid[row, :sequence.numel()] = True
+            ids[row, : sequence.numel()] = sequence
+            valid[row, : sequence.numel()] = True
         yield ids, valid

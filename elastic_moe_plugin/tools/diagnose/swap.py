@@ -47,11 +47,15 @@ def select_router_layers(spec: str | None, num_layers: int, moe_layers: Sequence
         raise DiagnosticsError(str(error)) from None
     outside = [layer for layer in layers if layer >= num_layers]
     if outside:
-        raise DiagnosticsError(f"--layers {spec!r} selects layer(s) {outside}, but the model has {num_layers} layers "
-                               f"(0-based 0..{num_layers - 1}).")
+        raise DiagnosticsError(
+            f"--layers {spec!r} selects layer(s) {outside}, but the model has {num_layers} layers "
+            f"(0-based 0..{num_layers - 1})."
+        )
     not_moe = [layer for layer in layers if layer not in set(moe_layers)]
     if not_moe:
-        raise DiagnosticsError(f"--layers {spec!r} selects layer(s) {not_moe} without a router (MoE layers: {list(moe_layers)}).")
+        raise DiagnosticsError(
+            f"--layers {spec!r} selects layer(s) {not_moe} without a router (MoE layers: {list(moe_layers)})."
+        )
     return layers
 
 
@@ -63,7 +67,9 @@ def _swap_hf(donor: CheckpointSpec, target: CheckpointSpec, out_dir: Path, layer
         for layer in selected:
             source, sink = a.routers[layer].state_dict(), b.routers[layer].state_dict()
             if set(source) != set(sink) or any(source[n].shape != sink[n].shape for n in sink):
-                raise DiagnosticsError(f"layer {layer}: the routers' tensors differ ({sorted(source)} vs {sorted(sink)}).")
+                raise DiagnosticsError(
+                    f"layer {layer}: the routers' tensors differ ({sorted(source)} vs {sorted(sink)})."
+                )
             b.routers[layer].load_state_dict(source)
         out_dir.mkdir(parents=True, exist_ok=True)
         b.model.save_pretrained(out_dir)
@@ -74,12 +80,19 @@ def _swap_hf(donor: CheckpointSpec, target: CheckpointSpec, out_dir: Path, layer
     return selected
 
 
-def _check_demo_routers_interchangeable(donor: CheckpointSpec, target: CheckpointSpec, donor_transformer: dict[str, Any],
-                                        target_transformer: dict[str, Any]) -> None:
-    for key, what in (("num_moe_experts", "experts per layer"), ("num_layers", "layers"), ("hidden_size", "hidden size")):
+def _check_demo_routers_interchangeable(
+    donor: CheckpointSpec, target: CheckpointSpec, donor_transformer: dict[str, Any], target_transformer: dict[str, Any]
+) -> None:
+    for key, what in (
+        ("num_moe_experts", "experts per layer"),
+        ("num_layers", "layers"),
+        ("hidden_size", "hidden size"),
+    ):
         if donor_transformer[key] != target_transformer[key]:
-            raise DiagnosticsError(f"{donor.label} has {donor_transformer[key]} {what} but {target.label} has "
-                                   f"{target_transformer[key]}: their routers are not interchangeable.")
+            raise DiagnosticsError(
+                f"{donor.label} has {donor_transformer[key]} {what} but {target.label} has "
+                f"{target_transformer[key]}: their routers are not interchangeable."
+            )
 
 
 def _copy_router_tensors(donor_state: dict[str, Any], target_state: dict[str, Any], selected: Sequence[int]) -> None:
@@ -105,23 +118,38 @@ def _swap_demo(donor: CheckpointSpec, target: CheckpointSpec, out_dir: Path, lay
     _check_demo_routers_interchangeable(donor, target, donor_config["transformer_config"], target_transformer)
     num_layers = int(target_transformer["num_layers"])
     selected = select_router_layers(layers, num_layers, range(num_layers))
-    donor_state = torch.load(Path(donor.path) / donor_config["runs"][donor.run]["checkpoint"], map_location="cpu",
-                             weights_only=True)
-    target_state = torch.load(Path(target.path) / target_config["runs"][target.run]["checkpoint"], map_location="cpu",
-                              weights_only=True)
+    donor_state = torch.load(
+        Path(donor.path) / donor_config["runs"][donor.run]["checkpoint"], map_location="cpu", weights_only=True
+    )
+    target_state = torch.load(
+        Path(target.path) / target_config["runs"][target.run]["checkpoint"], map_location="cpu", weights_only=True
+    )
     _copy_router_tensors(donor_state, target_state, selected)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.save(target_state, out_dir / "swapped.pt")
     config = dict(target_config)
-    config["runs"] = {"swapped": dict(target_config["runs"][target.run], checkpoint="swapped.pt",
-                                      router_swap={"router_from": f"{donor.path}:{donor.run}",
-                                                   "into": f"{target.path}:{target.run}", "layers": selected})}
+    config["runs"] = {
+        "swapped": dict(
+            target_config["runs"][target.run],
+            checkpoint="swapped.pt",
+            router_swap={
+                "router_from": f"{donor.path}:{donor.run}",
+                "into": f"{target.path}:{target.run}",
+                "layers": selected,
+            },
+        )
+    }
     (out_dir / "model_config.json").write_text(json.dumps(config, indent=2))
     return selected
 
 
-def router_swap(donor: CheckpointSpec, target: CheckpointSpec, out: str | os.PathLike[str],
-                layers: str | None = None, dtype: str = "float32") -> dict[str, Any]:
+def router_swap(
+    donor: CheckpointSpec,
+    target: CheckpointSpec,
+    out: str | os.PathLike[str],
+    layers: str | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
     """Write ``target`` with the routers of ``donor`` in ``layers`` (default: every MoE layer).
 
     Only router parameters and buffers change (transformers: the ``mlp.gate`` module's state;
@@ -136,12 +164,17 @@ def router_swap(donor: CheckpointSpec, target: CheckpointSpec, out: str | os.Pat
     """
     out_dir = Path(out)
     if donor.kind != target.kind:
-        raise DiagnosticsError(f"router swap needs two checkpoints of one kind; got {donor.kind} ({donor.path}) and "
-                               f"{target.kind} ({target.path}).")
+        raise DiagnosticsError(
+            f"router swap needs two checkpoints of one kind; got {donor.kind} ({donor.path}) and "
+            f"{target.kind} ({target.path})."
+        )
     if out_dir.exists() and any(out_dir.iterdir()):
         raise DiagnosticsError(f"--out {str(out_dir)!r} exists and is not empty.")
-    record: dict[str, Any] = {"format": SWAP_FORMAT, "router_from": dataclasses.asdict(donor),
-                              "into": dataclasses.asdict(target)}
+    record: dict[str, Any] = {
+        "format": SWAP_FORMAT,
+        "router_from": dataclasses.asdict(donor),
+        "into": dataclasses.asdict(target),
+    }
     if target.kind == "hf":
         record["layers"] = _swap_hf(donor, target, out_dir, layers, dtype)
     else:

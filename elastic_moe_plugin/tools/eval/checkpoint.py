@@ -41,6 +41,7 @@ from elastic_moe_plugin.tools.eval.harness import (
     check_task_requirements,
     make_task_manager,
 )
+
 # re-exported: check_moe and CODE_EXECUTION_SKIPPED moved to .plan (the checks without lm-eval)
 from elastic_moe_plugin.tools.eval.plan import CODE_EXECUTION_SKIPPED, check_moe, plan_evaluation  # noqa: F401
 from elastic_moe_plugin.tools.eval.suite import Suite
@@ -225,9 +226,18 @@ def evaluate_checkpoint(
         ValueError: with the reason and the fix, before any weights load where possible.
     """
     batch_size = _parse_batch_size(batch_size)
-    plan = plan_evaluation(checkpoint, suite, out_dir=out_dir, topk=topk, limit=limit, backend=backend,
-                           allow_code_execution=allow_code_execution, apply_chat_template=apply_chat_template,
-                           overwrite=overwrite, trust_remote_code=trust_remote_code)
+    plan = plan_evaluation(
+        checkpoint,
+        suite,
+        out_dir=out_dir,
+        topk=topk,
+        limit=limit,
+        backend=backend,
+        allow_code_execution=allow_code_execution,
+        apply_chat_template=apply_chat_template,
+        overwrite=overwrite,
+        trust_remote_code=trust_remote_code,
+    )
     suite, checkpoint, out_dir, chat = plan.suite, plan.checkpoint, plan.out_dir, plan.chat
     topk_key, topk_native, calls, skipped = plan.topk_key, plan.topk_native, plan.calls, plan.skipped
     if plan.skipped:

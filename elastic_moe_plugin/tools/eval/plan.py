@@ -74,8 +74,10 @@ def read_checkpoint_config(checkpoint: str, trust_remote_code: bool = False) -> 
         )
     if not _importable("transformers"):
         if not path.is_dir():
-            raise EvaluationError(f"cannot read the model config of {checkpoint!r}: it is no local folder, and "
-                                  "transformers (which reads hub ids) is not installed.")
+            raise EvaluationError(
+                f"cannot read the model config of {checkpoint!r}: it is no local folder, and "
+                "transformers (which reads hub ids) is not installed."
+            )
         try:
             return json.loads((path / "config.json").read_text(), object_hook=lambda d: types.SimpleNamespace(**d))
         except ValueError as error:
@@ -183,8 +185,16 @@ def plan_evaluation(
     calls, skipped = plan_harness_calls(suite, allow_code_execution)
     missing = missing_task_modules([name for names in calls.values() for name in names])
     return EvaluationPlan(
-        suite=suite, checkpoint=checkpoint, out_dir=out_dir, topk=topk, topk_key=topk_key, topk_native=topk_native,
-        num_experts=experts, model_type=getattr(config, "model_type", None), calls=calls, skipped=skipped,
+        suite=suite,
+        checkpoint=checkpoint,
+        out_dir=out_dir,
+        topk=topk,
+        topk_key=topk_key,
+        topk_native=topk_native,
+        num_experts=experts,
+        model_type=getattr(config, "model_type", None),
+        calls=calls,
+        skipped=skipped,
         chat=suite.apply_chat_template if apply_chat_template is None else apply_chat_template,
         missing_modules=missing,
     )
@@ -200,8 +210,10 @@ def registry_check(plan: EvaluationPlan) -> str:
     from elastic_moe_plugin.tools.eval.harness import check_suite_tasks, lm_eval_version, make_task_manager
 
     if not _importable("lm_eval"):
-        return (f"lm-eval is not installed: task names and metric keys are not checked against its registry "
-                f"(install it to run: {EVAL_EXTRA_INSTALL})")
+        return (
+            f"lm-eval is not installed: task names and metric keys are not checked against its registry "
+            f"(install it to run: {EVAL_EXTRA_INSTALL})"
+        )
     check_suite_tasks(plan.suite, make_task_manager(plan.suite))
     return f"every harness task and metric key is registered in lm-eval {lm_eval_version()}"
 
@@ -210,24 +222,37 @@ def format_suite_tasks(suite: Suite) -> str:
     """The suite's tasks: column, harness task, shots, metric key, whether averaged, notes."""
     rows = [("column", "harness task", "shots", "metric key", "average", "notes")]
     for task in suite.tasks:
-        notes = ", ".join(note for note in (
-            "runs model-written code (--allow-code-execution)" if task.code_execution else "",
-            f"{task.n_docs} docs" if task.n_docs else "",
-            f"paper: {task.paper_metric}" if task.paper_metric else "") if note)
-        rows.append((task.name, task.task, str(task.num_fewshot), task.metric_key, "yes" if task.in_average else "no",
-                     notes))
+        notes = ", ".join(
+            note
+            for note in (
+                "runs model-written code (--allow-code-execution)" if task.code_execution else "",
+                f"{task.n_docs} docs" if task.n_docs else "",
+                f"paper: {task.paper_metric}" if task.paper_metric else "",
+            )
+            if note
+        )
+        rows.append(
+            (task.name, task.task, str(task.num_fewshot), task.metric_key, "yes" if task.in_average else "no", notes)
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    lines = [f"suite {suite.name}: {suite.title} ({len(suite.tasks)} tasks, {suite.average_label} over "
-             f"{len(suite.averaged)}; {suite.source})"]
-    lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths)) + f"  {row[5]}".rstrip()
-              for row in rows]
+    lines = [
+        f"suite {suite.name}: {suite.title} ({len(suite.tasks)} tasks, {suite.average_label} over "
+        f"{len(suite.averaged)}; {suite.source})"
+    ]
+    lines += [
+        "  " + "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths)) + f"  {row[5]}".rstrip()
+        for row in rows
+    ]
     return "\n".join(lines)
 
 
 def format_plan(plan: EvaluationPlan, registry: str) -> str:
     """What the run would do, for ``--dry-run``."""
-    topk = (f"--topk {plan.topk} (the checkpoint routes to top-{plan.topk_native})" if plan.topk is not None
-            else f"the checkpoint's own top-{plan.topk_native}")
+    topk = (
+        f"--topk {plan.topk} (the checkpoint routes to top-{plan.topk_native})"
+        if plan.topk is not None
+        else f"the checkpoint's own top-{plan.topk_native}"
+    )
     experts = f" of {plan.num_experts} experts" if plan.num_experts is not None else ""
     lines = [
         "dry run: nothing is evaluated and no weights are loaded",
@@ -246,6 +271,16 @@ def format_plan(plan: EvaluationPlan, registry: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CODE_EXECUTION_SKIPPED", "EvaluationPlan", "check_arguments", "check_moe", "format_plan",
-           "format_suite_tasks", "missing_task_modules", "plan_evaluation", "plan_harness_calls",
-           "read_checkpoint_config", "registry_check"]
+__all__ = [
+    "CODE_EXECUTION_SKIPPED",
+    "EvaluationPlan",
+    "check_arguments",
+    "check_moe",
+    "format_plan",
+    "format_suite_tasks",
+    "missing_task_modules",
+    "plan_evaluation",
+    "plan_harness_calls",
+    "read_checkpoint_config",
+    "registry_check",
+]

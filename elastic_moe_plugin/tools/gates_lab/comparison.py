@@ -95,11 +95,20 @@ def compare(
     budgets = k_arg if isinstance(k_arg, torch.Tensor) else torch.full((num_tokens,), k, dtype=torch.long)
     width = budget_schedule.high
     results = _run_conventions(
-        names, toy, k_arg, budgets, width, logit_scale=logit_scale, detach_gate=detach_gate, gradcheck=gradcheck,
+        names,
+        toy,
+        k_arg,
+        budgets,
+        width,
+        logit_scale=logit_scale,
+        detach_gate=detach_gate,
+        gradcheck=gradcheck,
         step=step,
     )
     selections = [result["selected"] for result in results.values()]
-    found = sorted({cause for result in results.values() for cause in result["zero_causes"]}, key=list(ZERO_CAUSES).index)
+    found = sorted(
+        {cause for result in results.values() for cause in result["zero_causes"]}, key=list(ZERO_CAUSES).index
+    )
     return {
         "setup": {
             "num_tokens": num_tokens,
@@ -113,7 +122,9 @@ def compare(
             "budgets": budgets.tolist(),
             "seed": seed,
             "dtype": str(dtype).removeprefix("torch."),
-            "router": "user-supplied logits" if logits is not None else f"linear: logits = {logit_scale:g} * x @ W_router^T",
+            "router": "user-supplied logits"
+            if logits is not None
+            else f"linear: logits = {logit_scale:g} * x @ W_router^T",
             "experts": "linear, identical weights" if identical_experts else "linear, independent weights",
             "gate_detached": detach_gate,
             "capacity_policy": "dropless (every selected token-expert pair is computed)",
@@ -147,7 +158,10 @@ def _check_toy_arguments(*, k: int, hidden: int, seed: int, logit_scale: float, 
 
 
 def _user_logits_shape(
-    logits: torch.Tensor, num_tokens: int | None, num_experts: int | None, logit_scale: float,
+    logits: torch.Tensor,
+    num_tokens: int | None,
+    num_experts: int | None,
+    logit_scale: float,
 ) -> tuple[int, int]:
     """(T, E) of user-supplied logits, which any given ``num_tokens`` / ``num_experts`` must match."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
@@ -166,7 +180,12 @@ def _user_logits_shape(
 
 
 def _draw_budgets(
-    k: int, schedule: str | None, sigma: float, sampling: str, num_experts: int, num_tokens: int,
+    k: int,
+    schedule: str | None,
+    sigma: float,
+    sampling: str,
+    num_experts: int,
+    num_tokens: int,
     generator: torch.Generator,
 ) -> tuple[BudgetSchedule, int | torch.Tensor]:
     """The schedule and the convention's ``k``: the int k when static, else κ ``LongTensor[T]``."""
@@ -178,19 +197,34 @@ def _draw_budgets(
 
 
 def _run_conventions(
-    names: Sequence[str], toy: _Toy, k: int | torch.Tensor, budgets: torch.Tensor, width: int, *,
-    logit_scale: float, detach_gate: bool, gradcheck: bool, step: float | None,
+    names: Sequence[str],
+    toy: _Toy,
+    k: int | torch.Tensor,
+    budgets: torch.Tensor,
+    width: int,
+    *,
+    logit_scale: float,
+    detach_gate: bool,
+    gradcheck: bool,
+    step: float | None,
 ) -> dict[str, dict[str, Any]]:
     results: dict[str, Any] = {}
     for name in names:
         results[name] = _run_convention(name, toy, k, width, logit_scale, detach_gate)
         if gradcheck:
             check = gradcheck_router(
-                name, results[name]["_logits"], budgets, expert_outputs=results[name]["_fixed_outputs"], step=step,
+                name,
+                results[name]["_logits"],
+                budgets,
+                expert_outputs=results[name]["_fixed_outputs"],
+                step=step,
             )
             results[name]["gradcheck"] = {
-                "status": check.status, "step": check.step, "max_abs_error": finite_or_none(check.max_abs_error),
-                "refused_tokens": [change.token for change in check.refused], "message": check.message,
+                "status": check.status,
+                "step": check.step,
+                "max_abs_error": finite_or_none(check.max_abs_error),
+                "refused_tokens": [change.token for change in check.refused],
+                "message": check.message,
             }
     for result in results.values():
         del result["_fixed_outputs"], result["_logits"]

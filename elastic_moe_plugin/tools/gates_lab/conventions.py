@@ -113,9 +113,7 @@ def _resolve(logits: torch.Tensor, k: int | torch.Tensor, width: int | None) -> 
                 return 0, torch.zeros(0, 0, dtype=torch.bool, device=logits.device)
             low, high = (int(v) for v in torch.aminmax(k))
             if low < 1 or high > num_experts:
-                raise ValueError(
-                    f"budgets k must lie in 1..num_experts={num_experts}, got min {low}, max {high}."
-                )
+                raise ValueError(f"budgets k must lie in 1..num_experts={num_experts}, got min {low}, max {high}.")
             width = high
         return width, budget_mask(k, width)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
@@ -174,10 +172,15 @@ class _MaskedSoftmax(torch.autograd.Function):
 
     backward = staticmethod(softmax_like_backward)
 
+
 def _rule(logits: torch.Tensor, score_function: str, select_on: str, normalization: str) -> RoutingRule:
-    return RoutingRule(score_function, select_on, normalization,  # type: ignore[arg-type]
-                       renormalization_eps=SIGMOID_EPS if score_function == "sigmoid" else 0.0,
-                       score_dtype=_compute_dtype(logits))
+    return RoutingRule(
+        score_function,
+        select_on,
+        normalization,  # type: ignore[arg-type]
+        renormalization_eps=SIGMOID_EPS if score_function == "sigmoid" else 0.0,
+        score_dtype=_compute_dtype(logits),
+    )
 
 
 def full_softmax(
@@ -237,7 +240,9 @@ def selected_softmax(
     Same arguments and returns as :func:`full_softmax`.
     """
     width, mask = _resolve(logits, k, width)
-    indices, values = select(logits.to(_compute_dtype(logits)), _rule(logits, "softmax", "logits", "kept_softmax"), width)
+    indices, values = select(
+        logits.to(_compute_dtype(logits)), _rule(logits, "softmax", "logits", "kept_softmax"), width
+    )
     return _finish(indices, _MaskedSoftmax.apply(values, mask), mask)
 
 
@@ -300,9 +305,7 @@ def get_convention(name: str) -> Convention:
 
 
 # ---------------------------------------------------------------------------------- dense form
-def to_dense(
-    expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def to_dense(expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron's dense routing form from rank slots.
 
     Args:
@@ -335,5 +338,14 @@ def to_dense(
     return probs[:, :num_experts].contiguous(), routing_map[:, :num_experts].contiguous()
 
 
-__all__ = ["CONVENTIONS", "CONVENTION_NAMES", "Convention", "full_softmax", "get_convention", "renormalized",
-           "selected_softmax", "sigmoid", "to_dense"]
+__all__ = [
+    "CONVENTIONS",
+    "CONVENTION_NAMES",
+    "Convention",
+    "full_softmax",
+    "get_convention",
+    "renormalized",
+    "selected_softmax",
+    "sigmoid",
+    "to_dense",
+]

@@ -215,13 +215,33 @@ def gradcheck_router(
 
     status = "failed" if bad_tokens else "refused" if changes else "passed"
     message = _outcome_message(
-        name, status, step=plan.step, requested_step=step, margins=boundary.margins, checked=checked,
-        max_error=max_error, bad_tokens=bad_tokens, atol=atol, rtol=rtol, changes=changes, num_tokens=num_tokens,
+        name,
+        status,
+        step=plan.step,
+        requested_step=step,
+        margins=boundary.margins,
+        checked=checked,
+        max_error=max_error,
+        bad_tokens=bad_tokens,
+        atol=atol,
+        rtol=rtol,
+        changes=changes,
+        num_tokens=num_tokens,
     )
     return GradcheckResult(
-        convention=name, status=status, step=plan.step, margins=boundary.margins, rank_margins=boundary.rank_margins,
-        analytic=analytic, numeric=numeric, max_abs_error=max_error, atol=atol, rtol=rtol, checked_tokens=checked,
-        refused=changes, message=message,
+        convention=name,
+        status=status,
+        step=plan.step,
+        margins=boundary.margins,
+        rank_margins=boundary.rank_margins,
+        analytic=analytic,
+        numeric=numeric,
+        max_abs_error=max_error,
+        atol=atol,
+        rtol=rtol,
+        checked_tokens=checked,
+        refused=changes,
+        message=message,
     )
 
 
@@ -250,7 +270,9 @@ def _token_budgets(k: int | torch.Tensor, num_tokens: int, num_experts: int, dev
     if isinstance(k, torch.Tensor):
         budgets = k.detach().to(device=device, dtype=torch.long).reshape(-1)
         if budgets.shape != (num_tokens,):
-            raise ValueError(f"k as a tensor must hold one budget per token, shape [{num_tokens}], got {tuple(k.shape)}.")
+            raise ValueError(
+                f"k as a tensor must hold one budget per token, shape [{num_tokens}], got {tuple(k.shape)}."
+            )
     else:
         check_int("k", k, 1)
         budgets = torch.full((num_tokens,), k, dtype=torch.long, device=device)
@@ -260,7 +282,11 @@ def _token_budgets(k: int | torch.Tensor, num_tokens: int, num_experts: int, dev
 
 
 def _fixed_expert_outputs(
-    expert_outputs: torch.Tensor | None, num_tokens: int, num_experts: int, seed: int, device: torch.device,
+    expert_outputs: torch.Tensor | None,
+    num_tokens: int,
+    num_experts: int,
+    seed: int,
+    device: torch.device,
 ) -> torch.Tensor:
     """F as float64 ``[T, E]``: the given outputs (a row ``[E]`` is shared by every token), or seeded N(0, 1)."""
     if expert_outputs is None:
@@ -346,7 +372,11 @@ def _central_differences(output: _GatedOutput, z: torch.Tensor, plan: _StepPlan)
 
 
 def _check_tolerance(
-    analytic: torch.Tensor, numeric: torch.Tensor, plan: _StepPlan, atol: float, rtol: float,
+    analytic: torch.Tensor,
+    numeric: torch.Tensor,
+    plan: _StepPlan,
+    atol: float,
+    rtol: float,
 ) -> tuple[list[int], float, list[int]]:
     """Step 4, the comparison: (checked tokens, max |error| over them, tokens out of tolerance)."""
     checked = (~plan.refused).nonzero().flatten().tolist() if plan.step is not None else []
@@ -359,8 +389,12 @@ def _check_tolerance(
 
 
 def _selection_changes(
-    output: _GatedOutput, z: torch.Tensor, base_outputs: torch.Tensor, base_ids: torch.Tensor,
-    boundary: _Boundary, plan: _StepPlan,
+    output: _GatedOutput,
+    z: torch.Tensor,
+    base_outputs: torch.Tensor,
+    base_ids: torch.Tensor,
+    boundary: _Boundary,
+    plan: _StepPlan,
 ) -> list[SelectionChange]:
     """Step 3's report: at each refused token, evaluate at the perturbed logits and say what happened."""
     changes = []
@@ -379,8 +413,14 @@ def _selection_changes(
         margin = float(boundary.margins[token])
         changes.append(
             SelectionChange(
-                token=token, budget=budget, margin=margin, step=plan.probe, left=left, entered=entered,
-                observed=observed, output_jump=float(y_after[token] - base_outputs[token]),
+                token=token,
+                budget=budget,
+                margin=margin,
+                step=plan.probe,
+                left=left,
+                entered=entered,
+                observed=observed,
+                output_jump=float(y_after[token] - base_outputs[token]),
                 reason="is a tie" if margin == 0 else plan.refusal_reason,
             )
         )
@@ -388,9 +428,19 @@ def _selection_changes(
 
 
 def _outcome_message(
-    name: str, status: str, *, step: float | None, requested_step: float | None, margins: torch.Tensor,
-    checked: list[int], max_error: float, bad_tokens: list[int], atol: float, rtol: float,
-    changes: list[SelectionChange], num_tokens: int,
+    name: str,
+    status: str,
+    *,
+    step: float | None,
+    requested_step: float | None,
+    margins: torch.Tensor,
+    checked: list[int],
+    max_error: float,
+    bad_tokens: list[int],
+    atol: float,
+    rtol: float,
+    changes: list[SelectionChange],
+    num_tokens: int,
 ) -> str:
     """What was checked, refused and why: the summary line, then one line per selection change."""
     if status == "passed":

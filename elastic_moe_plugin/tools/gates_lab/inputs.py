@@ -83,8 +83,7 @@ def _read_logits_file(path: str | Path) -> Any:
     suffix = file.suffix.lower()
     if suffix not in _LOGIT_SUFFIXES:
         raise ValueError(
-            f"--logits {str(path)!r}: unsupported file type {suffix or '(none)'!r}; "
-            f"expected .pt/.pth, .npy or .json."
+            f"--logits {str(path)!r}: unsupported file type {suffix or '(none)'!r}; expected .pt/.pth, .npy or .json."
         )
     try:
         if suffix == ".npy":
@@ -96,7 +95,7 @@ def _read_logits_file(path: str | Path) -> Any:
         else:
             data = torch.load(file, map_location="cpu", weights_only=True)
     # Each reader fails its own way (pickle, zip, JSON, numpy errors): all are bad input here.
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         raise ValueError(f"--logits {str(path)!r}: could not read it ({error}).") from None
     if isinstance(data, dict):
         if "logits" not in data:

@@ -82,8 +82,13 @@ class _Pass:
 
 
 def _build_toy(
-    num_tokens: int, num_experts: int, hidden: int, generator: torch.Generator, dtype: torch.dtype,
-    identical_experts: bool, logits: torch.Tensor | None,
+    num_tokens: int,
+    num_experts: int,
+    hidden: int,
+    generator: torch.Generator,
+    dtype: torch.dtype,
+    identical_experts: bool,
+    logits: torch.Tensor | None,
 ) -> _Toy:
     # One draw order for every configuration, so a given seed always gives the same toy.
     inputs = torch.randn(num_tokens, hidden, generator=generator, dtype=torch.float64)
@@ -102,8 +107,16 @@ def _build_toy(
 
 
 def _zero_cause(
-    name: str, token: int, *, detached: bool, kept: int, weights: torch.Tensor, logits: torch.Tensor,
-    kept_ids: torch.Tensor, expert_outputs: torch.Tensor, output_grad: torch.Tensor | None,
+    name: str,
+    token: int,
+    *,
+    detached: bool,
+    kept: int,
+    weights: torch.Tensor,
+    logits: torch.Tensor,
+    kept_ids: torch.Tensor,
+    expert_outputs: torch.Tensor,
+    output_grad: torch.Tensor | None,
 ) -> str:
     """The first cause in ZERO_CAUSES order that explains token ``token``'s zero gate gradient."""
     if detached:
@@ -125,7 +138,12 @@ def _zero_cause(
 
 
 def _forward_backward(
-    name: str, toy: _Toy, k: int | torch.Tensor, width: int, logit_scale: float, detach_gate: bool,
+    name: str,
+    toy: _Toy,
+    k: int | torch.Tensor,
+    width: int,
+    logit_scale: float,
+    detach_gate: bool,
 ) -> _Pass:
     router = None if toy.router_weight is None else toy.router_weight.clone().requires_grad_()
     if router is None:
@@ -145,9 +163,16 @@ def _forward_backward(
     loss = 0.5 * ((output - toy.targets) ** 2).sum(-1).mean()
     loss.backward()
     return _Pass(
-        loss=loss, logits=logits, router=router, experts=experts, expert_ids=expert_ids, weights=weights,
-        detached=logits.grad is None or not gate.requires_grad, routing_map=routing_map,
-        expert_outputs=expert_outputs, output=output,
+        loss=loss,
+        logits=logits,
+        router=router,
+        experts=experts,
+        expert_ids=expert_ids,
+        weights=weights,
+        detached=logits.grad is None or not gate.requires_grad,
+        routing_map=routing_map,
+        expert_outputs=expert_outputs,
+        output=output,
     )
 
 
@@ -161,8 +186,14 @@ def _zero_gate_grad_tokens(name: str, run: _Pass, logit_grad: torch.Tensor) -> l
             continue
         kept = int(kept_counts[token])
         cause = _zero_cause(
-            name, token, detached=run.detached, kept=kept, weights=run.weights.detach(), logits=run.logits.detach(),
-            kept_ids=run.expert_ids[token, :kept], expert_outputs=run.expert_outputs.detach(),
+            name,
+            token,
+            detached=run.detached,
+            kept=kept,
+            weights=run.weights.detach(),
+            logits=run.logits.detach(),
+            kept_ids=run.expert_ids[token, :kept],
+            expert_outputs=run.expert_outputs.detach(),
             output_grad=run.output.grad,
         )
         zeros.append({"token": token, "cause": cause})
@@ -170,7 +201,12 @@ def _zero_gate_grad_tokens(name: str, run: _Pass, logit_grad: torch.Tensor) -> l
 
 
 def _run_convention(
-    name: str, toy: _Toy, k: int | torch.Tensor, width: int, logit_scale: float, detach_gate: bool,
+    name: str,
+    toy: _Toy,
+    k: int | torch.Tensor,
+    width: int,
+    logit_scale: float,
+    detach_gate: bool,
 ) -> dict[str, Any]:
     """One convention on the toy: what it selects, keeps and passes back to the router and experts."""
     run = _forward_backward(name, toy, k, width, logit_scale, detach_gate)
@@ -188,7 +224,9 @@ def _run_convention(
         "loss": float(run.loss.detach()),
         "selected": run.expert_ids.tolist(),
         "retained_weight_sum": {
-            "mean": float(retained.mean()), "min": float(retained.min()), "max": float(retained.max()),
+            "mean": float(retained.mean()),
+            "min": float(retained.min()),
+            "max": float(retained.max()),
         },
         "router_grad_norm": router_grad_norm,
         "logit_grad_norm": float(logit_grad.norm()),

@@ -88,12 +88,16 @@ def format_two_logit(example: dict[str, Any]) -> str:
         "",
     ]
     if e["tie"]:
-        lines.append("top-1 on the same logits: a TIE (z1 = z2): the selected expert is ambiguous; derivatives below are")
+        lines.append(
+            "top-1 on the same logits: a TIE (z1 = z2): the selected expert is ambiguous; derivatives below are"
+        )
         lines.append("  those of the branch torch.topk picked, and do not hold across the tie")
     else:
         chosen = next(iter(e["top1"].values()))["selected"]
         which = "second" if chosen == 1 else "first"
-        lines.append(f"top-1 on the same logits: the {which} expert (logit z{chosen + 1}) is selected, margin {abs(z2):g}")
+        lines.append(
+            f"top-1 on the same logits: the {which} expert (logit z{chosen + 1}) is selected, margin {abs(z2):g}"
+        )
     lines.append(f"  {'convention':<18}{'weight':>10}{'dw/dz1':>11}{'dw/dz2':>11}")
     for name, r in e["top1"].items():
         lines.append(f"  {name:<18}{r['weight']:>10.6f}{r['dweight_dz1']:>11.6f}{r['dweight_dz2']:>11.6f}")

@@ -24,7 +24,8 @@ import json
 import sys
 import traceback
 import types
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from elastic_moe_plugin.core.import_hooks import IMPORT_HOOKS
 from elastic_moe_plugin.tools.recipes.load import list_recipe_files, load_recipe
@@ -50,7 +51,7 @@ class _Stub:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"{self._name} is an import stub (mcore_bridge is not installed); it cannot run")
 
-    def __getattr__(self, name: str) -> "_Stub":
+    def __getattr__(self, name: str) -> _Stub:
         if name.startswith("__"):
             raise AttributeError(name)
         return _Stub(f"{self._name}.{name}")
@@ -159,8 +160,10 @@ class SwiftChecker:
         if os.path.realpath(plugin_path()) not in plugins:
             raise _ParseError(f"external_plugins={namespace.external_plugins} does not load the plugin {plugin_path()}")
         if CALLBACK_NAME not in (getattr(namespace, "callbacks", None) or []):
-            raise _ParseError(f"callbacks={getattr(namespace, 'callbacks', None)} lacks {CALLBACK_NAME!r}: the run would "
-                              f"log no routing metric")
+            raise _ParseError(
+                f"callbacks={getattr(namespace, 'callbacks', None)} lacks {CALLBACK_NAME!r}: the run would "
+                f"log no routing metric"
+            )
         checked.append(f"external_plugins loads the plugin file; callbacks include {CALLBACK_NAME!r}")
         from swift.utils import json_parse_to_dict
 
@@ -211,11 +214,17 @@ class MegatronLMChecker:
                 frame = traceback.extract_tb(error.__traceback__)[-1]
                 where = f"{frame.filename.rsplit('/megatron/', 1)[-1]}:{frame.lineno}: {frame.line}"
                 raise _ParseError(f"megatron validate_args: {str(error) or 'assertion failed'} ({where})") from None
-        padded = self.padded(QWEN3_TOKENIZER_LENGTH, namespace.make_vocab_size_divisible_by,
-                             namespace.tensor_model_parallel_size, logging_enabled=False)
+        padded = self.padded(
+            QWEN3_TOKENIZER_LENGTH,
+            namespace.make_vocab_size_divisible_by,
+            namespace.tensor_model_parallel_size,
+            logging_enabled=False,
+        )
         if padded != recipe.model.vocab_size:
-            raise _ParseError(f"Megatron pads a {QWEN3_TOKENIZER_LENGTH}-token vocabulary to {padded}, "
-                              f"not model.vocab_size={recipe.model.vocab_size}")
+            raise _ParseError(
+                f"Megatron pads a {QWEN3_TOKENIZER_LENGTH}-token vocabulary to {padded}, "
+                f"not model.vocab_size={recipe.model.vocab_size}"
+            )
         return [
             "megatron/training/arguments.py parser (megatron-core wheel), strict",
             f"validate_args with world_size={world_size}",
@@ -236,8 +245,11 @@ def check_recipes(paths: Iterable[str]) -> dict[str, Any]:
         entry: dict[str, Any] = {"launcher": recipe.launcher, "argv": argv, "ok": False}
         kind = "swift" if recipe.launcher in ("swift_sft", "megatron_sft") else "mlm"
         # both ways a command may load the plugin, whichever this environment renders
-        forms = [framework_args(render(recipe, topology, plugin_form=form)) for form in ("plugin", "path")] \
-            if kind == "swift" else [argv]
+        forms = (
+            [framework_args(render(recipe, topology, plugin_form=form)) for form in ("plugin", "path")]
+            if kind == "swift"
+            else [argv]
+        )
         if kind not in checkers:
             try:
                 checkers[kind] = SwiftChecker() if kind == "swift" else MegatronLMChecker()
@@ -246,7 +258,9 @@ def check_recipes(paths: Iterable[str]) -> dict[str, Any]:
         checker = checkers[kind]
         try:
             if isinstance(checker, ImportError):
-                entry["skipped"] = f"{'ms-swift' if kind == 'swift' else 'megatron/training'} is not importable: {checker}"
+                entry["skipped"] = (
+                    f"{'ms-swift' if kind == 'swift' else 'megatron/training'} is not importable: {checker}"
+                )
             elif kind == "swift":
                 entry["checked"] = []
                 for form in forms:
@@ -288,8 +302,11 @@ def format_results(results: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m elastic_moe_plugin.tools.recipes.argcheck", description=__doc__,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    _parser = argparse.ArgumentParser(
+        prog="python -m elastic_moe_plugin.tools.recipes.argcheck",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _parser.add_argument("recipes", nargs="*", help="recipe files (default: every recipe under configs/)")
     _parser.add_argument("--json", action="store_true")
     _args = _parser.parse_args()

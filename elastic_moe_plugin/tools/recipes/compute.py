@@ -12,8 +12,19 @@ from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
 
 PAPER_COMPUTE = 6.0e19
 #: display order of the schedule recipes
-ORDER = ("top8", "7-9", "6-10", "5-11", "6-10_sigma1.0", "6-10_sigma3.0", "6-10_L3-7", "6-10_L8-12", "top9", "top10",
-         "top-p0.4")
+ORDER = (
+    "top8",
+    "7-9",
+    "6-10",
+    "5-11",
+    "6-10_sigma1.0",
+    "6-10_sigma3.0",
+    "6-10_L3-7",
+    "6-10_L8-12",
+    "top9",
+    "top10",
+    "top-p0.4",
+)
 
 
 def experts_per_token(recipe: Recipe) -> dict[str, Any]:
@@ -24,27 +35,42 @@ def experts_per_token(recipe: Recipe) -> dict[str, Any]:
     layers = elastic.layer_set
     n_elastic = model.num_layers if layers is None else len([i for i in layers if i < model.num_layers])
     n_static = model.num_layers - n_elastic
-    row: dict[str, Any] = {"recipe": recipe.name, "train_topk": k, "eval_topk": model.topk,
-                           "elastic_layers": n_elastic, "mode": elastic.mode,
-                           "layers": "all" if elastic.layers is None else elastic.layers}
+    row: dict[str, Any] = {
+        "recipe": recipe.name,
+        "train_topk": k,
+        "eval_topk": model.topk,
+        "elastic_layers": n_elastic,
+        "mode": elastic.mode,
+        "layers": "all" if elastic.layers is None else elastic.layers,
+    }
     if not elastic.enabled:
         n_elastic, n_static = 0, model.num_layers
     if elastic.mode == "top_p":
         cap = elastic.top_p_max_experts or model.num_experts
-        row.update(kind=f"top-p {elastic.top_p}", expected_per_layer=None, expected_mean=None,
-                   worst_per_layer=cap, worst_mean=(n_elastic * cap + n_static * k) / model.num_layers,
-                   min_per_layer=1, schedule=None,
-                   note="E[experts] has no closed form: it depends on the router's probabilities "
-                        "(the paper reports ~13 per token on OLMoE at p = 0.4)")
+        row.update(
+            kind=f"top-p {elastic.top_p}",
+            expected_per_layer=None,
+            expected_mean=None,
+            worst_per_layer=cap,
+            worst_mean=(n_elastic * cap + n_static * k) / model.num_layers,
+            min_per_layer=1,
+            schedule=None,
+            note="E[experts] has no closed form: it depends on the router's probabilities "
+            "(the paper reports ~13 per token on OLMoE at p = 0.4)",
+        )
         return row
     schedule = elastic.budget_schedule(k)
     mean = schedule.mean
     row.update(
         kind=("static top-%d" % k) if schedule.is_static else f"{schedule.spec()} sigma {elastic.sigma:g}",
-        schedule=schedule.spec(), expected_per_layer=mean,
+        schedule=schedule.spec(),
+        expected_per_layer=mean,
         expected_mean=(n_elastic * mean + n_static * k) / model.num_layers,
-        worst_per_layer=schedule.high, worst_mean=(n_elastic * schedule.high + n_static * k) / model.num_layers,
-        min_per_layer=schedule.low, sd_per_layer=schedule.std, note="",
+        worst_per_layer=schedule.high,
+        worst_mean=(n_elastic * schedule.high + n_static * k) / model.num_layers,
+        min_per_layer=schedule.low,
+        sd_per_layer=schedule.std,
+        note="",
     )
     return row
 
@@ -80,7 +106,7 @@ def budget(recipe: Recipe) -> dict[str, Any]:
             "per_layer_router": model.router_params,
             "per_expert": model.expert_params,
             "definition": "weight matrices only (embeddings, untied head, Q/K/V/O, router, SwiGLU experts "
-                          "3 x hidden x moe_ffn); norms and biases left out",
+            "3 x hidden x moe_ffn); norms and biases left out",
         },
         "flops": {
             "M": m,
@@ -88,12 +114,19 @@ def budget(recipe: Recipe) -> dict[str, Any]:
             "attention_term": attention_term,
             "M_forward_only": m_forward,
             "definition": "M = 6 * N_act_nonemb + 12 * n_layers * seq * d_attn (non-embedding training FLOPs per "
-                          "token, DeepSeek-LLM convention as in Tian et al. 2025; d_attn = heads x head_dim)",
+            "token, DeepSeek-LLM convention as in Tian et al. 2025; d_attn = heads x head_dim)",
         },
-        "tokens": {"steps": steps, "tokens_per_step": tokens_per_step, "D": tokens,
-                   "warmup_steps": args.get("lr-warmup-iters") if recipe.launcher == "megatron_lm" else None,
-                   "epochs": args.get("num_train_epochs")},
-        "compute": {"C": m * tokens if tokens else None, "paper_C": PAPER_COMPUTE if recipe.launcher == "megatron_lm" else None},
+        "tokens": {
+            "steps": steps,
+            "tokens_per_step": tokens_per_step,
+            "D": tokens,
+            "warmup_steps": args.get("lr-warmup-iters") if recipe.launcher == "megatron_lm" else None,
+            "epochs": args.get("num_train_epochs"),
+        },
+        "compute": {
+            "C": m * tokens if tokens else None,
+            "paper_C": PAPER_COMPUTE if recipe.launcher == "megatron_lm" else None,
+        },
         "this_recipe": experts_per_token(recipe),
         "schedules": siblings,
     }
@@ -117,18 +150,27 @@ def format_budget(report: dict[str, Any]) -> str:
         f"  (a forward-only count, 2*N + 4*L*seq*d_attn, would be {f['M_forward_only']:.4e})",
     ]
     if t["D"]:
-        lines.append(f"D: {t['steps']:,} steps x {t['tokens_per_step']:,} tokens/step = {t['D']:,} tokens "
-                     f"({t['D'] / 1e9:.2f}B); warmup {t['warmup_steps']} steps")
+        lines.append(
+            f"D: {t['steps']:,} steps x {t['tokens_per_step']:,} tokens/step = {t['D']:,} tokens "
+            f"({t['D'] / 1e9:.2f}B); warmup {t['warmup_steps']} steps"
+        )
         ratio = c["C"] / c["paper_C"] - 1 if c["paper_C"] else None
-        lines.append(f"C = M * D = {c['C']:.4e} FLOPs" + (f" (paper: {c['paper_C']:.1e}, {ratio:+.1%})" if ratio is not None else ""))
+        lines.append(
+            f"C = M * D = {c['C']:.4e} FLOPs"
+            + (f" (paper: {c['paper_C']:.1e}, {ratio:+.1%})" if ratio is not None else "")
+        )
         lines.append(f"steps: {t['steps']:,}")
     else:
-        lines.append(f"D: unknown (trains {t['epochs']} epochs over the dataset; {t['tokens_per_step']:,} tokens per step "
-                     f"when packed), so C = M * D is unknown too; steps = epochs x ceil(packed rows / global batch)")
+        lines.append(
+            f"D: unknown (trains {t['epochs']} epochs over the dataset; {t['tokens_per_step']:,} tokens per step "
+            f"when packed), so C = M * D is unknown too; steps = epochs x ceil(packed rows / global batch)"
+        )
     lines.append("experts per token in training (E = expected, worst = every elastic layer at the top of its support):")
     # Space-free column names, two spaces apart, so the header reads (and splits) like the rows.
-    header = (f"  {'recipe':<15}  {'routing':<17}  {'layers':<7}  {'E[kappa]/layer':>14}  {'E[kappa]/model':>14}  "
-              f"{'worst/layer':>11}  {'worst/model':>11}  {'min/layer':>9}  eval")
+    header = (
+        f"  {'recipe':<15}  {'routing':<17}  {'layers':<7}  {'E[kappa]/layer':>14}  {'E[kappa]/model':>14}  "
+        f"{'worst/layer':>11}  {'worst/model':>11}  {'min/layer':>9}  eval"
+    )
     lines.append(header)
     this = report["this_recipe"]["recipe"]
     for row in report["schedules"]:

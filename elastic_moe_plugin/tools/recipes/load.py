@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.tools.recipes.recipe import CONFIGS_DIR, Recipe, display_path
@@ -55,7 +56,9 @@ def resolve_recipe_path(path: str | os.PathLike[str]) -> Path:
         if guess.is_file():
             return guess.resolve()
     names = ", ".join(sorted(name for name, _ in list_recipe_files())) or "(no configs/ folder found)"
-    raise RecipeError(f"recipe {str(path)!r} does not exist (as a path or under {display_path(CONFIGS_DIR)}/). Recipes: {names}.")
+    raise RecipeError(
+        f"recipe {str(path)!r} does not exist (as a path or under {display_path(CONFIGS_DIR)}/). Recipes: {names}."
+    )
 
 
 # ================================================================================== reading and merging
@@ -70,7 +73,7 @@ def _read(path: Path) -> dict[str, Any]:
     if key not in _READ_CACHE:
         loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
         try:
-            _READ_CACHE[key] = yaml.load(path.read_text(), Loader=loader)  # noqa: S506 - a safe loader
+            _READ_CACHE[key] = yaml.load(path.read_text(), Loader=loader)
         except yaml.YAMLError as error:
             raise RecipeError(f"{path}: not valid YAML: {error}") from None
     data = copy.deepcopy(_READ_CACHE[key])
@@ -166,7 +169,9 @@ def _apply_override(data: dict, origin: dict, item: str) -> None:
     import yaml
 
     if "=" not in item:
-        raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. args.learning_rate=1.0e-5 or elastic.schedule=7-9.")
+        raise RecipeError(
+            f"--set {item!r}: expected KEY=VALUE, e.g. args.learning_rate=1.0e-5 or elastic.schedule=7-9."
+        )
     key, _, text = item.partition("=")
     parts = key.strip().split(".")
     value = yaml.safe_load(text) if text.strip() else None
@@ -212,6 +217,7 @@ def list_recipes(root: Path | None = None) -> list[dict[str, str]]:
     rows = []
     for name, path in list_recipe_files(root):
         recipe = load_recipe(path)
-        rows.append({"name": name, "path": display_path(path), "launcher": recipe.launcher,
-                     "description": recipe.description})
+        rows.append(
+            {"name": name, "path": display_path(path), "launcher": recipe.launcher, "description": recipe.description}
+        )
     return rows

@@ -37,9 +37,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from elastic_moe_plugin.core.config import parse_layers
 from elastic_moe_plugin.tools.recipes.load import load_recipe
@@ -48,8 +49,15 @@ from elastic_moe_plugin.tools.recipes.render import LaunchCommand, render
 from elastic_moe_plugin.tools.recipes.schema import RecipeError
 from elastic_moe_plugin.tools.recipes.topology import Topology
 
-__all__ = ["DEFAULT_STEPS", "TINY_LAYERS", "Rehearsal", "Replacement", "cpu_bootstrap_dir", "plan_rehearsal",
-           "rehearse"]
+__all__ = [
+    "DEFAULT_STEPS",
+    "TINY_LAYERS",
+    "Rehearsal",
+    "Replacement",
+    "cpu_bootstrap_dir",
+    "plan_rehearsal",
+    "rehearse",
+]
 
 DEFAULT_STEPS = 3
 TINY_LAYERS = 4
@@ -101,8 +109,10 @@ class Rehearsal:
     assets: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
-        lines = [f"# rehearsal of {display_path(self.original.path)} ({self.original.launcher}) in {self.work}: "
-                 f"{self.steps} steps on this machine; replaced, because they cannot apply here:"]
+        lines = [
+            f"# rehearsal of {display_path(self.original.path)} ({self.original.launcher}) in {self.work}: "
+            f"{self.steps} steps on this machine; replaced, because they cannot apply here:"
+        ]
         lines += [f"#   {item.describe()}" for item in self.replacements]
         return "\n".join(lines)
 
@@ -117,8 +127,10 @@ def _family(recipe: Recipe) -> str | None:
         return "olmoe"
     if "qwen3" in hints:
         return "qwen3_moe"
-    raise RecipeError(f"{recipe.file_of('model', 'name')}: model.name={recipe.model.name!r}: the rehearsal builds tiny "
-                      f"OLMoE and Qwen3-MoE checkpoints only; rehearse a recipe of one of those families.")
+    raise RecipeError(
+        f"{recipe.file_of('model', 'name')}: model.name={recipe.model.name!r}: the rehearsal builds tiny "
+        f"OLMoE and Qwen3-MoE checkpoints only; rehearse a recipe of one of those families."
+    )
 
 
 def _scaled_layers(spec: str | None, depth: int) -> str | None:
@@ -166,23 +178,35 @@ def _tiny_model(plan: _Plan, model_dir: str) -> dict[str, Any]:
     topk = max(model.topk, model.training_topk)
     gqa = model.num_query_groups < model.num_attention_heads
     tiny = {
-        "name": model_dir, "num_layers": TINY_LAYERS, "hidden_size": TINY_HIDDEN, "num_attention_heads": TINY_HEADS,
-        "num_query_groups": TINY_HEADS // 2 if gqa else TINY_HEADS, "head_dim": TINY_HEAD_DIM,
-        "num_experts": max(16, 2 * topk), "moe_ffn_hidden_size": TINY_EXPERT_FFN,
+        "name": model_dir,
+        "num_layers": TINY_LAYERS,
+        "hidden_size": TINY_HIDDEN,
+        "num_attention_heads": TINY_HEADS,
+        "num_query_groups": TINY_HEADS // 2 if gqa else TINY_HEADS,
+        "head_dim": TINY_HEAD_DIM,
+        "num_experts": max(16, 2 * topk),
+        "moe_ffn_hidden_size": TINY_EXPERT_FFN,
         "vocab_size": _vocab_size(),
     }
     for key, value in tiny.items():
         plan.set(f"model.{key}", value, "", show=False)
-    plan.replacements.append(Replacement(
-        "model", f"{model.name}: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_experts} experts",
-        f"{model_dir}: {TINY_LAYERS} layers, hidden {TINY_HIDDEN}, {tiny['num_experts']} experts, top-{model.topk}"
-        + (f" (trained at top-{model.train_topk})" if model.train_topk else ""),
-        "the real checkpoint needs GPUs and the hub; a random one of the same family, router, gate convention and "
-        "top-k, built here"))
+    plan.replacements.append(
+        Replacement(
+            "model",
+            f"{model.name}: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_experts} experts",
+            f"{model_dir}: {TINY_LAYERS} layers, hidden {TINY_HIDDEN}, {tiny['num_experts']} experts, top-{model.topk}"
+            + (f" (trained at top-{model.train_topk})" if model.train_topk else ""),
+            "the real checkpoint needs GPUs and the hub; a random one of the same family, router, gate convention and "
+            "top-k, built here",
+        )
+    )
     layers = plan.recipe.elastic.layers
     if layers is not None:
-        plan.set("elastic.layers", _scaled_layers(layers, model.num_layers),
-                 f"the recipe's layer range on {model.num_layers} layers, scaled to the tiny model's {TINY_LAYERS}")
+        plan.set(
+            "elastic.layers",
+            _scaled_layers(layers, model.num_layers),
+            f"the recipe's layer range on {model.num_layers} layers, scaled to the tiny model's {TINY_LAYERS}",
+        )
     return tiny
 
 
@@ -198,16 +222,20 @@ def _tiny_layout(plan: _Plan, nproc: int | None) -> int:
     for key, value in (("tp", 1), ("cp", 1), ("etp", 1), ("pp", pp), ("ep", ep)):
         plan.set(f"parallel.{key}", value, "", show=False)
     world = nproc if nproc is not None else pp * ep
-    changed = {k: (parallel[k], v) for k, v in (("tp", 1), ("pp", pp), ("cp", 1), ("ep", ep), ("etp", 1))
-               if parallel[k] != v}
+    changed = {
+        k: (parallel[k], v) for k, v in (("tp", 1), ("pp", pp), ("cp", 1), ("ep", ep), ("etp", 1)) if parallel[k] != v
+    }
     if changed or world != plan.recipe.cluster.get("nnodes", 1) * plan.recipe.cluster.get("nproc_per_node", 1):
-        plan.replacements.append(Replacement(
-            "cluster/parallel",
-            f"{plan.recipe.cluster.get('nnodes', 1)} node(s) x {plan.recipe.cluster.get('nproc_per_node', 1)} GPUs, "
-            + ", ".join(f"{k}={parallel[k]}" for k in ("tp", "pp", "cp", "ep", "etp")),
-            f"1 node x {world} CPU processes (gloo), " + ", ".join(
-                f"{k}={v}" for k, v in (("tp", 1), ("pp", pp), ("cp", 1), ("ep", ep), ("etp", 1))),
-            "no GPUs here; the same kinds of parallelism, each at most 2-way"))
+        plan.replacements.append(
+            Replacement(
+                "cluster/parallel",
+                f"{plan.recipe.cluster.get('nnodes', 1)} node(s) x {plan.recipe.cluster.get('nproc_per_node', 1)} GPUs, "
+                + ", ".join(f"{k}={parallel[k]}" for k in ("tp", "pp", "cp", "ep", "etp")),
+                f"1 node x {world} CPU processes (gloo), "
+                + ", ".join(f"{k}={v}" for k, v in (("tp", 1), ("pp", pp), ("cp", 1), ("ep", ep), ("etp", 1))),
+                "no GPUs here; the same kinds of parallelism, each at most 2-way",
+            )
+        )
     return world
 
 
@@ -261,16 +289,25 @@ def _megatron_lm_args(plan: _Plan, tokenizer: str, steps: int, script: str | Non
     plan.set("args.train-iters", steps, "the rehearsal's length (--steps)")
     warmup = args.get("lr-warmup-iters")
     if warmup is not None and warmup >= steps:
-        plan.set("args.lr-warmup-iters", steps - 1, "warmup must end within the rehearsal's steps (Megatron-LM "
-                 "asserts warmup < decay iterations)")
+        plan.set(
+            "args.lr-warmup-iters",
+            steps - 1,
+            "warmup must end within the rehearsal's steps (Megatron-LM asserts warmup < decay iterations)",
+        )
     if (args.get("log-interval") or 1) > 1:
-        plan.set("args.log-interval", 1, "the recipe logs every 10 iterations, after the rehearsal's last step; log "
-                 "every step so the routing metrics of each show")
+        plan.set(
+            "args.log-interval",
+            1,
+            "the recipe logs every 10 iterations, after the rehearsal's last step; log "
+            "every step so the routing metrics of each show",
+        )
     if (args.get("eval-iters") or 0) > 1:
         plan.set("args.eval-iters", 1, "one validation batch exercises the path; a full pass outlasts the rehearsal")
     plan.drop("args.bf16", "bf16 is a GPU precision")
-    plan.drop("args.moe-grouped-gemm", "grouped GEMM kernels are GPU-only (the local implementation builds "
-              "SequentialMLP experts)")
+    plan.drop(
+        "args.moe-grouped-gemm",
+        "grouped GEMM kernels are GPU-only (the local implementation builds SequentialMLP experts)",
+    )
     plan.drop("args.use-distributed-optimizer", "the distributed optimizer's buffers need CUDA")
     plan.drop("args.overlap-grad-reduce", "overlapped gradient reduction needs CUDA streams")
     plan.drop("args.overlap-param-gather", "needs the distributed optimizer")
@@ -287,8 +324,12 @@ def _megatron_lm_args(plan: _Plan, tokenizer: str, steps: int, script: str | Non
     for flag, (value, reason) in cpu.items():
         plan.set(f"args.{flag}", value, reason)
     if script is not None:
-        plan.set("script", script, "no Megatron-LM checkout given (--megatron-lm-dir): the megatron-core wheel's "
-                 "megatron.training with this repository's example script")
+        plan.set(
+            "script",
+            script,
+            "no Megatron-LM checkout given (--megatron-lm-dir): the megatron-core wheel's "
+            "megatron.training with this repository's example script",
+        )
 
 
 def _script(recipe: Recipe, megatron_lm_dir: str | None) -> str | None:
@@ -301,13 +342,22 @@ def _script(recipe: Recipe, megatron_lm_dir: str | None) -> str | None:
     if not _REPO_EXAMPLE.is_file():
         raise RecipeError(
             "rehearsing a Megatron-LM recipe needs a trainer: pass --megatron-lm-dir (a Megatron-LM core_r0.19 checkout "
-            f"with {script}), or run from a checkout of elastic-moe-plugin (examples/megatron_lm/pretrain_gpt_moe.py).")
+            f"with {script}), or run from a checkout of elastic-moe-plugin (examples/megatron_lm/pretrain_gpt_moe.py)."
+        )
     return str(_REPO_EXAMPLE)
 
 
-def plan_rehearsal(recipe_path: str | os.PathLike[str], overrides: Iterable[str] = (), *, steps: int = DEFAULT_STEPS,
-                   work_dir: str | os.PathLike[str] | None = None, megatron_lm_dir: str | None = None,
-                   nproc: int | None = None, extra_args: Iterable[str] = (), build_assets: bool = True) -> Rehearsal:
+def plan_rehearsal(
+    recipe_path: str | os.PathLike[str],
+    overrides: Iterable[str] = (),
+    *,
+    steps: int = DEFAULT_STEPS,
+    work_dir: str | os.PathLike[str] | None = None,
+    megatron_lm_dir: str | None = None,
+    nproc: int | None = None,
+    extra_args: Iterable[str] = (),
+    build_assets: bool = True,
+) -> Rehearsal:
     """Plan the rehearsal of a recipe: build its tiny assets in ``work_dir`` (a fresh temporary folder
     when None), scale the recipe and render its command.
 
@@ -320,8 +370,10 @@ def plan_rehearsal(recipe_path: str | os.PathLike[str], overrides: Iterable[str]
     work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix=f"rehearse_{original.setting}_"))
     work = work.resolve()
     if work.exists() and any(work.iterdir()):
-        raise RecipeError(f"--rehearse-dir {work} is not empty; a rehearsal starts in a fresh folder (it would resume "
-                          f"from a checkpoint left there).")
+        raise RecipeError(
+            f"--rehearse-dir {work} is not empty; a rehearsal starts in a fresh folder (it would resume "
+            f"from a checkpoint left there)."
+        )
     work.mkdir(parents=True, exist_ok=True)
     plan = _Plan(original)
     family = _family(original)
@@ -340,10 +392,14 @@ def plan_rehearsal(recipe_path: str | os.PathLike[str], overrides: Iterable[str]
         _megatron_lm_args(plan, tiny_dir, steps, script)
     recipe = load_recipe(recipe_path, [*overrides, *plan.overrides])
     assets = _build_assets(recipe, family, work, steps, world) if build_assets else {}
-    topology = Topology(nnodes=1, nproc_per_node=world, node_rank=0, master_addr="127.0.0.1",
-                        master_port=_free_port(), sources={k: "rehearsal" for k in
-                                                           ("nnodes", "nproc_per_node", "node_rank", "master_addr",
-                                                            "master_port")})
+    topology = Topology(
+        nnodes=1,
+        nproc_per_node=world,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=_free_port(),
+        sources=dict.fromkeys(("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port"), "rehearsal"),
+    )
     command = render(recipe, topology, list(extra_args), megatron_lm_dir=megatron_lm_dir)
     _adapt_command(command, recipe, work)
     return Rehearsal(original, recipe, command, plan.replacements, work, steps, assets)
@@ -382,11 +438,18 @@ def _build_assets(recipe: Recipe, family: str | None, work: Path, steps: int, wo
                         written[prefix] = tiny_assets.write_indexed_dataset(work / prefix, tokenizer, documents)
         return {"tokenizer": str(tiny / "tokenizer"), **{f"data {k}": f"{v} tokens" for k, v in written.items()}}
     config = {
-        "hidden_size": model.hidden_size, "intermediate_size": model.hidden_size, "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_query_groups,
-        "head_dim": model.head_dim, "vocab_size": model.vocab_size, "max_position_embeddings": 2 * batch["seq_length"],
-        "tie_word_embeddings": not model.untied_embeddings, "num_experts": model.num_experts,
-        "num_experts_per_tok": model.topk, "router_aux_loss_coef": 0.01,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups,
+        "head_dim": model.head_dim,
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": 2 * batch["seq_length"],
+        "tie_word_embeddings": not model.untied_embeddings,
+        "num_experts": model.num_experts,
+        "num_experts_per_tok": model.topk,
+        "router_aux_loss_coef": 0.01,
         # the checkpoints' own gate conventions: OLMoE keeps the softmax weights of the kept experts,
         # Qwen3-MoE renormalises them (config.json norm_topk_prob of the real checkpoints)
         "norm_topk_prob": family == "qwen3_moe",
@@ -417,21 +480,34 @@ def _importable_megatron_core() -> Iterator[None]:
 def _adapt_command(command: LaunchCommand, recipe: Recipe, work: Path) -> None:
     """The rendered command as it runs here: CPU-only environment, offline, the CPU runtime's entry."""
     env = command.env
-    env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TORCH_COMPILE_DISABLE="1",
-               PYTHONUNBUFFERED="1", HF_DATASETS_CACHE=str(work / "cache" / "hf_datasets"),
-               MODELSCOPE_CACHE=str(work / "cache" / "modelscope"))
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        TORCH_COMPILE_DISABLE="1",
+        PYTHONUNBUFFERED="1",
+        HF_DATASETS_CACHE=str(work / "cache" / "hf_datasets"),
+        MODELSCOPE_CACHE=str(work / "cache" / "modelscope"),
+    )
     if recipe.launcher == "megatron_sft":
         env["PYTHONPATH"] = os.pathsep.join([str(cpu_bootstrap_dir()), *filter(None, [os.environ.get("PYTHONPATH")])])
-        command.notes.append(f"CPU runtime: {cpu_bootstrap_dir()} first on PYTHONPATH switches "
-                             "elastic_moe_plugin.cpu_runtime.megatron_swift on in every process megatron sft starts")
+        command.notes.append(
+            f"CPU runtime: {cpu_bootstrap_dir()} first on PYTHONPATH switches "
+            "elastic_moe_plugin.cpu_runtime.megatron_swift on in every process megatron sft starts"
+        )
     elif recipe.launcher == "megatron_lm":
         argv = command.argv
         index = argv.index(MEGATRON_LM_ENTRY)
         argv[index] = MEGATRON_LM_CPU_ENTRY
         argv[: argv.index("--nnodes")] = [sys.executable, "-m", "torch.distributed.run"]
-        command.notes.append(f"CPU runtime: -m {MEGATRON_LM_CPU_ENTRY} switches elastic_moe_plugin.cpu_runtime on, then "
-                             f"runs -m {MEGATRON_LM_ENTRY} (the recipe's entry point) unchanged")
+        command.notes.append(
+            f"CPU runtime: -m {MEGATRON_LM_CPU_ENTRY} switches elastic_moe_plugin.cpu_runtime on, then "
+            f"runs -m {MEGATRON_LM_ENTRY} (the recipe's entry point) unchanged"
+        )
 
 
 # ================================================================================== running
@@ -449,8 +525,16 @@ def rehearse(rehearsal: Rehearsal) -> int:
         from elastic_moe_plugin.tools.recipes.render import prepare_model_override
 
         prepare_model_override(source, overrides, rehearsal.work / dest)
-    process = subprocess.Popen(argv, cwd=rehearsal.work, env={**os.environ, **command.env}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
+    process = subprocess.Popen(
+        argv,
+        cwd=rehearsal.work,
+        env={**os.environ, **command.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        bufsize=1,
+    )
     output: list[str] = []
     assert process.stdout is not None
     for line in process.stdout:
@@ -458,17 +542,26 @@ def rehearse(rehearsal: Rehearsal) -> int:
         output.append(line)
     returncode = process.wait()
     if returncode != 0:
-        print(f"rehearsal: the launcher exited with status {returncode} (its error is above); the recipe would fail "
-              f"the same way on the cluster.", flush=True)
+        print(
+            f"rehearsal: the launcher exited with status {returncode} (its error is above); the recipe would fail "
+            f"the same way on the cluster.",
+            flush=True,
+        )
         return returncode
     found = _logged_metrics(rehearsal, "".join(output))
     if found < rehearsal.steps:
-        print(f"rehearsal: {found} of {rehearsal.steps} training steps logged elastic_moe/ metrics: the plugin did not "
-              f"log routing metrics (is it loaded?).", flush=True)
+        print(
+            f"rehearsal: {found} of {rehearsal.steps} training steps logged elastic_moe/ metrics: the plugin did not "
+            f"log routing metrics (is it loaded?).",
+            flush=True,
+        )
         return 1
-    print(f"rehearsal: OK: {rehearsal.steps} steps of {display_path(rehearsal.original.path)} through "
-          f"{rehearsal.command.argv[0] if rehearsal.original.launcher != 'megatron_lm' else 'Megatron-LM'}, "
-          f"elastic_moe/ metrics logged at every step; work folder {rehearsal.work}", flush=True)
+    print(
+        f"rehearsal: OK: {rehearsal.steps} steps of {display_path(rehearsal.original.path)} through "
+        f"{rehearsal.command.argv[0] if rehearsal.original.launcher != 'megatron_lm' else 'Megatron-LM'}, "
+        f"elastic_moe/ metrics logged at every step; work folder {rehearsal.work}",
+        flush=True,
+    )
     return 0
 
 

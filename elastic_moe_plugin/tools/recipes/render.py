@@ -10,9 +10,10 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from elastic_moe_plugin.core.config import ENV_VARS, ElasticConfig
 from elastic_moe_plugin.swift import plugin_path
@@ -20,6 +21,7 @@ from elastic_moe_plugin.swift.plugin_flag import OFF_SWITCH, hook_installed, rew
 from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
 from elastic_moe_plugin.tools.recipes.schema import RecipeError
 from elastic_moe_plugin.tools.recipes.topology import Fit, Topology, check_fit
+
 
 # ================================================================================== rendering
 def elastic_environment(config: ElasticConfig) -> dict[str, str]:
@@ -65,7 +67,7 @@ class LaunchCommand:
 def _quote(word: str) -> str:
     """shlex.quote, except that a leading ``$MEGATRON_LM_DIR`` placeholder stays expandable."""
     if word.startswith("$MEGATRON_LM_DIR/"):
-        return '"$MEGATRON_LM_DIR"/' + shlex.quote(word[len("$MEGATRON_LM_DIR/"):])
+        return '"$MEGATRON_LM_DIR"/' + shlex.quote(word[len("$MEGATRON_LM_DIR/") :])
     return shlex.quote(word)
 
 
@@ -113,8 +115,14 @@ def _megatron_lm_flags(recipe: Recipe, flags: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-def render(recipe: Recipe, topology: Topology, extra_args: Iterable[str] = (), *,
-           megatron_lm_dir: str | None = None, plugin_form: str = "auto") -> LaunchCommand:
+def render(
+    recipe: Recipe,
+    topology: Topology,
+    extra_args: Iterable[str] = (),
+    *,
+    megatron_lm_dir: str | None = None,
+    plugin_form: str = "auto",
+) -> LaunchCommand:
     """Render the command that launches ``recipe`` on this node.
 
     ``plugin_form`` (ms-swift launchers): ``"plugin"`` renders ``--plugin elastic_moe``,
@@ -124,17 +132,26 @@ def render(recipe: Recipe, topology: Topology, extra_args: Iterable[str] = (), *
     Raises:
         RecipeError: when the world size does not fit the recipe.
     """
-    how = (f"{topology.nnodes} node(s) x {topology.nproc_per_node} GPUs, nnodes from {topology.sources.get('nnodes')}, "
-           f"nproc_per_node from {topology.sources.get('nproc_per_node')}")
+    how = (
+        f"{topology.nnodes} node(s) x {topology.nproc_per_node} GPUs, nnodes from {topology.sources.get('nnodes')}, "
+        f"nproc_per_node from {topology.sources.get('nproc_per_node')}"
+    )
     fit = check_fit(recipe, topology.world_size, how)
-    command = LaunchCommand(argv=[], env={}, notes=[
-        f"recipe: {display_path(recipe.path)} ({recipe.setting}, launcher {recipe.launcher})"
-        + (f": {recipe.description}" if recipe.description else ""),
-        *fit.describe(),
-        "topology: " + ", ".join(f"{k}={getattr(topology, k)} ({topology.sources.get(k, '?')})"
-                                 for k in ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port")),
-        f"elastic: {recipe.elastic}",
-    ])
+    command = LaunchCommand(
+        argv=[],
+        env={},
+        notes=[
+            f"recipe: {display_path(recipe.path)} ({recipe.setting}, launcher {recipe.launcher})"
+            + (f": {recipe.description}" if recipe.description else ""),
+            *fit.describe(),
+            "topology: "
+            + ", ".join(
+                f"{k}={getattr(topology, k)} ({topology.sources.get(k, '?')})"
+                for k in ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port")
+            ),
+            f"elastic: {recipe.elastic}",
+        ],
+    )
     if recipe.launcher in ("swift_sft", "megatron_sft"):
         if plugin_form not in ("auto", "plugin", "path"):
             raise ValueError(f"plugin_form={plugin_form!r}: expected 'auto', 'plugin' or 'path'.")
@@ -145,7 +162,8 @@ def render(recipe: Recipe, topology: Topology, extra_args: Iterable[str] = (), *
     if topology.nnodes > 1 and topology.sources.get("master_addr") == "default":
         command.notes.append(
             f"WARNING: {topology.nnodes} nodes but master_addr is the default {topology.master_addr}; pass "
-            f"--master-addr (node 0's host) or set MASTER_ADDR, or run under SLURM")
+            f"--master-addr (node 0's host) or set MASTER_ADDR, or run under SLURM"
+        )
     command.env.update(elastic_environment(recipe.elastic))
     command.env.update({k: recipe.interpolate(v, f"env.{k}") for k, v in recipe.env.items()})
     return command
@@ -154,11 +172,15 @@ def render(recipe: Recipe, topology: Topology, extra_args: Iterable[str] = (), *
 def _render_swift(recipe: Recipe, topology: Topology, fit: Fit, command: LaunchCommand, plugin_form: str) -> None:
     """``swift sft`` / ``megatron sft`` with ms-swift's torchrun variables."""
     model, batch, args = recipe.model, recipe.batch, recipe.args
-    command.env.update({
-        "NNODES": str(topology.nnodes), "NODE_RANK": str(topology.node_rank),
-        "MASTER_ADDR": topology.master_addr, "MASTER_PORT": str(topology.master_port),
-        "NPROC_PER_NODE": str(topology.nproc_per_node),
-    })
+    command.env.update(
+        {
+            "NNODES": str(topology.nnodes),
+            "NODE_RANK": str(topology.node_rank),
+            "MASTER_ADDR": topology.master_addr,
+            "MASTER_PORT": str(topology.master_port),
+            "NPROC_PER_NODE": str(topology.nproc_per_node),
+        }
+    )
     model_arg = model.name
     if recipe.launcher == "swift_sft":
         if model.train_topk is not None:
@@ -171,36 +193,53 @@ def _render_swift(recipe: Recipe, topology: Topology, fit: Fit, command: LaunchC
                 f"num_experts_per_tok={model.train_topk} (weights symlinked); evaluate the result with "
                 f"num_experts_per_tok={model.topk}"
             )
-        head = {"model": model_arg, "per_device_train_batch_size": batch["micro"],
-                "gradient_accumulation_steps": fit.accumulation, "max_length": batch["seq_length"]}
+        head = {
+            "model": model_arg,
+            "per_device_train_batch_size": batch["micro"],
+            "gradient_accumulation_steps": fit.accumulation,
+            "max_length": batch["seq_length"],
+        }
         command.argv = ["swift", "sft"]
     else:
         if model.train_topk is not None:
-            args["megatron_extra_kwargs"] = {**(args.get("megatron_extra_kwargs") or {}),
-                                             "moe_router_topk": model.train_topk}
+            args["megatron_extra_kwargs"] = {
+                **(args.get("megatron_extra_kwargs") or {}),
+                "moe_router_topk": model.train_topk,
+            }
             command.notes.append(
                 f"top-{model.train_topk} control: megatron_extra_kwargs sets moe_router_topk={model.train_topk} for "
                 f"training only (the HF config is untouched); evaluate at top-{model.topk}: check that the exported "
                 f"checkpoint's config.json says num_experts_per_tok={model.topk}"
             )
         p = recipe.parallel
-        head = {"model": model_arg, "tensor_model_parallel_size": p["tp"], "pipeline_model_parallel_size": p["pp"],
-                "context_parallel_size": p["cp"], "expert_model_parallel_size": p["ep"],
-                "expert_tensor_parallel_size": p["etp"], "micro_batch_size": batch["micro"],
-                "global_batch_size": batch["global"], "max_length": batch["seq_length"]}
+        head = {
+            "model": model_arg,
+            "tensor_model_parallel_size": p["tp"],
+            "pipeline_model_parallel_size": p["pp"],
+            "context_parallel_size": p["cp"],
+            "expert_model_parallel_size": p["ep"],
+            "expert_tensor_parallel_size": p["etp"],
+            "micro_batch_size": batch["micro"],
+            "global_batch_size": batch["global"],
+            "max_length": batch["seq_length"],
+        }
         command.argv = ["megatron", "sft"]
     plugin = plugin_path()
     flags = _swift_flags(recipe, head) + _swift_flags(recipe, args) + ["--plugin", "elastic_moe"]
     if plugin_form == "plugin" or (plugin_form == "auto" and hook_installed()):
-        command.notes.append("the plugin: --plugin elastic_moe (ms-swift has no such flag; the start-up hook of this "
-                             "install turns it into --external_plugins <plugin file> --callbacks elastic_moe on every "
-                             "rank, docs/swift.md)")
+        command.notes.append(
+            "the plugin: --plugin elastic_moe (ms-swift has no such flag; the start-up hook of this "
+            "install turns it into --external_plugins <plugin file> --callbacks elastic_moe on every "
+            "rank, docs/swift.md)"
+        )
     else:
         # The same rewrite the hook makes, done here: this environment has no hook (an editable
         # install of a checkout, or the off switch), so the command carries ms-swift's own flags.
         flags = rewrite(flags, "sft").argv
-        command.notes.append(f"the plugin: --external_plugins {plugin} --callbacks elastic_moe (the path form: this "
-                             f"environment has no --plugin start-up hook: an editable install, or {OFF_SWITCH}=0)")
+        command.notes.append(
+            f"the plugin: --external_plugins {plugin} --callbacks elastic_moe (the path form: this "
+            f"environment has no --plugin start-up hook: an editable install, or {OFF_SWITCH}=0)"
+        )
     command.argv += flags
     cli = "swift/cli/sft.py" if recipe.launcher == "swift_sft" else "swift/cli/_megatron/sft.py"
     command.notes.append(
@@ -212,8 +251,9 @@ def _render_swift(recipe: Recipe, topology: Topology, fit: Fit, command: LaunchC
         command.notes.append(f"WARNING: the plugin file {plugin} does not exist; a real launch refuses to start")
 
 
-def _render_megatron_lm(recipe: Recipe, topology: Topology, command: LaunchCommand,
-                        megatron_lm_dir: str | None) -> None:
+def _render_megatron_lm(
+    recipe: Recipe, topology: Topology, command: LaunchCommand, megatron_lm_dir: str | None
+) -> None:
     """``torchrun ... -m elastic_moe_plugin.megatron_lm SCRIPT`` with the architecture rendered from ``model``."""
     model, batch, p = recipe.model, recipe.batch, recipe.parallel
     script = recipe.interpolate(recipe.data["script"], "script")
@@ -231,29 +271,52 @@ def _render_megatron_lm(recipe: Recipe, topology: Topology, command: LaunchComma
             f"--moe-router-topk {model.topk} (Megatron-LM takes top-k from the command line, not the checkpoint)"
         )
     if model.vocab_size % p["tp"]:
-        raise RecipeError(f"{recipe.file_of('model', 'vocab_size')}: model.vocab_size={model.vocab_size} is not "
-                          f"divisible by TP={p['tp']}.")
+        raise RecipeError(
+            f"{recipe.file_of('model', 'vocab_size')}: model.vocab_size={model.vocab_size} is not "
+            f"divisible by TP={p['tp']}."
+        )
     gqa = model.num_query_groups < model.num_attention_heads
     structured: dict[str, Any] = {
-        "num-layers": model.num_layers, "hidden-size": model.hidden_size,
+        "num-layers": model.num_layers,
+        "hidden-size": model.hidden_size,
         "num-attention-heads": model.num_attention_heads,
-        "group-query-attention": True if gqa else None, "num-query-groups": model.num_query_groups if gqa else None,
-        "kv-channels": model.head_dim, "num-experts": model.num_experts,
-        "moe-ffn-hidden-size": model.moe_ffn_hidden_size, "moe-router-topk": model.training_topk,
+        "group-query-attention": True if gqa else None,
+        "num-query-groups": model.num_query_groups if gqa else None,
+        "kv-channels": model.head_dim,
+        "num-experts": model.num_experts,
+        "moe-ffn-hidden-size": model.moe_ffn_hidden_size,
+        "moe-router-topk": model.training_topk,
         "untie-embeddings-and-output-weights": True if model.untied_embeddings else None,
         # Megatron pads the tokenizer's vocabulary up to a multiple of this x TP: with the whole
         # target size here the embedding has exactly model.vocab_size rows.
         "make-vocab-size-divisible-by": model.vocab_size // p["tp"],
-        "seq-length": batch["seq_length"], "max-position-embeddings": batch["seq_length"],
-        "micro-batch-size": batch["micro"], "global-batch-size": batch["global"],
-        "tensor-model-parallel-size": p["tp"], "pipeline-model-parallel-size": p["pp"],
-        "context-parallel-size": p["cp"], "expert-model-parallel-size": p["ep"], "expert-tensor-parallel-size": p["etp"],
+        "seq-length": batch["seq_length"],
+        "max-position-embeddings": batch["seq_length"],
+        "micro-batch-size": batch["micro"],
+        "global-batch-size": batch["global"],
+        "tensor-model-parallel-size": p["tp"],
+        "pipeline-model-parallel-size": p["pp"],
+        "context-parallel-size": p["cp"],
+        "expert-model-parallel-size": p["ep"],
+        "expert-tensor-parallel-size": p["etp"],
     }
     command.argv = [
-        "torchrun", "--nnodes", str(topology.nnodes), "--nproc-per-node", str(topology.nproc_per_node),
-        "--node-rank", str(topology.node_rank), "--master-addr", topology.master_addr,
-        "--master-port", str(topology.master_port), "-m", "elastic_moe_plugin.megatron_lm", script_path,
-        *_megatron_lm_flags(recipe, structured), *_megatron_lm_flags(recipe, recipe.args),
+        "torchrun",
+        "--nnodes",
+        str(topology.nnodes),
+        "--nproc-per-node",
+        str(topology.nproc_per_node),
+        "--node-rank",
+        str(topology.node_rank),
+        "--master-addr",
+        topology.master_addr,
+        "--master-port",
+        str(topology.master_port),
+        "-m",
+        "elastic_moe_plugin.megatron_lm",
+        script_path,
+        *_megatron_lm_flags(recipe, structured),
+        *_megatron_lm_flags(recipe, recipe.args),
     ]
 
 
@@ -263,7 +326,7 @@ def framework_args(command: LaunchCommand) -> list[str]:
     if command.argv[0] in ("swift", "megatron"):
         return command.argv[2:]
     index = command.argv.index("elastic_moe_plugin.megatron_lm")
-    return command.argv[index + 2:]
+    return command.argv[index + 2 :]
 
 
 def prepare_model_override(source: str, overrides: Mapping[str, Any], dest: str | os.PathLike[str]) -> Path:
@@ -289,7 +352,6 @@ def prepare_model_override(source: str, overrides: Mapping[str, Any], dest: str 
     return dest
 
 
-
 # ================================================================================== running
 def launch(command: LaunchCommand) -> int:
     """Run a rendered ``command`` on this node (after the checks a dry run skips and the
@@ -312,8 +374,10 @@ def _runnable_argv(command: LaunchCommand) -> list[str]:
     ``python -m torch.distributed.run`` where only the module is installed."""
     argv = list(command.argv)
     if any(note.startswith("WARNING: ") and "master_addr is the default" in note for note in command.notes):
-        raise RecipeError("a multi-node launch needs node 0's address: pass --master-addr HOST or set MASTER_ADDR "
-                          "(under SLURM it is the first host of SLURM_JOB_NODELIST).")
+        raise RecipeError(
+            "a multi-node launch needs node 0's address: pass --master-addr HOST or set MASTER_ADDR "
+            "(under SLURM it is the first host of SLURM_JOB_NODELIST)."
+        )
     if argv[0] in ("swift", "megatron"):
         plugin = plugin_path()
         if not plugin.is_file():

@@ -4,15 +4,26 @@ blocks own, and the error every recipe problem raises. The format is described i
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from elastic_moe_plugin.core.errors import ConfigError
 
 LAUNCHERS: tuple[str, ...] = ("swift_sft", "megatron_sft", "megatron_lm")
 
 TOP_LEVEL_KEYS: tuple[str, ...] = (
-    "extends", "description", "setting", "launcher", "script", "cluster", "model", "parallel", "batch",
-    "elastic", "env", "args",
+    "extends",
+    "description",
+    "setting",
+    "launcher",
+    "script",
+    "cluster",
+    "model",
+    "parallel",
+    "batch",
+    "elastic",
+    "env",
+    "args",
 )
 
 #: the free-form mappings: ``elastic`` (checked against ElasticConfig's fields), ``env`` and ``args``
@@ -49,30 +60,47 @@ OPTIONAL_KEYS = {("model", "train_topk")}
 #: Flags the structured blocks render, per launcher (``args`` may not repeat them).
 OWNED_FLAGS: dict[str, dict[str, str]] = {
     "swift_sft": {
-        "model": "model.name", "per_device_train_batch_size": "batch.micro",
+        "model": "model.name",
+        "per_device_train_batch_size": "batch.micro",
         "gradient_accumulation_steps": "batch.global (derived from the world size)",
-        "max_length": "batch.seq_length", "external_plugins": "the launcher (--plugin elastic_moe)",
+        "max_length": "batch.seq_length",
+        "external_plugins": "the launcher (--plugin elastic_moe)",
         "plugin": "the launcher (--plugin elastic_moe)",
     },
     "megatron_sft": {
-        "model": "model.name", "micro_batch_size": "batch.micro", "global_batch_size": "batch.global",
-        "max_length": "batch.seq_length", "tensor_model_parallel_size": "parallel.tp",
-        "pipeline_model_parallel_size": "parallel.pp", "context_parallel_size": "parallel.cp",
-        "expert_model_parallel_size": "parallel.ep", "expert_tensor_parallel_size": "parallel.etp",
-        "external_plugins": "the launcher (--plugin elastic_moe)", "plugin": "the launcher (--plugin elastic_moe)",
+        "model": "model.name",
+        "micro_batch_size": "batch.micro",
+        "global_batch_size": "batch.global",
+        "max_length": "batch.seq_length",
+        "tensor_model_parallel_size": "parallel.tp",
+        "pipeline_model_parallel_size": "parallel.pp",
+        "context_parallel_size": "parallel.cp",
+        "expert_model_parallel_size": "parallel.ep",
+        "expert_tensor_parallel_size": "parallel.etp",
+        "external_plugins": "the launcher (--plugin elastic_moe)",
+        "plugin": "the launcher (--plugin elastic_moe)",
     },
     "megatron_lm": {
-        "num-layers": "model.num_layers", "hidden-size": "model.hidden_size",
-        "num-attention-heads": "model.num_attention_heads", "group-query-attention": "model.num_query_groups",
-        "num-query-groups": "model.num_query_groups", "kv-channels": "model.head_dim",
-        "num-experts": "model.num_experts", "moe-ffn-hidden-size": "model.moe_ffn_hidden_size",
+        "num-layers": "model.num_layers",
+        "hidden-size": "model.hidden_size",
+        "num-attention-heads": "model.num_attention_heads",
+        "group-query-attention": "model.num_query_groups",
+        "num-query-groups": "model.num_query_groups",
+        "kv-channels": "model.head_dim",
+        "num-experts": "model.num_experts",
+        "moe-ffn-hidden-size": "model.moe_ffn_hidden_size",
         "moe-router-topk": "model.topk / model.train_topk",
         "untie-embeddings-and-output-weights": "model.untied_embeddings",
-        "make-vocab-size-divisible-by": "model.vocab_size", "seq-length": "batch.seq_length",
-        "max-position-embeddings": "batch.seq_length", "micro-batch-size": "batch.micro",
-        "global-batch-size": "batch.global", "tensor-model-parallel-size": "parallel.tp",
-        "pipeline-model-parallel-size": "parallel.pp", "context-parallel-size": "parallel.cp",
-        "expert-model-parallel-size": "parallel.ep", "expert-tensor-parallel-size": "parallel.etp",
+        "make-vocab-size-divisible-by": "model.vocab_size",
+        "seq-length": "batch.seq_length",
+        "max-position-embeddings": "batch.seq_length",
+        "micro-batch-size": "batch.micro",
+        "global-batch-size": "batch.global",
+        "tensor-model-parallel-size": "parallel.tp",
+        "pipeline-model-parallel-size": "parallel.pp",
+        "context-parallel-size": "parallel.cp",
+        "expert-model-parallel-size": "parallel.ep",
+        "expert-tensor-parallel-size": "parallel.etp",
     },
 }
 
@@ -91,8 +119,9 @@ def unknown_key_error(file: Any, where: str, key: Any, known: Iterable[str]) -> 
     close = difflib.get_close_matches(str(key), known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     label = f"{where}.{key}" if where else str(key)
-    return RecipeError(f"{file}: unknown key {label!r}{hint}. Accepted keys{' in ' + where if where else ''}: "
-                       f"{', '.join(known)}.")
+    return RecipeError(
+        f"{file}: unknown key {label!r}{hint}. Accepted keys{' in ' + where if where else ''}: {', '.join(known)}."
+    )
 
 
 def check_type(file: str, label: str, value: Any, tag: str) -> None:

@@ -19,11 +19,23 @@ from __future__ import annotations
 import importlib
 import json
 import random
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-__all__ = ["CHAT_TEMPLATE", "FAMILIES", "SPECIAL_TOKENS", "VOCAB", "WORDS", "chat_rows", "sentence", "train_tokenizer",
-           "write_chat_dataset", "write_indexed_dataset", "write_model"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "FAMILIES",
+    "SPECIAL_TOKENS",
+    "VOCAB",
+    "WORDS",
+    "chat_rows",
+    "sentence",
+    "train_tokenizer",
+    "write_chat_dataset",
+    "write_indexed_dataset",
+    "write_model",
+]
 
 VOCAB = 384
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "|||IP_ADDRESS|||", "<think>", "</think>"]
@@ -32,12 +44,97 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 WORDS = (
-    "the", "a", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are", "with", "as",
-    "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "word", "but", "what", "some", "we",
-    "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "an", "each", "she",
-    "which", "do", "their", "time", "if", "will", "way", "about", "many", "then", "them", "write", "would", "like",
-    "so", "these", "her", "long", "make", "thing", "see", "him", "two", "has", "look", "more", "day", "could", "go",
-    "come", "did", "number", "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call", "first",
+    "the",
+    "a",
+    "of",
+    "to",
+    "and",
+    "in",
+    "is",
+    "it",
+    "you",
+    "that",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "his",
+    "they",
+    "be",
+    "at",
+    "one",
+    "have",
+    "this",
+    "from",
+    "or",
+    "had",
+    "by",
+    "word",
+    "but",
+    "what",
+    "some",
+    "we",
+    "can",
+    "out",
+    "other",
+    "were",
+    "all",
+    "there",
+    "when",
+    "up",
+    "use",
+    "your",
+    "how",
+    "said",
+    "an",
+    "each",
+    "she",
+    "which",
+    "do",
+    "their",
+    "time",
+    "if",
+    "will",
+    "way",
+    "about",
+    "many",
+    "then",
+    "them",
+    "write",
+    "would",
+    "like",
+    "so",
+    "these",
+    "her",
+    "long",
+    "make",
+    "thing",
+    "see",
+    "him",
+    "two",
+    "has",
+    "look",
+    "more",
+    "day",
+    "could",
+    "go",
+    "come",
+    "did",
+    "number",
+    "sound",
+    "no",
+    "most",
+    "people",
+    "my",
+    "over",
+    "know",
+    "water",
+    "than",
+    "call",
+    "first",
 )
 #: transformers family -> (config class, model class) under ``transformers.models``
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -61,11 +158,16 @@ def train_tokenizer(rng: random.Random):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator([sentence(rng, rng.randint(5, 20)) for _ in range(2000)], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>",
-                                   chat_template=CHAT_TEMPLATE)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>", chat_template=CHAT_TEMPLATE
+    )
     assert len(fast) <= VOCAB, len(fast)
     return fast
 
@@ -84,8 +186,9 @@ def write_model(directory: Path, family: str, tokenizer: Any, config: dict[str, 
         raise ValueError(f"family {family!r}: expected one of {', '.join(FAMILIES)}.")
     config_path, model_path = FAMILIES[family]
     with torch.random.fork_rng():
-        model_config = _resolve(config_path)(**config, pad_token_id=tokenizer.pad_token_id,
-                                             eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+        model_config = _resolve(config_path)(
+            **config, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None
+        )
         torch.manual_seed(seed)
         _resolve(model_path)(model_config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)

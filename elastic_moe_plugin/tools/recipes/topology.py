@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
 from elastic_moe_plugin.tools.recipes.schema import RecipeError
@@ -77,8 +78,13 @@ def resolve_topology(
             "elastic-moe launch is running inside a torchrun worker (TORCHELASTIC_RUN_ID/LOCAL_RANK are set). "
             "Run it once per node, outside torchrun: it starts torchrun itself."
         )
-    flags = {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "node_rank": node_rank,
-             "master_addr": master_addr, "master_port": master_port}
+    flags = {
+        "nnodes": nnodes,
+        "nproc_per_node": nproc_per_node,
+        "node_rank": node_rank,
+        "master_addr": master_addr,
+        "master_port": master_port,
+    }
     values, sources = _first_given(_layers(recipe, flags, environ))
     _check_layout(values, sources)
     return Topology(sources=sources, **values)
@@ -90,21 +96,43 @@ def _layers(recipe: Recipe, flags: dict[str, Any], environ: Mapping[str, str]) -
     if environ.get("SLURM_JOB_ID") and (environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES")):
         nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
         gpus = environ.get("SLURM_GPUS_ON_NODE")
-        layers.append(("SLURM", {
-            "nnodes": environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES"),
-            "node_rank": environ.get("SLURM_NODEID"),
-            "master_addr": first_slurm_host(nodelist) if nodelist else None,
-            "nproc_per_node": gpus if gpus and gpus.isdigit() else None,
-        }))
+        layers.append(
+            (
+                "SLURM",
+                {
+                    "nnodes": environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES"),
+                    "node_rank": environ.get("SLURM_NODEID"),
+                    "master_addr": first_slurm_host(nodelist) if nodelist else None,
+                    "nproc_per_node": gpus if gpus and gpus.isdigit() else None,
+                },
+            )
+        )
     for prefix, label in (("", "environment"), ("PET_", "environment (PET_*)")):
-        layers.append((label, {
-            "nnodes": environ.get(prefix + "NNODES"), "nproc_per_node": environ.get(prefix + "NPROC_PER_NODE"),
-            "node_rank": environ.get(prefix + "NODE_RANK"), "master_addr": environ.get(prefix + "MASTER_ADDR"),
-            "master_port": environ.get(prefix + "MASTER_PORT"),
-        }))
+        layers.append(
+            (
+                label,
+                {
+                    "nnodes": environ.get(prefix + "NNODES"),
+                    "nproc_per_node": environ.get(prefix + "NPROC_PER_NODE"),
+                    "node_rank": environ.get(prefix + "NODE_RANK"),
+                    "master_addr": environ.get(prefix + "MASTER_ADDR"),
+                    "master_port": environ.get(prefix + "MASTER_PORT"),
+                },
+            )
+        )
     layers.append((f"recipe {recipe.file_of('cluster')}", dict(recipe.cluster)))
-    layers.append(("default", {"nnodes": 1, "nproc_per_node": 8, "node_rank": 0, "master_addr": "127.0.0.1",
-                               "master_port": DEFAULT_MASTER_PORT}))
+    layers.append(
+        (
+            "default",
+            {
+                "nnodes": 1,
+                "nproc_per_node": 8,
+                "node_rank": 0,
+                "master_addr": "127.0.0.1",
+                "master_port": DEFAULT_MASTER_PORT,
+            },
+        )
+    )
     return layers
 
 
@@ -214,6 +242,15 @@ def check_fit(recipe: Recipe, world_size: int, how: str = "") -> Fit:
     p = recipe.parallel
     dp = world_size // (p["tp"] * p["pp"] * p["cp"])
     batch = recipe.batch
-    return Fit(world_size=world_size, tp=p["tp"], pp=p["pp"], cp=p["cp"], ep=p["ep"], etp=p["etp"], dp=dp,
-               micro=batch["micro"], global_batch=batch["global"],
-               accumulation=batch["global"] // (batch["micro"] * dp))
+    return Fit(
+        world_size=world_size,
+        tp=p["tp"],
+        pp=p["pp"],
+        cp=p["cp"],
+        ep=p["ep"],
+        etp=p["etp"],
+        dp=dp,
+        micro=batch["micro"],
+        global_batch=batch["global"],
+        accumulation=batch["global"] // (batch["micro"] * dp),
+    )

@@ -3,7 +3,6 @@ model's own consistency, and the ``elastic:`` block resolved against the model."
 
 from __future__ import annotations
 
-
 from elastic_moe_plugin.core.config import ConfigError, ElasticConfig, Spelling
 from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
 from elastic_moe_plugin.tools.recipes.schema import (
@@ -118,7 +117,9 @@ def _check_elastic(recipe: Recipe) -> None:
         key = error.field or "schedule"
         raise RecipeError(
             f"{recipe.file_of('elastic', key)}: {error} (model {model.name}: {model.num_layers} layers, "
-            f"{model.num_experts} experts, training top-{model.training_topk})", field=key, fixes=error.fixes
+            f"{model.num_experts} experts, training top-{model.training_topk})",
+            field=key,
+            fixes=error.fixes,
         ) from None
 
 

@@ -90,8 +90,10 @@ class _Interleaving:
         if self.config is None:
             self.config = mcore.active_config()
             if self.config is None:
-                raise RuntimeError("E2E_BENCH_INTERLEAVE_BLOCK needs a run that starts elastic (mcore.apply "
-                                   "before the first training step); this one has no active ElasticConfig.")
+                raise RuntimeError(
+                    "E2E_BENCH_INTERLEAVE_BLOCK needs a run that starts elastic (mcore.apply "
+                    "before the first training step); this one has no active ElasticConfig."
+                )
         if mode == "elastic" and not mcore.is_applied():
             mcore.apply(self.config)
         elif mode == "static" and mcore.is_applied():
