@@ -4,7 +4,7 @@
 Megatron parses them, initialises torch.distributed and builds the model (``initialize_megatron``:
 tens of seconds on a loaded CPU, minutes of allocation on a cluster). The refusals those flags
 decide are raised here, at once, with the rules the router applies when it is built
-(:func:`elastic_moe_plugin.mcore.patch.check_model_options`: one rule, two call sites):
+(:func:`elastic_moe_plugin.mcore.options.check_model_options`: one rule, two call sites):
 
 - the schedule and its centre against ``--moe-router-topk`` and ``--num-experts``, the layer
   range against ``--num-layers`` (:class:`~elastic_moe_plugin.core.errors.ConfigError`, every fix
@@ -29,10 +29,15 @@ import types
 from collections.abc import Sequence
 
 from elastic_moe_plugin.core.config import ElasticConfig, ModelShape
+from elastic_moe_plugin.mcore.options import MEGATRON_LM_FLAGS, check_model_options
 
 #: flags that make the command line's model options not final: the check leaves them to model build
-UNDECIDED_BY = ("--yaml-cfg", "--use-checkpoint-args", "--heterogeneous-layers-config-path",
-                "--heterogeneous-layers-config-encoded-json")
+UNDECIDED_BY = (
+    "--yaml-cfg",
+    "--use-checkpoint-args",
+    "--heterogeneous-layers-config-path",
+    "--heterogeneous-layers-config-encoded-json",
+)
 #: flags that derive the layer count from something else (the range check is left out)
 LAYERS_DERIVED_BY = ("--hybrid-layer-pattern",)
 
@@ -98,14 +103,17 @@ def check_megatron_args(config: ElasticConfig, megatron_args: Sequence[str]) -> 
         ConfigError: the schedule, its centre or the layers do not fit the model of the flags.
         UnsupportedMegatronError: every flag that cannot route per-token budgets, in one message.
     """
-    from elastic_moe_plugin.mcore.patch import MEGATRON_LM_FLAGS, check_model_options
-
     options = megatron_options(megatron_args)
     if options is None or not config.enabled:
         return
-    check_model_options(options, config, score_function=options.moe_router_score_function,
-                        routing_type=options.moe_router_load_balancing_type, options=MEGATRON_LM_FLAGS,
-                        num_layers=options.num_layers)
+    check_model_options(
+        options,
+        config,
+        score_function=options.moe_router_score_function,
+        routing_type=options.moe_router_load_balancing_type,
+        options=MEGATRON_LM_FLAGS,
+        num_layers=options.num_layers,
+    )
 
 
 __all__ = ["LAYERS_DERIVED_BY", "UNDECIDED_BY", "check_megatron_args", "megatron_options", "model_shape"]

@@ -42,6 +42,8 @@ from elastic_moe_plugin.core import plan as core_plan
 from elastic_moe_plugin.core import records as core_records
 from elastic_moe_plugin.core.plan import LayerPlan, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.mcore import budget_rng, dispatch
+from elastic_moe_plugin.mcore.options import check_model_options
+from elastic_moe_plugin.mcore.options import top_p_width as _top_p_width
 from elastic_moe_plugin.mcore.records import is_mtp_router, router_sites
 from elastic_moe_plugin.mcore.routing import patched_routing
 
@@ -140,10 +142,6 @@ def patched(config: ElasticConfig | None = None) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------- validation
-def _model_num_layers(config) -> int | None:
-    return None if getattr(config, "num_layers", None) is None else int(config.num_layers)
-
-
 def validate_router(router, config: ElasticConfig) -> None:
     """Start-up checks of ``config`` against one router's model config. Raises ConfigError /
     UnsupportedMegatronError with the option to change."""
@@ -156,179 +154,6 @@ def validate_router(router, config: ElasticConfig) -> None:
     if schedule is not None:
         warn_if_top1_gate_is_constant(schedule, gate_for(router, config), f"layers {config.layers or 'all MoE layers'}")
 
-
-class MegatronOptions:
-    """How a refusal names a Megatron option: as a ``TransformerConfig`` attribute (a model being built,
-    whichever front end set it) or as a Megatron-LM flag (:mod:`.megatron_args`, before the script runs)."""
-
-    def __init__(self, flags: bool = False) -> None:
-        self.flags = flags
-
-    def setting(self, attribute: str, value) -> str:
-        if not self.flags:
-            return f"{attribute}={value!r}"
-        flag = _FLAG_NAMES.get(attribute, "--" + attribute.replace("_", "-"))
-        if value is True:
-            return flag
-        return f"{flag} {' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
-
-    def turn_off(self, attribute: str) -> str:
-        """How to switch a boolean option off: a store_true flag is removed (it takes no value)."""
-        flag = _FLAG_NAMES.get(attribute, "--" + attribute.replace("_", "-"))
-        if self.flags:
-            return f"remove {flag}, a store_true flag that takes no value,"
-        return f"set {attribute}=False (Megatron-LM: remove the store_true flag {flag})"
-
-    def elastic(self, name: str, value) -> str:
-        """An ElasticConfig setting, as this front end writes it."""
-        return f"--elastic-moe-{name.replace('_', '-')} {value}" if self.flags else f"{name}={value!r}"
-
-
-#: TransformerConfig attribute -> Megatron-LM flag, where the flag is not the attribute's name
-_FLAG_NAMES = {"num_moe_experts": "--num-experts"}
-TRANSFORMER_CONFIG = MegatronOptions(flags=False)
-MEGATRON_LM_FLAGS = MegatronOptions(flags=True)
-
-
-def check_model_options(model, config: ElasticConfig, *, score_function: str, routing_type,
-                        router_class: str | None = None, options: MegatronOptions = TRANSFORMER_CONFIG,
-                        num_layers: int | None = None):
-    """The rules of :func:`validate_router` on plain values, so that the Megatron-LM entry point
-    (:func:`.megatron_args.check_megatron_args`, before Megatron starts) and the router built later
-    refuse the same things with one rule.
-
-    Args:
-        model: the model's options under ``TransformerConfig``'s attribute names (a
-            ``TransformerConfig``, or a namespace of the parsed flags).
-        score_function / routing_type: what the router routes with (``router.score_function``,
-            ``router.routing_type``: a load-balancing type, or a list of them).
-        router_class: the router's class name when it is an ``InferenceTopKRouter``.
-        options: how messages name Megatron options.
-        num_layers: the decoder layers (default ``model.num_layers``).
-
-    Returns:
-        the schedule, or None where nothing is routed elastically (``schedule="static"``).
-
-    Raises:
-        ConfigError: the schedule or layers do not fit the model.
-        UnsupportedMegatronError: every option that cannot route per-token budgets, in one message.
-    """
-    schedule = config.resolve(num_experts=model.num_moe_experts, topk=model.moe_router_topk,
-                              num_layers=_model_num_layers(model) if num_layers is None else num_layers)
-    top_p = config.mode == "top_p"
-    if schedule.is_static and not top_p:
-        return None
-    width = _top_p_width(model, config) if top_p else schedule.high
-    spell = options.setting
-    problems = []
-    if top_p and score_function != "softmax":
-        problems.append(f"mode='top_p' reads the budget off full-softmax probabilities, but the router's score "
-                        f"function is {spell('moe_router_score_function', score_function)}; use "
-                        f"{options.elastic('mode', 'elastic')}")
-    if routing_type in ("sinkhorn", "quantile_balancing") or (
-            isinstance(routing_type, (list, tuple)) and len(routing_type) == 1 and routing_type[0] in ("sinkhorn", "quantile_balancing")):
-        kind = routing_type if isinstance(routing_type, str) else routing_type[0]
-        problems.append(f"{spell('moe_router_load_balancing_type', kind)} picks experts by its own balancing "
-                        f"algorithm with a fixed k; use "
-                        + ", ".join(repr(t) if not options.flags else t for t in
-                                    ("aux_loss", "seq_aux_loss", "global_aux_loss"))
-                        + f" or {'none' if options.flags else repr('none')}"
-                        + (f" ({spell('moe_router_load_balancing_type', 'aux_loss')})" if options.flags else ""))
-    if getattr(model, "moe_router_fusion", False):
-        problems.append(f"{spell('moe_router_fusion', True)} (Transformer Engine's fused top-k takes one scalar k): "
-                        f"{options.turn_off('moe_router_fusion')} for elastic training")
-    if getattr(model, "moe_enable_routing_replay", False):
-        problems.append(f"{spell('moe_enable_routing_replay', True)} replays [T, topk] buffers recorded with a fixed k: "
-                        f"disable routing replay, i.e. {options.turn_off('moe_enable_routing_replay')} for elastic "
-                        f"training")
-    impl = getattr(model, "transformer_impl", None)
-    if impl == "inference_optimized" or router_class is not None:
-        what = (spell("transformer_impl", "inference_optimized") if impl == "inference_optimized"
-                else f"the router class {router_class} (an InferenceTopKRouter)")
-        problems.append(f"{what}: InferenceTopKRouter and the inference-optimised token dispatchers exchange dense "
-                        f"[T, topk] buffers with a fixed k; train with the stock TopKRouter, "
-                        + ("--transformer-impl transformer_engine or local " if options.flags
-                           else "transformer_impl='transformer_engine' or 'local' ")
-                        + "(elastic layers route static top-k in eval, so the checkpoint then serves on the "
-                        "inference-optimised layers unchanged)")
-    if not top_p and _captures_router(model):
-        problems.append("a CUDA graph that captures the router (scope 'moe_router' or 'moe' in cuda_graph_modules, "
-                        "cuda_graph_scope before megatron-core 0.19; 'moe_preprocess', which needs 'moe_router'; a "
-                        "whole-layer scope; or cuda_graph_impl='full_iteration'): κ is drawn on the host and copied "
-                        "in at every forward, so a graph replay would reuse the κ of its capture; capture only scopes "
-                        "without the router (e.g. cuda_graph_modules=['attn']), or use "
-                        f"{options.elastic('schedule', 'static')}")
-    elif (top_p and _captures_moe_preprocess(model) and not model.moe_pad_expert_input_to_capacity
-            and model.moe_token_dispatcher_type == "alltoall"):
-        problems.append("a CUDA graph that captures the dispatcher's preprocess (scope 'moe_preprocess' in "
-                        "cuda_graph_modules, cuda_graph_scope before megatron-core 0.19, which cuda_graph_impl='local' "
-                        "adds to 'moe_router'; a whole-layer scope; or cuda_graph_impl='full_iteration') with "
-                        "mode='top_p': a dropless alltoall dispatch is then sized from the realised Σκ, a "
-                        "device-to-host sync Megatron also refuses to capture (as with a capacity factor); remove "
-                        "'moe_preprocess' (and 'moe_router' with cuda_graph_impl='local') from the CUDA-graph scope, "
-                        "or use drop-and-pad (moe_pad_expert_input_to_capacity)")
-    num_groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
-    if group_topk:
-        per_group = model.num_moe_experts // num_groups
-        reachable = group_topk * per_group
-        if width > reachable or width // group_topk < 1:
-            problems.append(f"group-limited routing keeps {group_topk} of {num_groups} groups "
-                            f"({reachable} experts), fewer than the upper budget {width}; "
-                            + ("set top_p_max_experts to at most that" if top_p else "narrow the schedule")
-                            + f" or raise {'--moe-router-group-topk' if options.flags else 'moe_router_group_topk'}")
-    if problems:
-        what = f"mode='top_p' (p={config.top_p})" if top_p else f"schedule {schedule.describe()}"
-        raise UnsupportedMegatronError(
-            f"elastic-moe cannot route {what} with this Megatron config: " + "; ".join(problems) + "."
-        )
-    return schedule
-
-
-def _top_p_width(model_config, config: ElasticConfig) -> int:
-    """Candidate slots of ``mode="top_p"``: every expert, or ``top_p_max_experts``."""
-    return config.top_p_max_experts or model_config.num_moe_experts
-
-
-def _cuda_graph_scopes(model_config) -> set[str] | None:
-    """The per-layer CUDA-graph scope names, None without CUDA graphs; an empty set captures the
-    whole layer (as the deprecated ``"full"`` does), and so does ``full_iteration`` (0.19: an impl;
-    0.16: a scope).
-
-    megatron-core 0.19 names the scope list ``cuda_graph_modules`` (``cuda_graph_scope`` is migrated
-    into it); 0.16 names it ``cuda_graph_scope``. Entries are enums or, set by hand, strings.
-    """
-    impl = getattr(model_config, "cuda_graph_impl", "none")
-    if impl in (None, "none"):
-        return None
-    if impl == "full_iteration":
-        return set()
-    scopes = getattr(model_config, "cuda_graph_modules", None)
-    if scopes is None:
-        scopes = getattr(model_config, "cuda_graph_scope", None)
-    if isinstance(scopes, str):
-        scopes = scopes.split(",")
-    names = {getattr(scope, "name", scope) for scope in scopes or ()} - {"full"}
-    return set() if "full_iteration" in names else names
-
-
-def _captures_router(model_config) -> bool:
-    """Whether a CUDA graph captures ``TopKRouter.forward``: the scopes ``moe_router``, ``moe`` (the
-    whole MoE layer, drop-and-pad only), ``moe_preprocess`` (Megatron requires ``moe_router`` with
-    it), a whole layer, or the whole iteration. ``attn``, ``mlp`` (dense layers) and ``mamba`` do not."""
-    names = _cuda_graph_scopes(model_config)
-    return names is not None and (not names or bool(names & {"moe_router", "moe", "moe_preprocess"}))
-
-
-def _captures_moe_preprocess(model_config) -> bool:
-    """Whether a per-layer CUDA graph captures ``MoELayer.preprocess`` (the dispatcher's sizing)."""
-    names = _cuda_graph_scopes(model_config)
-    if names is None:
-        return False
-    if not names:
-        return True
-    if getattr(model_config, "cuda_graph_impl", None) == "local" and "moe_router" in names:
-        names.add("moe_preprocess")  # Megatron's local implementation captures both together
-    return "moe_preprocess" in names
 
 
 def gate_for(router, config: ElasticConfig) -> str:
