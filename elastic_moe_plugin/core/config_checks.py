@@ -4,7 +4,8 @@ A config's values are checked on their own at construction (types, choices, a ``
 schedule that no model accepts), and against the shape of a model (:class:`ModelShape`) when an
 adapter meets it in ``resolve()``, or at construction when the loader knows it. Each refusal is
 told by :class:`~elastic_moe_plugin.core.config_refusals.Refusals`: the setting as the user wrote
-it, what is accepted, and fixes validated before they are offered.
+it, what is accepted, and fixes validated before they are offered. The ``layers`` checks are
+:mod:`.config_layer_checks`'s, inherited here.
 
 The config module imports this one, never the reverse: a check reads the config it is handed.
 """
@@ -12,20 +13,16 @@ The config module imports this one, never the reverse: a check reads the config 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NoReturn
 
-from elastic_moe_plugin.core.config_refusals import ModelShape, Refusals
+from elastic_moe_plugin.core.config_layer_checks import LayerChecks
+from elastic_moe_plugin.core.config_refusals import ModelShape
 from elastic_moe_plugin.core.config_values import (
-    ALL_LAYERS,
     AUTO_HALF_WIDTH,
     AUTO_SCHEDULE,
     BOOLEAN_FIELDS,
     GATE_CHOICES,
     ROUTER_MODES,
-    LayerProblem,
-    layer_problem_text,
-    layers_text,
-    parse_layer_items,
 )
 from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.core.schedule import SAMPLING_MODES, BudgetSchedule, parse_range, symmetric_range
@@ -40,9 +37,17 @@ def _is_positive_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
+#: what a ``schedule`` may be written as, told by the refusals of one that does not parse
+_SCHEDULE_FORMS = (
+    f"{AUTO_SCHEDULE!r} (k-{AUTO_HALF_WIDTH}..k+{AUTO_HALF_WIDTH} around the model's top-k), 'LOW-HIGH' "
+    f"(e.g. 6-10 around top-8), 'static' or the model's top-k"
+)
+
+
 # ---------------------------------------------------------------------------------- the checks
-class ConfigChecks(Refusals):
-    """The checks of one config: what is refused, and why (:class:`Refusals`: how it is told)."""
+class ConfigChecks(LayerChecks):
+    """The checks of one config: what is refused, and why (:class:`LayerChecks`: those of ``layers``;
+    :class:`~.config_refusals.Refusals`: how it is told)."""
 
     # ------------------------------------------------------------------ construction checks
     def check_fields(self, model: ModelShape | None) -> None:
@@ -50,67 +55,36 @@ class ConfigChecks(Refusals):
         its own, before any check that combines fields reads it."""
         config = self.config
         if not isinstance(config.schedule, str) or not config.schedule.strip():
-            raise self._refuse(
-                "schedule",
-                lambda fixes: (
-                    f"{self.spell('schedule')} is invalid: expected {AUTO_SCHEDULE!r} (k-{AUTO_HALF_WIDTH}..k+"
-                    f"{AUTO_HALF_WIDTH} around the model's top-k), 'LOW-HIGH' (e.g. 6-10 around top-8), 'static' or "
-                    f"the model's top-k. " + self._use(fixes)
-                ),
-                [{"schedule": AUTO_SCHEDULE}, {"schedule": "static"}],
-                model,
+            raise self._invalid(
+                "schedule", _SCHEDULE_FORMS, [{"schedule": AUTO_SCHEDULE}, {"schedule": "static"}], model
             )
         if config.center is not None and not _is_positive_int(config.center):
-            raise self._refuse(
-                "center",
-                lambda fixes: (
-                    f"{self.spell('center')} is invalid: expected a positive integer (the model's top-k). "
-                    + self._use(fixes, "the model's own top-k")
-                ),
-                [{"center": None}],
-                model,
-            )
+            expected = "a positive integer (the model's top-k)"
+            raise self._invalid("center", expected, [{"center": None}], model, "the model's own top-k")
         if not _is_number(config.sigma) or not math.isfinite(config.sigma) or config.sigma <= 0:
-            raise self._refuse(
-                "sigma",
-                lambda fixes: (
-                    f"{self.spell('sigma')} is invalid: expected a finite number > 0. "
-                    + self._use(fixes, "the paper's σ")
-                ),
-                [{"sigma": 1.5}],
-                model,
-            )
+            raise self._invalid("sigma", "a finite number > 0", [{"sigma": 1.5}], model, "the paper's σ")
         self._check_choices(model)
         if not _is_number(config.top_p) or not 0.0 < config.top_p <= 1.0:
-            raise self._refuse(
-                "top_p",
-                lambda fixes: (
-                    f"{self.spell('top_p')} is invalid: expected a number in (0, 1]. "
-                    + self._use(fixes, "the paper's control")
-                ),
-                [{"top_p": 0.4}],
-                model,
-            )
+            raise self._invalid("top_p", "a number in (0, 1]", [{"top_p": 0.4}], model, "the paper's control")
         if config.top_p_max_experts is not None and not _is_positive_int(config.top_p_max_experts):
-            raise self._refuse(
-                "top_p_max_experts",
-                lambda fixes: (
-                    f"{self.spell('top_p_max_experts')} is invalid: expected a positive integer. "
-                    + self._use(fixes, "no cap")
-                ),
-                [{"top_p_max_experts": None}],
-                model,
+            raise self._invalid(
+                "top_p_max_experts", "a positive integer", [{"top_p_max_experts": None}], model, "no cap"
             )
         if config.layers is not None and not isinstance(config.layers, str):
-            raise self._refuse(
-                "layers",
-                lambda fixes: (
-                    f"{self.spell('layers')} is invalid: expected 0-based decoder-layer indices as text, such as "
-                    f"'3-7' or '0,2,5-7'. " + self._use(fixes, "every MoE layer")
-                ),
-                self._layer_text_fixes(),
-                model,
-            )
+            expected = "0-based decoder-layer indices as text, such as '3-7' or '0,2,5-7'"
+            raise self._invalid("layers", expected, self._layer_text_fixes(), model, "every MoE layer")
+
+    def _invalid(
+        self, name: str, expected: str, candidates: list[dict], model: ModelShape | None, what: str = ""
+    ) -> ConfigError:
+        """The error for field ``name`` holding no value it accepts: ``expected`` says which it does,
+        ``what`` what the first fix stands for."""
+        return self._refuse(
+            name,
+            lambda fixes: f"{self.spell(name)} is invalid: expected {expected}. " + self._use(fixes, what),
+            candidates,
+            model,
+        )
 
     def _check_choices(self, model: ModelShape | None) -> None:
         """Refuse a gate, sampling mode, router mode or boolean that is none of its choices; the
@@ -126,13 +100,6 @@ class ConfigChecks(Refusals):
         if config.mode not in ROUTER_MODES:
             raise self._choice_error("mode", "a router mode", ROUTER_MODES, model)
 
-    def _layer_text_fixes(self) -> list[dict]:
-        """For ``layers`` that is no text: the number as its text (``layers=4`` meant ``'4'``), or every layer."""
-        candidates = []
-        if isinstance(self.config.layers, int) and not isinstance(self.config.layers, bool):
-            candidates.append({"layers": str(self.config.layers)})
-        return candidates + [{"layers": None}]
-
     def _choice_error(self, name: str, what: str, choices: tuple, model: ModelShape | None) -> ConfigError:
         return self._refuse(
             name,
@@ -141,65 +108,6 @@ class ConfigChecks(Refusals):
             model,
             limit=len(choices),
         )
-
-    def layer_selection(self, model: ModelShape | None) -> frozenset[int] | None:
-        """The 0-based layers ``layers`` selects (None: every MoE layer). Refuses ``"none"``, which is
-        ambiguous, and a spec that does not parse (empty, malformed or a reversed range)."""
-        layers = self.config.layers
-        selected, problem = (None, None) if self._layers_mean_all() else parse_layer_items(layers)
-        if layers is not None and isinstance(layers, str) and layers.strip().lower() == "none":
-            self._refuse_layers_none(model)
-        if problem is not None:
-            self._refuse_layers(problem, model)
-        return selected
-
-    def _layers_mean_all(self) -> bool:
-        layers = self.config.layers
-        return layers is None or (isinstance(layers, str) and layers.strip().lower() == ALL_LAYERS)
-
-    def _refuse_layers_none(self, model: ModelShape | None) -> None:
-        """Refuse ``layers="none"``: it reads as 'no layer', but it used to select every MoE layer."""
-        every, off = {"layers": None}, {"layers": None, "enabled": False}
-
-        def message(fixes: tuple[dict, ...]) -> str:
-            parts = []
-            if every in fixes:
-                parts.append(f"For every MoE layer use {self._spell_fix(every)} (or leave it unset)")
-            if off in fixes:
-                parts.append(
-                    f"to route no layer elastically use {self._spell_fix(off)} (every router stock), or "
-                    f"train without the plugin"
-                )
-            return (
-                f"{self.spell('layers')} is ambiguous, so it is refused: it reads as 'no layer', but it used to "
-                f"select every MoE layer. " + "; ".join(parts) + "."
-            )
-
-        raise self._refuse("layers", message, [every, off], model)
-
-    def _refuse_layers(self, problem: LayerProblem, model: ModelShape | None) -> None:
-        """Refuse a ``layers`` spec that does not parse; a reversed range is offered turned round
-        (and narrowed to the model's layers, when they are known)."""
-        candidates = [{"layers": problem.repaired}] if problem.repaired else []
-        if problem.repaired and model is not None and model.num_layers is not None:
-            repaired, _ = parse_layer_items(problem.repaired)
-            inside = sorted(i for i in repaired or () if i < model.num_layers)
-            if inside:
-                candidates.append({"layers": layers_text(inside)})
-        candidates.append({"layers": None})
-
-        def message(fixes: tuple[dict, ...]) -> str:
-            first = fixes[0]["layers"] if fixes else None
-            what = (
-                "every MoE layer"
-                if first is None
-                else "the range turned round"
-                if first == problem.repaired
-                else f"the range turned round, within the model's {model.num_layers} layers"
-            )
-            return f"{layer_problem_text(self.spell('layers'), problem)}. " + self._use(fixes, what)
-
-        raise self._refuse("layers", message, candidates, model)
 
     def check_schedule(self, model: ModelShape | None) -> None:
         """Refuse a schedule that no model accepts, then one that does not fit ``model`` (None: not
@@ -240,9 +148,8 @@ class ConfigChecks(Refusals):
             raise self._refuse(
                 "schedule",
                 lambda fixes: (
-                    f"{self._schedule_label()} does not parse: expected {AUTO_SCHEDULE!r} (k-{AUTO_HALF_WIDTH}..k+"
-                    f"{AUTO_HALF_WIDTH} around the model's top-k), 'LOW-HIGH' (e.g. 6-10 around top-8), 'static' or the "
-                    f"model's top-k. " + self._use(fixes, "stock top-k")
+                    f"{self._schedule_label()} does not parse: expected {_SCHEDULE_FORMS}. "
+                    + self._use(fixes, "stock top-k")
                 ),
                 [{"schedule": "static"}, {"schedule": AUTO_SCHEDULE}],
                 model,
@@ -254,7 +161,7 @@ class ConfigChecks(Refusals):
         if low < 1:
             self._refuse_budget_below_one(low, high, model)
 
-    def _refuse_reversed_schedule(self, low: int, high: int, model: ModelShape | None) -> None:
+    def _refuse_reversed_schedule(self, low: int, high: int, model: ModelShape | None) -> NoReturn:
         """Refuse a ``LOW-HIGH`` range written high first; the fix is the range turned round when it
         fits, else the same width around the model's top-k."""
         reordered = {"schedule": f"{high}-{low}"}
@@ -277,7 +184,7 @@ class ConfigChecks(Refusals):
             limit=1,
         )
 
-    def _refuse_budget_below_one(self, low: int, high: int, model: ModelShape | None) -> None:
+    def _refuse_budget_below_one(self, low: int, high: int, model: ModelShape | None) -> NoReturn:
         """Refuse a range whose low budget is below 1: every token needs at least one expert."""
         center = self.config.center
         centre = (
@@ -389,9 +296,9 @@ class ConfigChecks(Refusals):
             raise self._refuse(
                 "schedule",
                 lambda fixes: (
-                    f"{self._schedule_label()} around the model's top-{topk} has mean {around_topk.mean:.4f}, not {topk}: "
-                    f"training would no longer be compute-matched with static top-{topk}. Use a range symmetric around "
-                    f"{topk} (low + high == {2 * topk})"
+                    f"{self._schedule_label()} around the model's top-{topk} has mean {around_topk.mean:.4f}, not "
+                    f"{topk}: training would no longer be compute-matched with static top-{topk}. Use a range "
+                    f"symmetric around {topk} (low + high == {2 * topk})"
                     + (f", e.g. {self._spell_fix(same_width)}" if same_width in fixes else "")
                     + (f", or {self._verb(accept)} {self._spell_fix(accept)} to accept it" if accept in fixes else "")
                     + "."
@@ -411,11 +318,11 @@ class ConfigChecks(Refusals):
                 model,
             )
 
-    def _refuse_auto(self, topk: int, num_experts: int | None, model: ModelShape | None) -> None:
+    def _refuse_auto(self, topk: int, num_experts: int | None, model: ModelShape | None) -> NoReturn:
         """Refuse ``schedule="auto"`` where no elastic range exists around the model's top-k (top-1,
         or top-E: every expert already)."""
-        static = {"schedule": "static"}
-        off_centre = {"schedule": f"1-{1 + AUTO_HALF_WIDTH}", "allow_off_center": True}
+        static: dict[str, Any] = {"schedule": "static"}
+        off_centre: dict[str, Any] = {"schedule": f"1-{1 + AUTO_HALF_WIDTH}", "allow_off_center": True}
         if topk == 1:
             why = (
                 "the model routes to top-1, and no budget range symmetric around 1 keeps every token at >= 1 "
@@ -479,13 +386,13 @@ class ConfigChecks(Refusals):
                 model,
             )
 
-    def _refuse_center(self, model: ModelShape) -> None:
+    def _refuse_center(self, model: ModelShape) -> NoReturn:
         """Refuse a ``center`` that is not the model's top-k: the schedule is centred on the top-k the
         model is deployed with, so that training stays compute-matched with it."""
         topk, num_experts = model.topk, model.num_experts
         # the range moves with the center: keep its width around the model's top-k
         bounds = parse_range(self.config.schedule)
-        moved = (
+        moved: dict[str, Any] = (
             {}
             if bounds is None or bounds[0] > bounds[1]
             else {"schedule": symmetric_range(topk, (bounds[1] - bounds[0]) // 2, num_experts)}
@@ -515,30 +422,3 @@ class ConfigChecks(Refusals):
             )
 
         raise self._refuse("center", center_message, candidates, model)
-
-    def _check_layers_within(self, model: ModelShape) -> None:
-        """Refuse a ``layers`` selection that names a layer past the model's decoder layers (another
-        model's range, or a 1-based index): no router there would route elastically."""
-        num_layers, selected = model.num_layers, self.config.layer_set
-        if num_layers is None or not selected:
-            return
-        outside = sorted(i for i in selected if i >= num_layers)
-        if outside:
-            inside = sorted(i for i in selected if i < num_layers)
-            candidates = ([{"layers": layers_text(inside)}] if inside else []) + [{"layers": None}]
-            raise self._refuse(
-                "layers",
-                lambda fixes: (
-                    f"{self.spell('layers')} selects layer(s) {outside}, but the model has {num_layers} decoder "
-                    f"layers (0-based indices 0..{num_layers - 1}). Narrow the range"
-                    + "".join(f", e.g. {self._spell_fix(fix)}" for fix in fixes if fix["layers"] is not None)
-                    + "".join(
-                        f", or {self._verb(fix)} {self._spell_fix(fix)} for every MoE layer"
-                        for fix in fixes
-                        if fix["layers"] is None
-                    )
-                    + "."
-                ),
-                candidates,
-                model,
-            )

@@ -185,7 +185,9 @@ def _unknown_keys(
 
 def _unknown_variable(key: str, environ: Mapping[str, str], env_vars: Mapping[str, str]) -> ConfigError:
     close = difflib.get_close_matches(key, list(env_vars.values()) + [ENV_CONFIG_FILE], n=1)
-    fixes, renames, rename = (), {}, ""
+    fixes: tuple[dict[str, str], ...] = ()
+    renames: dict[str, str] = {}
+    rename = ""
     if close and close[0] != ENV_CONFIG_FILE and close[0] not in environ:
         name = close[0][len(ENV_PREFIX) :].lower()
         fixes, renames = ({name: environ[key]},), {key: close[0]}

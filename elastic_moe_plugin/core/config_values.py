@@ -35,23 +35,23 @@ class LayerProblem(NamedTuple):
     repaired: str | None = None
 
 
-def parse_layer_items(spec: str) -> tuple[frozenset[int] | None, LayerProblem | None]:
-    """``(the selected 0-based layers, None)``, or ``(None, why it does not parse)``."""
+def parse_layer_items(spec: str) -> frozenset[int] | LayerProblem:
+    """The selected 0-based layers, or why the spec does not parse."""
     if not isinstance(spec, str) or not spec.strip():
-        return None, LayerProblem("empty")
+        return LayerProblem("empty")
     layers: set[int] = set()
     items = spec.replace(" ", "").split(",")
     for position, item in enumerate(items):
         match = _LAYER_ITEM.match(item)
         if not match:
-            return None, LayerProblem("malformed", item)
+            return LayerProblem("malformed", item)
         first = int(match.group(1))
         last = int(match.group(2)) if match.group(2) is not None else first
         if last < first:
             repaired = ",".join(f"{last}-{first}" if i == position else other for i, other in enumerate(items))
-            return None, LayerProblem("reversed", item, repaired)
+            return LayerProblem("reversed", item, repaired)
         layers.update(range(first, last + 1))
-    return frozenset(layers), None
+    return frozenset(layers)
 
 
 def layer_problem_text(setting: str, problem: LayerProblem) -> str:
@@ -89,13 +89,13 @@ def parse_layers(spec: str, spelling: Spelling = PYTHON, name: str = "layers") -
     Raises:
         ConfigError: on an empty item, a reversed range or anything but digits, ',' and '-'.
     """
-    layers, problem = parse_layer_items(spec)
-    if problem is None:
-        return layers
+    parsed = parse_layer_items(spec)
+    if not isinstance(parsed, LayerProblem):
+        return parsed
     setting = spelling.current(name, spec)
-    if problem.kind == "reversed":
+    if parsed.kind == "reversed":
         raise ConfigError(
-            f"{layer_problem_text(setting, problem)}: write it as {spelling.setting(name, problem.repaired)}.",
-            fixes=({name: problem.repaired},),
+            f"{layer_problem_text(setting, parsed)}: write it as {spelling.setting(name, parsed.repaired)}.",
+            fixes=({name: parsed.repaired},),
         )
-    raise ConfigError(layer_problem_text(setting, problem) + ".")
+    raise ConfigError(layer_problem_text(setting, parsed) + ".")

@@ -126,6 +126,7 @@ class ImportHooks(importlib.abc.MetaPathFinder):
         """Remove ``hook`` (a no-op if it already ran or was cancelled)."""
         with self._lock:
             if hook.kind == "after":
+                assert hook.name is not None  # after_import() always names the module
                 remaining = [entry for entry in self._after.get(hook.name, []) if entry is not hook]
                 if remaining:
                     self._after[hook.name] = remaining
@@ -145,6 +146,7 @@ class ImportHooks(importlib.abc.MetaPathFinder):
     def _register(self, hook: Hook) -> Hook:
         with self._lock:
             if hook.kind == "after":
+                assert hook.name is not None  # after_import() always names the module
                 self._after.setdefault(hook.name, []).append(hook)
             elif hook.kind == "around":
                 self._around = (*self._around, hook)
@@ -167,10 +169,11 @@ class ImportHooks(importlib.abc.MetaPathFinder):
         if fullname in searching:
             return None
         serving, around, waiting = self._serve, self._around, fullname in self._after
+        # serve() and around_bodies() always give claims; None is only an "after" hook's, never in these tuples
         for hook in serving:
-            if hook.claims(fullname):
+            if hook.claims is not None and hook.claims(fullname):
                 return importlib.machinery.ModuleSpec(fullname, _ServedLoader(self, hook.action), is_package=True)
-        arounds = [hook.action for hook in around if hook.claims(fullname)]
+        arounds = [hook.action for hook in around if hook.claims is not None and hook.claims(fullname)]
         if not (arounds or waiting):
             return None
         searching.add(fullname)
@@ -238,7 +241,7 @@ def importing_module(*skip_files: str) -> str:
     ``skip_files`` (the caller's own file, typically); ``""`` if there is none. For a ``serve`` or
     ``around_bodies`` claim that depends on who imports, not only on what is imported.
     """
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not (filename.startswith(_IMPORT_MACHINERY) or filename == __file__ or filename in skip_files):

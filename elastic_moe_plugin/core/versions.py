@@ -132,20 +132,22 @@ class VersionGuard:
     def source_tree(self) -> str | None:
         """The folder of the imported :attr:`module` when it is not the installed distribution's own
         files (a source checkout on the path), else None (an installed wheel, or not importable)."""
-        module = sys.modules.get(self.module) if self.module else None
-        origin = getattr(module, "__file__", None)
+        module_name = self.module
+        if not module_name:
+            return None
+        origin = getattr(sys.modules.get(module_name), "__file__", None)
         if origin is None:
             return None
         # directories, not files: a tree of symlinks to a wheel's files is still a tree on the path
         package_dir = os.path.realpath(os.path.dirname(os.path.abspath(origin)))
         try:
             distribution = importlib.metadata.distribution(self.framework)
-            installed = distribution.locate_file(os.path.join(*self.module.split("."), "__init__.py"))
+            installed = distribution.locate_file(os.path.join(*module_name.split("."), "__init__.py"))
             if os.path.realpath(os.path.dirname(os.path.abspath(str(installed)))) == package_dir:
                 return None
         except importlib.metadata.PackageNotFoundError:
             pass
-        return os.path.realpath(os.path.join(package_dir, *[".."] * len(self.module.split("."))))
+        return os.path.realpath(os.path.join(package_dir, *[".."] * len(module_name.split("."))))
 
 
 __all__ = ["VersionGuard"]
