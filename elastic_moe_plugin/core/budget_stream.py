@@ -1,12 +1,6 @@
 """κ's counter-based stream: every draw addressed by (stream seed, draw counter, token shard).
 
-One draw is one elastic router call on one rank: T budgets κ [T] for the T tokens the rank routes.
-The adapters keep the stream state, a :class:`BudgetStream` ``(seed, counter)``, where their
-framework saves and restores RNG state (a named state of Megatron's RNG tracker,
-:mod:`elastic_moe_plugin.mcore.budget_rng`; the Trainer's ``rng_state`` files,
-:mod:`elastic_moe_plugin.hf.budget_rng`), and tell it which token shard the rank holds.
-
-The draw (:meth:`BudgetStream.draw`), on the host::
+One draw is one elastic router call on one rank: κ [T] for the T tokens the rank routes, on the host::
 
     key      = seed + 2^64 · shard                       (128 bits; seed, shard < 2^64)
     block_j  = Philox4x64-10(key, counter · 2^64 + j)    (j = 1, 2, ...: four 64-bit words x each)
@@ -17,24 +11,18 @@ The draw (:meth:`BudgetStream.draw`), on the host::
 Philox4x64-10 (Salmon et al., SC'11) is numpy's ``numpy.random.Philox``; ``Generator.random``
 forms ``u`` exactly as written. The doors' guarantees rest on what this gives
 (``docs/parallelism.md#randomness``): O(T) work on every rank whatever the number of shards; ranks
-in step whatever their T (the counter advances by one per draw); no two draws or shards share
-uniforms (Philox is a bijection of the counter for each key), while tensor-parallel peers that
-pass the same shard draw the same κ; token t's uniform does not depend on T; and the same κ on
-every device type (κ is computed on the host and copied to the device).
+in step whatever their T; no two draws or shards share uniforms, while tensor-parallel peers that
+pass the same shard draw the same κ; token t's uniform does not depend on T; the same κ on every
+device type.
 
-Where the stream lives (:class:`StreamHome`): a door keeps it where its framework saves and
-restores RNG state, as one of two homes. :class:`TrackedStream`: a named entry of an RNG-state
-tracker (Megatron's CUDA RNG tracker: checkpoints and activation recompute carry it).
-:class:`ProcessStream`: one stream per process, saved by the door with the trainer's own RNG
-files (transformers' Trainer). Either home draws the same way (:meth:`StreamHome.draw`): read
-the stream, take the draw from a block of draws made ahead, store the advanced stream.
-
-Draws are made up to 64 at a time, consecutive counters of one (seed, shard), each still exactly
-its own draw (:class:`_DrawsAhead`): one numpy call maps a whole block, where a draw at a time
-between the model's kernels runs with the interpreter's and numpy's caches cold
-(``docs/performance.md#the-κ-draw``). To a CUDA device κ travels by one non-blocking copy from
-pinned memory: no host sync, no kernel. Σκ, per-token κ and κ's histogram are then known on the
-host for free: :class:`BudgetDraw` carries them.
+Where the stream lives (:class:`StreamHome`) is where the door's framework saves and restores RNG
+state: a named entry of Megatron's RNG tracker (:class:`TrackedStream`), or one stream per
+process that the transformers door saves with the Trainer's RNG files (:class:`ProcessStream`).
+Either draws the same way (:meth:`StreamHome.draw`): read the stream, take the draw from a block of
+up to 64 draws made ahead (:class:`_DrawsAhead`: one numpy call maps a whole block, where one draw
+at a time runs between the model's kernels with cold caches), store the advanced stream. κ reaches
+a CUDA device by one non-blocking copy from pinned memory; Σκ and κ's histogram stay known on the
+host (:class:`BudgetDraw`).
 """
 
 from __future__ import annotations
@@ -183,15 +171,16 @@ class _Philox:
         """The generator whose next words are ``Philox4x64-10(key, counter·2^64 + j)``, j = 1, 2, ...
         (the module docstring's blocks; the 256-bit counter counter·2^64 as four little-endian
         64-bit words, with an empty output buffer)."""
-        self.bits.state = {
-            "bit_generator": "Philox",
-            "state": {"counter": np.array([0, counter, 0, 0], dtype=np.uint64), "key": self.key_words},
-            "buffer": np.zeros(4, dtype=np.uint64),
-            "buffer_pos": 4,
-            "has_uint32": 0,
-            "uinteger": 0,
-        }
+        counter_words = np.array([0, counter, 0, 0], dtype=np.uint64)
+        state: Any = {**_EMPTY_PHILOX_BUFFER, "state": {"counter": counter_words, "key": self.key_words}}
+        self.bits.state = state  # numpy reads the mapping it documents; its stubs want a TypedDict
         return self.generator
+
+
+#: the rest of a Philox state: an empty output buffer, so the next words come from the counter
+_EMPTY_PHILOX_BUFFER = dict(
+    bit_generator="Philox", buffer=np.zeros(4, dtype=np.uint64), buffer_pos=4, has_uint32=0, uinteger=0
+)
 
 
 def _philox(seed: int, shard: int) -> _Philox:
@@ -244,12 +233,8 @@ class _DrawsAhead:
         self.mapped: list[tuple[BudgetSchedule, str, tuple[BudgetDraw, ...]]] = []
 
     def holds(self, seed: int, shard: int, counter: int, num_tokens: int) -> bool:
-        return (
-            seed == self.seed
-            and shard == self.shard
-            and 0 <= counter - self.first < self.uniforms.shape[0]
-            and num_tokens <= self.uniforms.shape[1]
-        )
+        depth, width = self.uniforms.shape
+        return (seed, shard) == (self.seed, self.shard) and 0 <= counter - self.first < depth and num_tokens <= width
 
     def draw(self, counter: int, num_tokens: int, schedule: BudgetSchedule, sampling: SamplingMode) -> BudgetDraw:
         """Draw ``counter`` of T tokens (:meth:`holds` it), its κ a CPU tensor."""
@@ -278,7 +263,8 @@ class _DrawsAhead:
             budgets = schedule.budgets_from_uniforms(self.uniforms, sampling)  # [depth, width]
         counts = _histograms(budgets, schedule.high + 1)
         totals = (counts @ np.arange(schedule.high + 1, dtype=np.int64)).tolist()
-        draws = tuple(BudgetDraw(*row) for row in zip(torch.from_numpy(budgets).unbind(0), budgets, totals, counts))
+        rows = zip(torch.from_numpy(budgets).unbind(0), budgets, totals, counts, strict=True)
+        draws = tuple(BudgetDraw(*row) for row in rows)
         self.mapped.append((schedule, sampling, draws))
         return draws
 
@@ -294,12 +280,13 @@ def _next_block(block: _DrawsAhead | None, seed: int, shard: int, counter: int, 
     replays earlier counters) gets a one-draw block of its own, and the caller keeps the current
     block for the draws ahead (:meth:`StreamHome.draw`).
     """
-    if block is not None and block.holds(seed, shard, counter, num_tokens):
-        return block
-    same_key = block is not None and block.seed == seed and block.shard == shard
-    width = max(num_tokens, block.uniforms.shape[1]) if same_key else num_tokens
-    if same_key and counter < block.first and num_tokens <= block.uniforms.shape[1]:
-        return _DrawsAhead(seed, shard, counter, 1, num_tokens)
+    width = num_tokens
+    if block is not None and block.seed == seed and block.shard == shard:
+        if block.holds(seed, shard, counter, num_tokens):
+            return block
+        if counter < block.first and num_tokens <= block.uniforms.shape[1]:
+            return _DrawsAhead(seed, shard, counter, 1, num_tokens)
+        width = max(num_tokens, block.uniforms.shape[1])
     depth = max(1, min(_AHEAD_DRAWS, _AHEAD_ELEMENTS // max(width, 1), _WORD - counter))
     return _DrawsAhead(seed, shard, counter, depth, width)
 
@@ -341,7 +328,7 @@ class StreamHome:
 
 class ProcessStream(StreamHome):
     """One stream per process, seeded from ``seed_source()`` (+ :data:`BUDGET_SEED_OFFSET`) at its
-    first draw unless :meth:`reseed` or :meth:`load_state_dict` set it."""
+    first draw unless :meth:`replace` set it."""
 
     def __init__(self, seed_source: Callable[[], int]) -> None:
         super().__init__()
@@ -359,37 +346,19 @@ class ProcessStream(StreamHome):
             if self._stream is replaces:  # a concurrent re-seed wins
                 self._stream = stream
 
-    def reseed(self, seed: int) -> None:
-        """Reset the stream to ``(BUDGET_SEED_OFFSET + seed, 0)``."""
+    def replace(self, stream: BudgetStream | None) -> None:
+        """Set the stream of the next draw (None: seed anew from ``seed_source()`` at the next draw)."""
         with self._lock:
-            self._stream = BudgetStream.seeded(BUDGET_SEED_OFFSET + int(seed))
-
-    def state_dict(self) -> dict[str, int]:
-        """``{"seed": int, "counter": int}``: the stream of the next draw."""
-        stream = self.load()
-        return {"seed": stream.seed, "counter": stream.counter}
-
-    def load_state_dict(self, state: dict[str, Any]) -> bool:
-        """Restore :meth:`state_dict`'s stream; an empty dict forgets it (the next draw seeds anew).
-        False (and the stream forgotten) for a dict of another shape."""
-        with self._lock:
-            if state and "seed" in state and "counter" in state:
-                self._stream = BudgetStream(int(state["seed"]), int(state["counter"]))
-                return True
-            self._stream = None
-            return not state
+            self._stream = stream
 
 
 class TrackedStream(StreamHome):
-    """The stream as one named entry of an RNG-state tracker: an object whose ``states_`` dict (or
-    ``get_states()`` / ``set_states()``) maps names to generator states, uint8 state tensors or
-    ``torch.Generator`` objects (Megatron's CUDA RNG tracker). Whatever saves, restores or
-    snapshots the tracker's states then carries κ's stream with them.
-
-    The entry is the stream as the 16-byte state of a CUDA Philox generator
-    (:meth:`BudgetStream.to_state_tensor`), of the kind the tracker's other states are: a CPU
-    tensor, or a generator on their device holding it. A draw replaces the entry, never mutates
-    it, so a snapshot taken before keeps the old stream.
+    """The stream as one named entry of an RNG-state tracker, whose ``states_`` dict (or
+    ``get_states()`` / ``set_states()``) maps names to uint8 state tensors or ``torch.Generator``
+    objects (Megatron's CUDA RNG tracker): whatever saves, restores or snapshots the tracker's
+    states carries κ's stream with them. The entry is the 16-byte state of a CUDA Philox generator
+    (:meth:`BudgetStream.to_state_tensor`), of the kind the other states are; a draw replaces it,
+    never mutates it, so a snapshot taken before keeps the old stream.
 
     Args:
         bind_tracker: returns the function that returns the tracker (called once, at the first use).
@@ -435,7 +404,7 @@ class TrackedStream(StreamHome):
 
     def load(self) -> BudgetStream:
         entry = self.states().get(self.name)
-        if entry is not None and entry is self._last_entry:
+        if entry is not None and entry is self._last_entry and self._last_stream is not None:
             return self._last_stream
         if entry is not None:
             try:
@@ -493,7 +462,9 @@ class _EntriesAhead:
     __slots__ = ("first", "seed", "tensors")
 
     def __init__(self) -> None:
-        self.seed, self.first, self.tensors = None, 0, ()
+        self.seed: int | None = None
+        self.first = 0
+        self.tensors: tuple[torch.Tensor, ...] = ()
 
     def get(self, stream: BudgetStream) -> torch.Tensor:
         row = stream.counter - self.first
@@ -512,9 +483,8 @@ _LAST_OFFSET = 1 << 62  # a state's offset 4·counter has 64 bits: counters belo
 def to_device(host: np.ndarray, device: torch.device | str) -> torch.Tensor:
     """κ [T] (int64 numpy, host) as a tensor on ``device`` without a host sync.
 
-    CPU: the host array itself (no copy). CUDA: copied from pinned memory with a non-blocking copy,
-    ordered on the current stream; the pinned block is freed to torch's caching host allocator,
-    which reuses it only once that copy has completed. Other accelerators: a plain ``.to(device)``.
+    CPU: the host array itself. CUDA: a non-blocking copy from pinned memory on the current stream
+    (torch's caching host allocator reuses the block only once the copy is done). Else ``.to``.
     """
     host_tensor = torch.from_numpy(host)
     device = torch.device(device)

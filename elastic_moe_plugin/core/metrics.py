@@ -5,8 +5,8 @@ Both adapters keep, per elastic layer, the latest training forward's
 with −1 beyond κ, ``retained_weight_sums`` [T]) and a running κ histogram [b+1] since the last
 reset. :func:`routing_metrics` turns them into flat scalars named ``elastic_moe/layer_{i}/{name}``
 (plus ``elastic_moe/{name}`` averages over layers; or only those, one per name) for Megatron's
-tracker, TensorBoard, W&B or swift's log; :func:`model_routing_metrics` does it for the routers an adapter enumerates (both
-adapters' ``routing_metrics(model)``). Nothing here runs unless a logging hook calls it, so
+tracker, TensorBoard, W&B or swift's log; :func:`model_routing_metrics` does it for the routers an
+adapter enumerates (both adapters' ``routing_metrics(model)``). Nothing here runs unless a logging hook calls it, so
 training without logging pays nothing.
 
 Per layer:
@@ -99,7 +99,9 @@ def record_statistics(
             groups.setdefault(record.stack_key(), []).append(layer)
     if not groups:
         return {}
-    order, rows, host_terms = [], [], []
+    order: list[int] = []
+    rows: list[torch.Tensor] = []
+    host_terms: list[tuple[float, float, float] | None] = []
     for layers in groups.values():
         group = [layer_records[layer] for layer in layers]
         on_host = group[0].budget_counts is not None
@@ -117,7 +119,7 @@ def record_statistics(
             per_expert.amax(dim=1),
             per_expert.std(dim=1, correction=0),
         ]
-        if not on_host:
+        if budgets is not None:  # κ on the device: its terms from the stack
             columns += [
                 per_expert.mean(dim=1),
                 (budgets != topk).mean(dim=1, dtype=torch.float64),
@@ -128,7 +130,10 @@ def record_statistics(
             [_host_budget_terms(record.budget_counts, num_experts, topk) if on_host else None for record in group]
         )
         order.extend(layers)
-    return {layer: _statistics_of(values, terms) for layer, values, terms in zip(order, _read_rows(rows), host_terms)}
+    return {
+        layer: _statistics_of(values, terms)
+        for layer, values, terms in zip(order, _read_rows(rows), host_terms, strict=True)
+    }
 
 
 def _read_rows(rows: list[torch.Tensor]) -> list[list[float]]:
@@ -137,7 +142,8 @@ def _read_rows(rows: list[torch.Tensor]) -> list[list[float]]:
         return rows[0].tolist()
     device = rows[0].device
     flat = torch.cat([row.to(device).reshape(-1) for row in rows]).tolist()
-    values, start = [], 0
+    values: list[list[float]] = []
+    start = 0
     for row in rows:
         layers, width = row.shape
         values.extend(flat[start + i * width : start + (i + 1) * width] for i in range(layers))
@@ -217,7 +223,7 @@ def layer_metrics(
         metrics["topk_set_changed_frac"] = changed
         if "mean_kappa" not in metrics:
             metrics["mean_kappa"] = kappa_mean
-        if record.capacity_dropped is not None:
+        if record is not None and record.capacity_dropped is not None:
             metrics.update(capacity_drop_shares(record, schedule.center))
     return metrics
 
@@ -280,6 +286,8 @@ def capacity_drop_shares(record: RoutingRecord, topk: int) -> dict[str, float]:
     κ > k, say) is 0. Synchronises once.
     """
     selected = record.expert_ids >= 0
+    if record.capacity_dropped is None:
+        raise ValueError("capacity_drop_shares needs a record with capacity drops (a capacity factor was set).")
     dropped = record.capacity_dropped & selected
     parts = {"": slice(None), "_top_k": slice(None, topk), "_beyond_k": slice(topk, None)}
     counts = torch.stack(

@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.core.schedule import BudgetSchedule, SamplingMode
 
 #: gate rules a plan may name (``docs/gates.md``): ``sigmoid_auto`` is Megatron's sigmoid /
 #: sqrtsoftplus rule (renormalise over the kept scores when κ_t > 1)
@@ -40,7 +40,7 @@ class LayerPlan:
 
     schedule: BudgetSchedule
     gate: str
-    sampling: str
+    sampling: SamplingMode
     layer_index: int | None
     top_p: float | None = None
     top_p_width: int | None = None

@@ -37,7 +37,8 @@ from elastic_moe_plugin.core.schedule import BudgetSchedule
 
 
 class RoutingRecord:
-    """What one elastic router did in its latest training forward (detached; the record docs/gates.md#gate-conventions asks for).
+    """What one elastic router did in its latest training forward, detached: the record
+    ``docs/gates.md#gate-conventions`` asks for.
 
     Attributes:
         budgets: LongTensor [T], the realised κ per token.
@@ -57,16 +58,16 @@ class RoutingRecord:
     computed when first read (a logging step), then kept. Read-only.
     """
 
-    __slots__ = (
-        "_candidate_ids",
-        "_expert_ids",
-        "_gate_weights",
-        "_kept",
-        "_retained_weight_sums",
-        "budget_counts",
-        "budgets",
-        "capacity_dropped",
-    )
+    __slots__ = ("_candidate_ids", "_expert_ids", "_gate_weights", "_kept", "_retained_weight_sums", "budget_counts",
+                 "budgets", "capacity_dropped")  # fmt: skip
+    budgets: torch.Tensor
+    capacity_dropped: torch.Tensor | None
+    budget_counts: np.ndarray | None
+    _candidate_ids: torch.Tensor | None
+    _kept: torch.Tensor | None
+    _gate_weights: torch.Tensor | None
+    _expert_ids: torch.Tensor | None
+    _retained_weight_sums: torch.Tensor | None
 
     def __init__(
         self,
@@ -142,15 +143,24 @@ class RoutingRecord:
     def expert_ids(self) -> torch.Tensor:
         """LongTensor [T, b]: the candidate ids, −1 beyond κ_t (computed at the first read)."""
         if self._expert_ids is None:
-            object.__setattr__(self, "_expert_ids", torch.where(self._kept, self._candidate_ids, -1))
+            candidate_ids, kept = self._forward_slots()
+            object.__setattr__(self, "_expert_ids", torch.where(kept, candidate_ids, -1))
+        assert self._expert_ids is not None  # set just now, or a read-form record's own
         return self._expert_ids
 
     @property
     def retained_weight_sums(self) -> torch.Tensor:
         """Tensor [T]: Σ of the kept gate weights (computed at the first read)."""
         if self._retained_weight_sums is None:
+            assert self._gate_weights is not None  # a record holds one of the two
             object.__setattr__(self, "_retained_weight_sums", self._gate_weights.sum(dim=-1))
+        assert self._retained_weight_sums is not None
         return self._retained_weight_sums
+
+    def _forward_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(candidate ids [T, b], kept [T, b]) of a record a forward made (:meth:`of_forward`)."""
+        assert self._candidate_ids is not None and self._kept is not None, "a read-form record has no slots"
+        return self._candidate_ids, self._kept
 
     def __repr__(self) -> str:
         return f"RoutingRecord(tokens={self.budgets.numel()}, width={self.expert_ids.shape[-1]})"
@@ -159,16 +169,10 @@ class RoutingRecord:
         """Records with one key stack into one [L, T, b] batch (:func:`stacked_records`): T, b, the
         device, whether the record holds the forward's own tensors or its read forms, and whether
         the host has its κ histogram."""
-        ids = self._candidate_ids if self._kept is not None else self.expert_ids
+        ids = self._forward_slots()[0] if self._kept is not None else self.expert_ids
         weights = self._gate_weights if self._gate_weights is not None else self.retained_weight_sums
-        return (
-            tuple(ids.shape),
-            ids.device,
-            self._kept is not None,
-            self._gate_weights is not None,
-            weights.dtype,
-            self.budget_counts is not None,
-        )
+        forward_form = (self._kept is not None, self._gate_weights is not None)
+        return (tuple(ids.shape), ids.device, *forward_form, weights.dtype, self.budget_counts is not None)
 
 
 def stacked_records(
@@ -183,14 +187,16 @@ def stacked_records(
     first = records[0]
     budgets = torch.stack([record.budgets for record in records]) if with_budgets else None
     if first._kept is not None:
-        ids = torch.stack([record._candidate_ids for record in records])
-        selected = torch.stack([record._kept for record in records])
+        slots = [record._forward_slots() for record in records]
+        ids = torch.stack([candidate_ids for candidate_ids, _ in slots])
+        selected = torch.stack([kept for _, kept in slots])
     else:
         ids = torch.stack([record.expert_ids for record in records])
         selected = ids >= 0
         ids = ids.clamp(min=0)  # a valid expert under every unselected slot, as the candidates are
-    if first._gate_weights is not None:
-        sums = torch.stack([record._gate_weights for record in records]).sum(dim=-1)
+    gate_weights = [record._gate_weights for record in records]
+    if all(weights is not None for weights in gate_weights):
+        sums = torch.stack([weights for weights in gate_weights if weights is not None]).sum(dim=-1)
     else:
         sums = torch.stack([record.retained_weight_sums for record in records])
     return budgets, ids, selected, sums
@@ -198,7 +204,7 @@ def stacked_records(
 
 def _restore_record(*values: Any) -> RoutingRecord:
     record = RoutingRecord.__new__(RoutingRecord)
-    record._set(**dict(zip(RoutingRecord.__slots__, values)))
+    record._set(**dict(zip(RoutingRecord.__slots__, values, strict=True)))
     return record
 
 

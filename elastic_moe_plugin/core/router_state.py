@@ -15,6 +15,7 @@ and :mod:`elastic_moe_plugin.core.metrics` into logged scalars, only when a logg
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -28,17 +29,25 @@ from elastic_moe_plugin.core.routing import Routing, RoutingRule
 STATE_ATTR = "_elastic_state"
 
 
+@dataclasses.dataclass(frozen=True)
+class ElasticPath:
+    """How an elastic router routes in training, all of it resolved: its plan, the routing rule
+    the plan routes with, where its κ stream lives and this rank's token shard."""
+
+    plan: LayerPlan
+    rule: RoutingRule
+    stream: StreamHome
+    shard: int
+
+
 class RouterState:
     """What one router keeps between forwards.
 
     Attributes:
-        generation: the patch generation the plan was resolved for (None: not resolved yet).
-        plan: the training plan, or None for a router that routes stock top-k (eval aside).
-        rule: the routing rule the plan routes with (None with no plan).
-        options: the door's reading of the router's own routing options when the plan was
+        generation: the patch generation the state was resolved for (None: not resolved yet).
+        path: the router's :class:`ElasticPath`, or None where it routes stock top-k (eval aside).
+        options: the door's reading of the router's own routing options when the state was
             resolved; a door that must follow options changed on a built router compares them.
-        stream: where κ's stream lives for this router (:class:`~.budget_stream.StreamHome`).
-        shard: this rank's token shard (None: not known yet).
         layer_index: the 0-based decoder-layer index, where the door tags it (transformers).
         tensor_parallel_group: the group whose ranks share this router's tokens (transformers).
         latest_draw: the :class:`~.budget_stream.BudgetDraw` of the latest forward (a recompute
@@ -51,28 +60,13 @@ class RouterState:
             tensor for κ the device computed.
     """
 
-    __slots__ = (
-        "generation",
-        "histogram",
-        "latest_draw",
-        "layer_index",
-        "options",
-        "plan",
-        "record",
-        "routed",
-        "rule",
-        "shard",
-        "stream",
-        "tensor_parallel_group",
-    )
+    __slots__ = ("generation", "histogram", "latest_draw", "layer_index", "options", "path", "record", "routed",
+                 "tensor_parallel_group")  # fmt: skip
 
     def __init__(self) -> None:
         self.generation: Any = None
-        self.plan: LayerPlan | None = None
-        self.rule: RoutingRule | None = None
+        self.path: ElasticPath | None = None
         self.options: Any = None
-        self.stream: StreamHome | None = None
-        self.shard: int | None = None
         self.layer_index: int | None = None
         self.tensor_parallel_group: Any = None
         self.latest_draw: BudgetDraw | None = None
@@ -80,22 +74,20 @@ class RouterState:
         self.record: Any = None
         self.histogram: HostHistogram | torch.Tensor | None = None
 
-    def resolved(
-        self,
-        generation: Any,
-        plan: LayerPlan | None,
-        rule: RoutingRule | None,
-        options: Any = None,
-        stream: StreamHome | None = None,
-    ) -> RouterState:
-        """Set the plan resolved for ``generation`` (returns the state)."""
-        self.generation, self.plan, self.rule, self.options, self.stream = generation, plan, rule, options, stream
+    @property
+    def plan(self) -> LayerPlan | None:
+        """The training plan, None for a router that routes stock top-k."""
+        return None if self.path is None else self.path.plan
+
+    def resolved(self, generation: Any, path: ElasticPath | None, options: Any = None) -> RouterState:
+        """Set what was resolved for ``generation`` (returns the state)."""
+        self.generation, self.path, self.options = generation, path, options
         return self
 
-    def draw(self, num_tokens: int, device: torch.device) -> BudgetDraw:
+    def draw(self, path: ElasticPath, num_tokens: int, device: torch.device) -> BudgetDraw:
         """κ [T] of this router's forward: one draw of its stream on its shard, kept as the latest."""
-        plan = self.plan
-        drawn = self.stream.draw(plan.schedule, plan.sampling, self.shard or 0, num_tokens, device)
+        plan = path.plan
+        drawn = path.stream.draw(plan.schedule, plan.sampling, path.shard, num_tokens, device)
         self.latest_draw = drawn
         return drawn
 
@@ -192,4 +184,4 @@ class HostHistogram:
 
 _PENDING_FOLD = 256
 
-__all__ = ["STATE_ATTR", "HostHistogram", "RouterState", "ensure_state", "state_of"]
+__all__ = ["STATE_ATTR", "ElasticPath", "HostHistogram", "RouterState", "ensure_state", "state_of"]

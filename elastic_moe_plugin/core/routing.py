@@ -133,16 +133,6 @@ class RoutingRule:
         """The gate convention of ``docs/gates.md`` the rule's normalisation implements."""
         return GATE_CONVENTIONS[self.normalization]
 
-    def describe(self) -> str:
-        """One line for plan lines and docs, e.g. ``top-k on sigmoid scores, 4 of 8 groups, kept_sum weights, × 2.5``."""
-        parts = [f"top-k on {'logits' if self.select_on == 'logits' else self.score_function + ' scores'}"]
-        if self.groups_kept:
-            parts.append(f"{self.groups_kept} of {self.num_groups} groups")
-        parts.append(f"{self.normalization} weights")
-        if self.scaling_factor:
-            parts.append(f"× {self.scaling_factor:g}")
-        return ", ".join(parts)
-
 
 class Routing(NamedTuple):
     """One routing call's result (shapes: T tokens, b slots).
@@ -234,33 +224,40 @@ def select(
     else their fp32 scores (unbiased: a selection bias only ranks). Taken from the top-b values
     themselves when the rule ranks by what it weighs, else gathered.
     """
-    reads_scores = rule.select_on == "scores" or rule.normalization != "kept_softmax"
-    scores = None
-    if reads_scores:
-        softmax_given = probabilities is not None and rule.score_function == "softmax"
-        scores = probabilities if softmax_given else score(logits, rule.score_function, rule.score_dtype)
+    if rule.select_on == "logits" and rule.normalization == "kept_softmax":  # ranks and weighs the logits
+        top, ids = _top(logits, rule, width)
+        return ids, top
+    if probabilities is not None and rule.score_function == "softmax":
+        scores = probabilities
+    else:
+        scores = score(logits, rule.score_function, rule.score_dtype)
     if rule.select_on == "logits":
         selection = logits
     else:
         selection = scores if selection_bias is None else scores + selection_bias.to(rule.score_dtype)
-    if rule.groups_kept:
-        top, ids = _group_limited_topk(selection, rule, width)
-    else:
-        top, ids = torch.topk(selection, k=width, dim=1, sorted=True)
+    top, ids = _top(selection, rule, width)
     if rule.normalization == "kept_softmax":
-        return ids, (top if selection is logits else torch.gather(logits, 1, ids))
+        return ids, torch.gather(logits, 1, ids)
     return ids, (top if selection is scores else torch.gather(scores, 1, ids))
 
 
-def _group_limited_topk(selection: torch.Tensor, rule: RoutingRule, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _top(selection: torch.Tensor, rule: RoutingRule, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-b of ``selection`` [T, E], sorted by rank: among every expert, or inside the kept groups."""
+    if rule.num_groups and rule.groups_kept and rule.group_score_topk:
+        return _group_limited_topk(selection, width, rule.num_groups, rule.groups_kept, rule.group_score_topk)
+    return torch.topk(selection, k=width, dim=1, sorted=True)
+
+
+def _group_limited_topk(
+    selection: torch.Tensor, width: int, groups: int, groups_kept: int, group_score_topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-b inside the groups the rule keeps: each of G groups of E / G experts is scored by the
     sum of its top ``group_score_topk`` selection values, the best ``groups_kept`` groups stay, the
     rest are masked to −inf (the same ops as Megatron's ``group_limited_topk``). Only the final top
     widens to b, so κ = k routes exactly as the framework's top-k."""
     num_tokens, num_experts = selection.shape
-    groups = rule.num_groups
-    group_scores = selection.view(num_tokens, groups, -1).topk(rule.group_score_topk, dim=-1)[0].sum(dim=-1)
-    group_ids = torch.topk(group_scores, k=rule.groups_kept, dim=-1, sorted=False)[1]
+    group_scores = selection.view(num_tokens, groups, -1).topk(group_score_topk, dim=-1)[0].sum(dim=-1)
+    group_ids = torch.topk(group_scores, k=groups_kept, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
     expert_mask = group_mask.unsqueeze(-1).expand(num_tokens, groups, num_experts // groups).reshape(num_tokens, -1)
     return torch.topk(selection.masked_fill(~expert_mask.bool(), float("-inf")), k=width, dim=-1)

@@ -171,18 +171,18 @@ class BudgetSchedule:
     @property
     def mean(self) -> float:
         """E[κ] = Σ_r r·q(r)."""
-        return math.fsum(r * q for r, q in zip(self.budgets, self.pmf))
+        return math.fsum(r * q for r, q in zip(self.budgets, self.pmf, strict=True))
 
     @property
     def mean_abs_deviation(self) -> float:
         """E|κ - center|."""
-        return math.fsum(abs(r - self.center) * q for r, q in zip(self.budgets, self.pmf))
+        return math.fsum(abs(r - self.center) * q for r, q in zip(self.budgets, self.pmf, strict=True))
 
     @property
     def std(self) -> float:
         """SD(κ)."""
         mean = self.mean
-        return math.sqrt(math.fsum((r - mean) ** 2 * q for r, q in zip(self.budgets, self.pmf)))
+        return math.sqrt(math.fsum((r - mean) ** 2 * q for r, q in zip(self.budgets, self.pmf, strict=True)))
 
     @property
     def off_center_share(self) -> float:
@@ -327,7 +327,7 @@ def _balanced_counts_cached(
 ) -> tuple[tuple[int, int], ...]:
     offsets = range(1, center - low + 1)
     expected = {d: num_tokens * pmf[center + d - low] for d in offsets}
-    per_side = {d: int(math.floor(expected[d] + 0.5)) for d in offsets}
+    per_side = {d: math.floor(expected[d] + 0.5) for d in offsets}
     # Overfill only happens for T smaller than the support; undo the largest round-ups first.
     by_round_up = sorted(offsets, key=lambda d: per_side[d] - expected[d], reverse=True)
     for d in by_round_up:

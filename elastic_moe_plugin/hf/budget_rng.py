@@ -42,10 +42,11 @@ from typing import Any
 
 import torch
 
-from elastic_moe_plugin.core.budget_stream import BudgetDraw, ProcessStream
+from elastic_moe_plugin.core.budget_stream import BudgetDraw, BudgetStream, ProcessStream
 from elastic_moe_plugin.core.patching import PATCH_MARKER, AttributePatches, unwrap
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.router_state import RouterState, ensure_state
+from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
@@ -63,7 +64,7 @@ def current_stream():
 def reseed(seed: int) -> None:
     """Reset the stream to ``(BUDGET_SEED_OFFSET + seed, 0)`` (what ``torch.manual_seed(seed)`` does
     while the patch is applied)."""
-    STREAM.reseed(seed)
+    STREAM.replace(BudgetStream.seeded(BUDGET_SEED_OFFSET + int(seed)))
 
 
 def token_shard(router: torch.nn.Module) -> tuple[int, int]:
@@ -145,9 +146,8 @@ def replayed_draw(router: torch.nn.Module, state: RouterState, num_tokens: int, 
         RuntimeError: the latest draw is of another token count or device (or there is none).
     """
     latest = state.latest_draw
-    budgets = None if latest is None else latest.budgets
-    if budgets is None or budgets.numel() != num_tokens or budgets.device != torch.device(device):
-        found = "none" if budgets is None else f"{budgets.numel()} tokens on {budgets.device}"
+    if latest is None or latest.budgets.numel() != num_tokens or latest.budgets.device != torch.device(device):
+        found = "none" if latest is None else f"{latest.budgets.numel()} tokens on {latest.budgets.device}"
         raise RuntimeError(
             f"elastic-moe: a gradient-checkpointing recompute of {type(router).__name__} routes {num_tokens} tokens "
             f"on {device}, but the router's latest forward drew κ for {found}. The recompute replays the κ of "
@@ -159,17 +159,22 @@ def replayed_draw(router: torch.nn.Module, state: RouterState, num_tokens: int, 
 
 def state_dict() -> dict[str, int]:
     """``{"seed": int, "counter": int}``: the stream of the next draw."""
-    return STREAM.state_dict()
+    stream = STREAM.load()
+    return {"seed": stream.seed, "counter": stream.counter}
 
 
 def load_state_dict(state: dict[str, Any]) -> None:
     """Restore :func:`state_dict`'s stream; an empty dict forgets it (the next draw seeds from
     ``torch.initial_seed()``). A state of the plugin's earlier generator-per-device format is
     ignored with a warning: the stream then starts afresh."""
-    if not STREAM.load_state_dict(state):
+    if state and "seed" in state and "counter" in state:
+        STREAM.replace(BudgetStream(int(state["seed"]), int(state["counter"])))
+        return
+    STREAM.replace(None)
+    if state:
         logger.warning(
-            "elastic-moe: the saved κ state (keys %s) predates the counter-based stream; κ's stream "
-            "starts afresh from torch.initial_seed().",
+            "elastic-moe: the saved κ state (keys %s) predates the counter-based stream; κ's stream starts afresh "
+            "from torch.initial_seed().",
             sorted(state),
         )
 

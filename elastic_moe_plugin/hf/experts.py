@@ -66,7 +66,7 @@ from elastic_moe_plugin.hf.routing import KeptSlots, kept_slots, mark_kept_slots
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
 
-_warned_implementations: set[str] = set()
+_warned_implementations: set[str | None] = set()
 
 
 # ------------------------------------------------------------------------------ the patched forward

@@ -173,8 +173,9 @@ def covered_router_classes() -> dict[type, RouterFamily]:
     return classes
 
 
-def covered_routers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, RouterFamily]]:
-    """``(qualified name, router, family)`` of every covered router in ``model``, in module order."""
+def covered_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFamily]]:
+    """``(qualified name, router, family)`` of every covered router in ``model``, in module order (the
+    router typed ``Any``: its attributes are its family's, ``top_k``, ``num_experts``, ...)."""
     classes = covered_router_classes()
     for name, module in model.named_modules():
         family = classes.get(type(module))

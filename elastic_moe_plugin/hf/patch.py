@@ -41,7 +41,7 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -240,7 +240,7 @@ def gate_for(router: torch.nn.Module, family: RouterFamily, config: ElasticConfi
     return "renormalized"
 
 
-def validate_router(router: torch.nn.Module, config: ElasticConfig, *, num_layers: int | None = None) -> BudgetSchedule:
+def validate_router(router: Any, config: ElasticConfig, *, num_layers: int | None = None) -> BudgetSchedule:
     """Check ``config`` against one router (top-k, expert count, layer count) and return its schedule.
 
     Raises:
@@ -273,16 +273,16 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
         return None
     gate = gate_for(router, family, config)
     warn_if_top1_gate_is_constant(schedule, gate, f"{family.name} routers")
-    top_p = {}
-    if config.mode == "top_p":
-        top_p = {"top_p": config.top_p, "top_p_width": config.top_p_max_experts or int(router.num_experts)}
+    top_p = config.top_p if config.mode == "top_p" else None
+    width = (config.top_p_max_experts or int(router.num_experts)) if top_p is not None else None
     return LayerPlan(
         schedule=schedule,
         gate=gate,
         sampling=config.sampling,
         layer_index=layer_index,
+        top_p=top_p,
+        top_p_width=width,
         cast_weights_to_logits=family.casts_weights,
-        **top_p,
     )
 
 
@@ -291,7 +291,9 @@ def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], di
     router of ``model`` under the active config, resolved as the router's first training forward
     resolves it (:func:`resolve_plan`; nothing is cached); ``({}, {})`` when no config is active
     or it is disabled. Layer indices as :mod:`.records` keys them."""
-    config = _PATCH.active_config()
+    config = _PATCH.config
+    if config is None:
+        return {}, {}
     families = covered_router_classes()
     return core_records.model_plans(
         router_sites(model), config, lambda site: resolve_plan(site.router, families[type(site.router)], config)
@@ -348,5 +350,6 @@ def validate_model(model: torch.nn.Module, config: ElasticConfig) -> None:
         num_layers: Any = None
         parent_name = name.rsplit(".mlp.gate", 1)[0].rpartition(".")[0]
         with contextlib.suppress(AttributeError):
-            num_layers = len(model.get_submodule(parent_name)) if parent_name else None
+            layers = model.get_submodule(parent_name) if parent_name else None
+            num_layers = len(layers) if isinstance(layers, Sized) else None
         validate_router(router, config, num_layers=num_layers)

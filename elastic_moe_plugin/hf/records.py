@@ -53,7 +53,8 @@ def static_layers(model: torch.nn.Module) -> dict[int, int]:
 
 
 def routing_metrics(model: torch.nn.Module) -> dict[str, float]:
-    """Scalars for a trainer's logs from the records and κ histograms (one device read for all layers; top-p κ histograms one more each).
+    """Scalars for a trainer's logs from the records and κ histograms (one device read for all
+    layers; top-p κ histograms one more each).
 
     ``{"elastic_moe/layer_<i>/<name>": ..., "elastic_moe/<name>": ...}`` as computed by
     :func:`elastic_moe_plugin.core.metrics.routing_metrics` (mean κ, κ shares, exposure per rank,

@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from elastic_moe_plugin.core.budget_stream import to_device
 from elastic_moe_plugin.core.plan import LayerPlan
-from elastic_moe_plugin.core.router_state import STATE_ATTR, RouterState, ensure_state
+from elastic_moe_plugin.core.router_state import STATE_ATTR, ElasticPath, RouterState, ensure_state
 from elastic_moe_plugin.core.routing import RoutingRule, balancing_scores, route, score
 from elastic_moe_plugin.hf import budget_rng
 
@@ -89,9 +89,9 @@ def patched_forward(
         state = self.__dict__.get(STATE_ATTR)
         if state is None or state.generation != generation:
             state = resolve_state(self, resolve_plan(self, family, config), generation)
-        if state.plan is None:
+        if state.path is None:
             return original(self, hidden_states)
-        return _elastic_forward(self, state, hidden_states)
+        return _elastic_forward(self, state, state.path, hidden_states)
 
     return forward
 
@@ -100,8 +100,10 @@ def resolve_state(router: torch.nn.Module, plan: LayerPlan | None, generation: A
     """The router's state with ``plan`` for ``generation``: its rule, the process's κ stream and
     the router's token shard (:func:`.budget_rng.token_shard`)."""
     state = ensure_state(router)
-    state.shard = budget_rng.token_shard(router)[1] if plan is not None else None
-    return state.resolved(generation, plan, routing_rule(plan) if plan is not None else None, stream=budget_rng.STREAM)
+    if plan is None:
+        return state.resolved(generation, None)
+    path = ElasticPath(plan, routing_rule(plan), budget_rng.STREAM, budget_rng.token_shard(router)[1])
+    return state.resolved(generation, path)
 
 
 def elastic_routing(
@@ -121,33 +123,36 @@ def elastic_routing(
         carries κ on the host for the experts (:func:`mark_kept_slots`).
     """
     state = ensure_state(router)
-    if state.plan is not plan:
+    if state.path is None or state.path.plan is not plan:
         resolve_state(router, plan, state.generation)
-    return _elastic_forward(router, state, hidden_states, budgets)
+    assert state.path is not None  # resolved just now with a plan
+    return _elastic_forward(router, state, state.path, hidden_states, budgets)
 
 
 def _elastic_forward(
-    router: torch.nn.Module, state: RouterState, hidden_states: torch.Tensor, budgets: torch.Tensor | None = None
+    router: Any,
+    state: RouterState,
+    path: ElasticPath,
+    hidden_states: torch.Tensor,
+    budgets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = state.plan
+    plan = path.plan
     router_logits = F.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)  # (1) as stock
     recompute = _in_backward()
     host_budgets = host_counts = probabilities = None
     if budgets is None and plan.top_p is None:  # (2) κ's own stream, on the host
         num_tokens, device = router_logits.shape[0], router_logits.device
         drawn = (
-            budget_rng.replayed_draw(router, state, num_tokens, device) if recompute else state.draw(num_tokens, device)
+            budget_rng.replayed_draw(router, state, num_tokens, device)
+            if recompute
+            else state.draw(path, num_tokens, device)
         )
         budgets, host_budgets, host_counts = drawn.budgets, drawn.host_budgets, drawn.counts
     elif budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass
         probabilities = score(router_logits, "softmax")  # p in fp32: the scores and top-p's κ
+    # (3)-(4)
     routing = route(
-        router_logits,
-        state.rule,
-        plan.width,
-        budgets=budgets,
-        top_p=plan.top_p,  # (3)-(4)
-        probabilities=probabilities,
+        router_logits, path.rule, plan.width, budgets=budgets, top_p=plan.top_p, probabilities=probabilities
     )
     if host_budgets is None:
         # κ was computed on the device (top-p mode) or given (tests): the experts size their work
@@ -211,7 +216,7 @@ def realised_load_balancing_loss(
     if attention_mask is not None:
         flat_mask = attention_mask.reshape(-1).to(device=compute_device, dtype=torch.float32)
 
-    for layer_gate, entry in zip(gate_logits, dispatched):
+    for layer_gate, entry in zip(gate_logits, dispatched, strict=True):
         # Stock P: softmax in the logits' dtype, then fp32 sums (kept identical to transformers).
         layer_gate = layer_gate.to(compute_device)
         routing_weights = balancing_scores(layer_gate, "softmax", layer_gate.dtype)

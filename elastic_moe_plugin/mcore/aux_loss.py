@@ -298,11 +298,11 @@ def _realised_token_counts(routing_map: torch.Tensor, group, padding_mask: torch
 
     local_counts = routing_map.sum(dim=0)
     if padding_mask is None:
-        local_tokens = routing_map.shape[0]
-        return reduce_from_tensor_model_parallel_region(local_counts, group), local_tokens, local_tokens * group.size()
-    local_tokens = (~padding_mask).sum()
-    packed = reduce_from_tensor_model_parallel_region(torch.cat([local_counts, local_tokens.view(1)]), group)
-    return packed[:-1], local_tokens, packed[-1]
+        num_tokens = routing_map.shape[0]
+        return reduce_from_tensor_model_parallel_region(local_counts, group), num_tokens, num_tokens * group.size()
+    valid_tokens = (~padding_mask).sum()
+    packed = reduce_from_tensor_model_parallel_region(torch.cat([local_counts, valid_tokens.view(1)]), group)
+    return packed[:-1], valid_tokens, packed[-1]
 
 
 def _attach_kwargs(router, needs_dp_avg: bool) -> dict[str, bool]:

@@ -12,6 +12,7 @@ are left out (:func:`is_mtp_router`); they always route stock top-k.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ def model_chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[tor
     return chunks
 
 
-def is_mtp_router(router: torch.nn.Module) -> bool:
+def is_mtp_router(router: Any) -> bool:
     """Whether ``router`` routes a multi-token-prediction layer: ``is_mtp_layer`` (megatron-core
     0.17+), or a layer number past the decoder (0.16 numbers MTP layers ``num_layers + i`` and has
     no flag on the router)."""

@@ -22,7 +22,7 @@ import torch
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.plan import LayerPlan
-from elastic_moe_plugin.core.router_state import STATE_ATTR, RouterState, ensure_state
+from elastic_moe_plugin.core.router_state import STATE_ATTR, ElasticPath, RouterState, ensure_state
 from elastic_moe_plugin.core.routing import SIGMOID_EPS, RoutingRule, route, score, select
 from elastic_moe_plugin.mcore import budget_rng
 from elastic_moe_plugin.mcore.aux_loss import apply_realised_aux_losses, realised_assignments
@@ -179,21 +179,18 @@ def token_shard(router) -> tuple[int, int]:
     return group.size() // tp_size, start // tp_size
 
 
-def resolve_state(router, plan: LayerPlan | None, generation: Any, options: Any = None) -> RouterState:
+def resolve_state(router: Any, plan: LayerPlan | None, generation: Any, options: Any = None) -> RouterState:
     """The router's state with ``plan`` for ``generation``: its rule (:func:`router_rule`), κ's
-    stream in Megatron's RNG tracker (:mod:`.budget_rng`) and the router's token shard (process
-    groups are fixed for a router's life)."""
+    stream in Megatron's RNG tracker (:mod:`.budget_rng`) and the router's token shard."""
     state = ensure_state(router)
     if plan is None:
-        return state.resolved(generation, None, None, options)
-    rule = router_rule(router, plan)
-    if state.shard is None:
-        state.shard = token_shard(router)[1]
-    return state.resolved(generation, plan, rule, options, budget_rng.STREAM)
+        return state.resolved(generation, None, options)
+    path = ElasticPath(plan, router_rule(router, plan), budget_rng.STREAM, token_shard(router)[1])
+    return state.resolved(generation, path, options)
 
 
 def training_state(
-    router, config: ElasticConfig, generation: Any, resolve_plan: Callable[[Any, ElasticConfig], LayerPlan | None]
+    router: Any, config: ElasticConfig, generation: Any, resolve_plan: Callable[[Any, ElasticConfig], LayerPlan | None]
 ) -> RouterState | None:
     """The state of this forward, or None when the stock path must run (eval mode, a disabled
     config, a plan of None: an MTP layer, a static schedule, a layer outside ``layers``)."""
@@ -203,29 +200,29 @@ def training_state(
     options = router_options(router)
     if state is None or state.generation != generation or state.options != options:
         state = resolve_state(router, resolve_plan(router, config), generation, options)
-    return state if state.plan is not None else None
+    return state if state.path is not None else None
 
 
 def patched_routing(
     original: Callable, lifecycle: Any, resolve_plan: Callable[[Any, ElasticConfig], LayerPlan | None]
 ) -> Callable:
     """The replacement of ``TopKRouter.routing``: :func:`elastic_forward` where the router's state
-    has a plan (:func:`training_state`), else the original, bit for bit stock."""
+    has an elastic path (:func:`training_state`), else the original, bit for bit stock."""
 
     @functools.wraps(original)
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         generation = lifecycle.generation  # before the config: an apply writes the config first
         config = lifecycle.config
         state = training_state(self, config, generation, resolve_plan) if config is not None else None
-        if state is None:
+        if state is None or state.path is None:
             return original(self, logits, padding_mask=padding_mask)
-        return elastic_forward(self, state, logits, padding_mask)
+        return elastic_forward(self, state, state.path, logits, padding_mask)
 
     return routing
 
 
 # ---------------------------------------------------------------------------------- the forward
-def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+def elastic_routing(router: Any, plan: LayerPlan, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
     """Elastic replacement of ``TopKRouter.routing`` for one training forward under ``plan``, for a
     caller that holds a plan (the patched method resolves its own); :func:`elastic_forward`.
 
@@ -233,12 +230,15 @@ def elastic_routing(router, plan: LayerPlan, logits: torch.Tensor, padding_mask:
         UnsupportedMegatronError: ``plan.gate`` does not fit ``router.score_function``.
     """
     state = ensure_state(router)
-    if state.plan is not plan:
+    if state.path is None or state.path.plan is not plan:
         resolve_state(router, plan, state.generation, state.options)
-    return elastic_forward(router, state, logits, padding_mask)
+    assert state.path is not None  # resolved just now with a plan
+    return elastic_forward(router, state, state.path, logits, padding_mask)
 
 
-def elastic_forward(router, state: RouterState, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+def elastic_forward(
+    router: Any, state: RouterState, path: ElasticPath, logits: torch.Tensor, padding_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One elastic training forward of ``router`` (steps 2-7 of :mod:`elastic_moe_plugin.mcore`).
 
     Args:
@@ -252,30 +252,19 @@ def elastic_forward(router, state: RouterState, logits: torch.Tensor, padding_ma
         ``get_capacity(T·k, E, cf)`` True entries, as stock (drop-and-pad: exactly that many when
         it is at most T). The map carries the dispatch tag (:func:`mark_elastic`).
     """
-    plan, model = state.plan, router.config
+    plan, model = path.plan, router.config
     seq_length, bsz = (logits.shape[0], logits.shape[1]) if logits.dim() == 3 else (logits.shape[0], 1)
     logits = logits.view(-1, model.num_moe_experts)
     if padding_mask is not None:
         padding_mask = padding_mask.reshape(-1)
     logits = router.apply_z_loss(logits, padding_mask=padding_mask)
     with_aux_loss = router.training and torch.is_grad_enabled() and router.is_aux_loss_enabled()
-    probabilities, selection_reads_them, host_total, host_counts = None, False, None, None
-    if plan.top_p is None:
-        drawn = state.draw(logits.shape[0], logits.device)
-        budgets, host_total, host_counts = drawn.budgets, drawn.total, drawn.counts
-    else:
-        budgets = None
-        # Top-p reads p = softmax(z) [T, E] (fp32): computed once, here, and shared with whichever of
-        # selection or aux loss also needs it. Never with both: the two would then backpropagate
-        # through one softmax node, summing their gradients before it rather than after, which
-        # rounds differently. Top-p itself reads it detached.
-        selection_reads_them = model.moe_router_pre_softmax or plan.gate == "full_softmax"
-        with contextlib.nullcontext() if selection_reads_them or with_aux_loss else torch.no_grad():
-            probabilities = score(logits, "softmax")
-    bias = router.expert_bias if state.rule.score_function != "softmax" else None
+    drawn, probabilities, selection_reads_them = _budgets(router, state, path, logits, with_aux_loss)
+    bias = router.expert_bias if path.rule.score_function != "softmax" else None
+    budgets = None if drawn is None else drawn.budgets
     routing = route(
         logits,
-        state.rule,
+        path.rule,
         plan.width,
         budgets=budgets,
         top_p=plan.top_p,
@@ -284,7 +273,9 @@ def elastic_forward(router, state: RouterState, logits: torch.Tensor, padding_ma
     )
     probs, realised_map = _dense(routing, logits)
     probs, routing_map, capacity_dropped = _drop_over_capacity(plan, model, routing, probs, realised_map)
+    host_total = None if drawn is None else drawn.total
     if with_aux_loss:  # on the realised assignments, before capacity drops
+        shared = None if selection_reads_them else probabilities
         assignments = realised_assignments(
             router,
             plan,
@@ -293,16 +284,31 @@ def elastic_forward(router, state: RouterState, logits: torch.Tensor, padding_ma
             padding_mask,
             seq_length,
             bsz,
-            probabilities=None if selection_reads_them else probabilities,
+            probabilities=shared,
             host_total=host_total,
         )
         probs = apply_realised_aux_losses(router, assignments, probs)
     router._apply_expert_bias(routing_map, padding_mask=padding_mask)
     # Counted once per real step: recompute's first pass runs without grad (as stock expert-bias counting).
-    state.remember(routing, count=torch.is_grad_enabled(), capacity_dropped=capacity_dropped, budget_counts=host_counts)
+    counts = None if drawn is None else drawn.counts
+    state.remember(routing, count=torch.is_grad_enabled(), capacity_dropped=capacity_dropped, budget_counts=counts)
     # Capacity drops leave the map with fewer entries than Σκ, which only the device counts.
     total = None if capacity_dropped is not None else host_total
     return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced", total=total)
+
+
+def _budgets(router: Any, state: RouterState, path: ElasticPath, logits: torch.Tensor, with_aux_loss: bool):
+    """``(draw, probabilities, selection_reads_them)``: κ's draw, or for ``mode="top_p"`` no draw
+    and p = softmax(z) [T, E] (fp32), computed once and shared with whichever of selection or the
+    aux loss also needs it (``selection_reads_them``: pre-softmax, or a full_softmax gate). Never
+    with both: the two would then backpropagate through one softmax node, summing their gradients
+    before it rather than after, which rounds differently. Top-p itself reads it detached."""
+    plan = path.plan
+    if plan.top_p is None:
+        return state.draw(path, logits.shape[0], logits.device), None, False
+    selection_reads_them = router.config.moe_router_pre_softmax or plan.gate == "full_softmax"
+    with contextlib.nullcontext() if selection_reads_them or with_aux_loss else torch.no_grad():
+        return None, score(logits, "softmax"), selection_reads_them
 
 
 def _dense(routing, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

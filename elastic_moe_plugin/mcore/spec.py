@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.patching import unwrap
@@ -25,8 +26,10 @@ def _stock_routing() -> Callable:
     return unwrap(router_module().TopKRouter.__dict__["routing"])
 
 
-def _elastic_router_class():
-    class ElasticTopKRouter(router_module().TopKRouter):
+def _elastic_router_class() -> type:
+    stock: Any = router_module().TopKRouter  # Megatron's class, imported on first use
+
+    class ElasticTopKRouter(stock):
         """A ``TopKRouter`` that routes elastically with its class's ``elastic_config``.
 
         Build one bound to a config with :meth:`with_config` (what :func:`elastic_router_spec`
@@ -35,7 +38,7 @@ def _elastic_router_class():
 
         elastic_config: ElasticConfig = ElasticConfig()
 
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             check_megatron_version()
             super().__init__(*args, **kwargs)
             validate_router(self, self.elastic_config)
@@ -49,9 +52,9 @@ def _elastic_router_class():
         def routing(self, logits, padding_mask=None):
             # the generation of a spec router's plan: its class's config (which never changes)
             state = training_state(self, self.elastic_config, -id(self.elastic_config), resolve_plan)
-            if state is None:
+            if state is None or state.path is None:
                 return _stock_routing()(self, logits, padding_mask=padding_mask)
-            return elastic_forward(self, state, logits, padding_mask)
+            return elastic_forward(self, state, state.path, logits, padding_mask)
 
     return ElasticTopKRouter
 

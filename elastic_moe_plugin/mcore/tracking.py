@@ -226,7 +226,10 @@ def _record(chunks: Sequence[torch.nn.Module], flat: dict[str, float], loss_scal
     layers = _layers_from_flat(flat)
     if not layers:
         return []
-    _, _, model_config = resolve_schedule(chunks)
+    resolved = resolve_schedule(chunks)
+    if resolved is None:  # routers without an elastic config log nothing of ours
+        return []
+    model_config = resolved[2]
     device = _device(*_records_and_histograms(router_sites(chunks)))
     return record_layer_table(layers, int(model_config.num_layers), device, loss_scale=loss_scale)
 
@@ -305,17 +308,8 @@ def log_routing_metrics(
     chunks = model_chunks(model)
     sites = router_sites(chunks)
     resolved = resolve_schedule(chunks)
-    elastic = patch.active_config()
-    if elastic is None:
-        elastic = next(
-            (
-                getattr(site.router, "elastic_config", None)
-                for site in sites
-                if getattr(site.router, "elastic_config", None) is not None
-            ),
-            None,
-        )
-    if resolved is None or (resolved[0].is_static and elastic.mode != "top_p"):
+    elastic = _elastic_config(sites)
+    if resolved is None or elastic is None or (resolved[0].is_static and elastic.mode != "top_p"):
         return {}  # the same answer on every rank: the config is global
     schedule, num_experts, model_config = resolved
     values = routing_metrics(chunks, include_static=False)
@@ -334,18 +328,20 @@ def log_routing_metrics(
         # leaves unchanged): the report all-reduces each name, and the other stages would wait.
         for name in names:
             megatron_tracker.ensure(name, int(model_config.num_layers), device)
-        megatron_tracker.report(
-            names,
-            iteration,
-            writer=writer,
-            wandb_writer=wandb_writer,
-            per_layer_logging=per_layer_logging,
-            num_layers=divisor,
-            pg_collection=pg_collection,
-        )
+        report = dict(writer=writer, wandb_writer=wandb_writer, per_layer_logging=per_layer_logging)
+        megatron_tracker.report(names, iteration, **report, num_layers=divisor, pg_collection=pg_collection)
     if reset_histograms:
         reset(chunks)
     return values
+
+
+def _elastic_config(sites: Sequence[core_records.RouterSite]) -> ElasticConfig | None:
+    """The active config (the monkey-patch), else the first ``ElasticTopKRouter``'s own (the explicit spec)."""
+    active = patch.active_config()
+    if active is not None:
+        return active
+    found = (getattr(site.router, "elastic_config", None) for site in sites)
+    return next((config for config in found if config is not None), None)
 
 
 __all__ = [

@@ -48,7 +48,7 @@ import functools
 import inspect
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -171,7 +171,7 @@ def _schedule(config, megatron_args) -> BudgetSchedule | None:
     return None if schedule.is_static and config.mode != "top_p" else schedule
 
 
-def reported_metrics(schedule: BudgetSchedule, megatron_args) -> list[str]:
+def reported_metrics(schedule: BudgetSchedule, megatron_args) -> Sequence[str]:
     """The metric names a logging step reports: all of ``core.metrics.metric_names`` when the run
     writes TensorBoard or W&B (``--tensorboard-dir``, ``--wandb-project``; the schedule's constants,
     ``core.metrics.SCHEDULE_CONSTANTS``, only with ``--moe-per-layer-logging``), else only

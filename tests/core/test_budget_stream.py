@@ -158,7 +158,7 @@ def _reference_draw(schedule, sampling, seed, counter, shard, tokens):
 
 def _home_draw(home, seed, counter, schedule, sampling, shard, tokens):
     """One draw of a stream home placed at (seed, counter); the home's stream after it."""
-    home.load_state_dict({"seed": seed, "counter": counter})
+    home.replace(BudgetStream(seed, counter))
     drawn = home.draw(schedule, sampling, shard, tokens, "cpu")
     return drawn, home.load()
 

@@ -15,8 +15,9 @@ from elastic_moe_plugin import BudgetSchedule, ElasticConfig
 from elastic_moe_plugin.core import metrics, plan, records, router_state
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.records import RouterSite
-from elastic_moe_plugin.core.router_state import ensure_state
-from elastic_moe_plugin.core.routing import Routing
+from elastic_moe_plugin.core.budget_stream import ProcessStream
+from elastic_moe_plugin.core.router_state import ElasticPath, ensure_state
+from elastic_moe_plugin.core.routing import Routing, RoutingRule
 
 SCHEDULE = BudgetSchedule.parse("1-3", 2)
 ELASTIC = LayerPlan(schedule=SCHEDULE, gate="renormalized", sampling="iid", layer_index=None)
@@ -30,7 +31,7 @@ def _remember(router, budgets, ids, kept, gate_weights, **keywords):
 
 def _elastic(router, budgets):
     """What an elastic training forward leaves on ``router``: its plan, what it routed, κ counted."""
-    ensure_state(router).resolved("generation", ELASTIC, None)
+    ensure_state(router).resolved("generation", ElasticPath(ELASTIC, RoutingRule(), ProcessStream(lambda: 0), 0))
     width = SCHEDULE.high
     ids = torch.arange(width).repeat(len(budgets), 1)
     kept = torch.arange(width).unsqueeze(0) < torch.tensor(budgets).unsqueeze(1)
@@ -38,7 +39,7 @@ def _elastic(router, budgets):
 
 
 def _static(router):
-    ensure_state(router).resolved("generation", None, None)  # a stock top-k forward resolves the None plan
+    ensure_state(router).resolved("generation", None)  # a stock top-k forward resolves no elastic path
 
 
 def _sites(*layer_indices):
