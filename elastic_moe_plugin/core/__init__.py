@@ -15,7 +15,8 @@ The routing path (what a training forward of a patched router runs):
 Around it:
 
 - :mod:`~elastic_moe_plugin.core.config`: ``ElasticConfig``, the one validated source of settings,
-  with its checks (:mod:`~elastic_moe_plugin.core.config_checks`, worded by
+  with its checks (:mod:`~elastic_moe_plugin.core.config_checks`, the layer checks in
+  :mod:`~elastic_moe_plugin.core.config_layer_checks`, worded by
   :mod:`~elastic_moe_plugin.core.config_refusals`), its readers of YAML, variables and flags
   (:mod:`~elastic_moe_plugin.core.config_sources`) and the words they share
   (:mod:`~elastic_moe_plugin.core.config_values`).
