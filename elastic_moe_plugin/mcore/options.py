@@ -341,24 +341,13 @@ def check_model_options(
         ConfigError: the schedule or layers do not fit the model.
         UnsupportedMegatronError: every option that cannot route per-token budgets, in one message.
     """
-    schedule = config.resolve(
-        num_experts=model.num_moe_experts,
-        topk=model.moe_router_topk,
-        num_layers=_model_num_layers(model) if num_layers is None else num_layers,
-    )
+    layers = _model_num_layers(model) if num_layers is None else num_layers
+    schedule = config.resolve(num_experts=model.num_moe_experts, topk=model.moe_router_topk, num_layers=layers)
     top_p = config.mode == "top_p"
     if schedule.is_static and not top_p:
         return None
-    checked = Checked(
-        model,
-        config,
-        score_function,
-        routing_type,
-        router_class,
-        options,
-        top_p,
-        width=top_p_width(model, config) if top_p else schedule.high,
-    )
+    width = top_p_width(model, config) if top_p else schedule.high
+    checked = Checked(model, config, score_function, routing_type, router_class, options, top_p, width)
     problems = [rule.message(checked) for rule in RULES if rule.refuses(checked)]
     if problems:
         what = f"mode='top_p' (p={config.top_p})" if top_p else f"schedule {schedule.describe()}"

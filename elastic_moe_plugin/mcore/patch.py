@@ -155,7 +155,6 @@ def validate_router(router, config: ElasticConfig) -> None:
         warn_if_top1_gate_is_constant(schedule, gate_for(router, config), f"layers {config.layers or 'all MoE layers'}")
 
 
-
 def gate_for(router, config: ElasticConfig) -> str:
     """The weighing rule (``LayerPlan.gate``) of ``router`` under ``config``, for the router's score
     function now (``router.score_function``: what stock routes with; the config's
