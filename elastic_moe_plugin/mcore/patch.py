@@ -30,16 +30,16 @@ import contextlib
 import functools
 import logging
 import weakref
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from packaging.version import Version
 
+from elastic_moe_plugin.core import plan as core_plan
+from elastic_moe_plugin.core import records as core_records
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError, UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
-from elastic_moe_plugin.core import plan as core_plan
-from elastic_moe_plugin.core import records as core_records
 from elastic_moe_plugin.core.plan import LayerPlan, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.mcore import budget_rng, dispatch
 from elastic_moe_plugin.mcore.options import check_model_options
@@ -49,9 +49,15 @@ from elastic_moe_plugin.mcore.routing import patched_routing
 
 logger = logging.getLogger("elastic_moe_plugin.mcore")
 
-VERSION_GUARD = VersionGuard("megatron-core", Version("0.16"), Version("0.20"),
-                             "ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE", UnsupportedMegatronError, extra="megatron",
-                             module="megatron.core")
+VERSION_GUARD = VersionGuard(
+    "megatron-core",
+    Version("0.16"),
+    Version("0.20"),
+    "ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE",
+    UnsupportedMegatronError,
+    extra="megatron",
+    module="megatron.core",
+)
 SUPPORTED_MCORE_RANGE, ALLOW_UNSUPPORTED_ENV = VERSION_GUARD.range, VERSION_GUARD.override_env
 
 
@@ -76,8 +82,9 @@ def router_module():
 
 def _install(config: ElasticConfig, patches: AttributePatches) -> None:
     router_class = router_module().TopKRouter
-    patches.wrap(router_class, "routing",
-                 functools.partial(patched_routing, lifecycle=_PATCH, resolve_plan=resolve_plan))
+    patches.wrap(
+        router_class, "routing", functools.partial(patched_routing, lifecycle=_PATCH, resolve_plan=resolve_plan)
+    )
     patches.wrap(router_class, "__init__", _patched_init)
     dispatch.install(patches)
     patches.on_restore(dispatch.reinstall_spec_fixes)
@@ -97,8 +104,12 @@ def _patched_init(original: Callable) -> Callable:
         if config is not None:
             validate_router(self, config)
             _ROUTERS.add(self)
-            if config.enabled and not config.resolve(num_experts=self.config.num_moe_experts,
-                                                     topk=self.config.moe_router_topk).is_static:
+            if (
+                config.enabled
+                and not config.resolve(
+                    num_experts=self.config.num_moe_experts, topk=self.config.moe_router_topk
+                ).is_static
+            ):
                 # Seeded now, after Megatron seeds its tracker and before load_checkpoint restores
                 # a saved stream (mcore.budget_rng).
                 budget_rng.ensure_registered()
@@ -148,9 +159,13 @@ def validate_router(router, config: ElasticConfig) -> None:
     if not config.enabled:
         return
     inference_router = any(cls.__name__ == "InferenceTopKRouter" for cls in type(router).__mro__)
-    schedule = check_model_options(router.config, config, score_function=router.score_function,
-                                   routing_type=router.routing_type,
-                                   router_class=type(router).__name__ if inference_router else None)
+    schedule = check_model_options(
+        router.config,
+        config,
+        score_function=router.score_function,
+        routing_type=router.routing_type,
+        router_class=type(router).__name__ if inference_router else None,
+    )
     if schedule is not None:
         warn_if_top1_gate_is_constant(schedule, gate_for(router, config), f"layers {config.layers or 'all MoE layers'}")
 
@@ -198,10 +213,17 @@ def resolve_plan(router, config: ElasticConfig) -> LayerPlan | None:
             return None
     validate_router(router, config)
     if config.mode == "top_p":
-        return LayerPlan(schedule=schedule, gate=gate_for(router, config), sampling="iid", layer_index=layer_index,
-                         top_p=config.top_p, top_p_width=_top_p_width(model, config))
-    return LayerPlan(schedule=schedule, gate=gate_for(router, config), sampling=config.sampling,
-                     layer_index=layer_index)
+        return LayerPlan(
+            schedule=schedule,
+            gate=gate_for(router, config),
+            sampling="iid",
+            layer_index=layer_index,
+            top_p=config.top_p,
+            top_p_width=_top_p_width(model, config),
+        )
+    return LayerPlan(
+        schedule=schedule, gate=gate_for(router, config), sampling=config.sampling, layer_index=layer_index
+    )
 
 
 def model_plans(model) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
@@ -209,7 +231,9 @@ def model_plans(model) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
     the decoder-layer routers of a module or of model chunks (:func:`.records.router_sites`) under
     :func:`active_config`, resolved as a first training forward resolves them (:func:`resolve_plan`;
     nothing is cached); ``({}, {})`` without an active, enabled config."""
-    config = _PATCH.active_config()
+    config = _PATCH.config
+    if config is None:
+        return {}, {}
     return core_records.model_plans(router_sites(model), config, lambda site: resolve_plan(site.router, config))
 
 
