@@ -137,6 +137,7 @@ def _unknown_flags(stray: list[str], rest: list[str], flags: list[str]) -> Confi
     """An unknown ``--elastic-moe-*`` flag: the closest known one and, for a field, the fix renamed."""
     hints, fixes, renames = [], [], {}
     for arg in stray:
+        value: str | None
         name, sep, value = arg.partition("=")
         if not sep:
             after = rest.index(arg) + 1
@@ -186,7 +187,8 @@ def enable_cpu_runtime() -> None:
             f"CUDA_VISIBLE_DEVICES= python -m {PROG} {CPU_FLAG} ..."
         )
     if "TORCH_COMPILE_DISABLE" not in os.environ:
-        # Megatron's jit_fuser compiles with inductor: ~14 s per fused function on CPU, and a C++ compiler
+        # Megatron's jit_fuser compiles each fused function with inductor: slow on CPU (docs/performance.md),
+        # and it needs a C++ compiler
         cpu_runtime.disable_torch_compile()
     cpu_runtime.enable(training=True)
     megatron_training.enable()

@@ -40,7 +40,8 @@ COMMANDS: dict[str, Command] = {
     "plugin-path": Command(
         "elastic_moe_plugin.cli.plugin_path",
         "print the ms-swift plugin file (for --external_plugins, the fallback of --plugin elastic_moe)",
-        'Print the path of the installed ms-swift plugin file: swift sft ... --external_plugins "$(elastic-moe plugin-path)" '
+        "Print the path of the installed ms-swift plugin file: "
+        'swift sft ... --external_plugins "$(elastic-moe plugin-path)" '
         "--callbacks elastic_moe, the fallback of swift sft ... --plugin elastic_moe (docs/swift.md).",
     ),
     "bench": Command(

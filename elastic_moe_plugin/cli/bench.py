@@ -39,7 +39,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--rounds",
         type=int,
         default=3,
-        help="rounds per launcher, each one static and one elastic run in alternating order, or one interleaved run (default 3; --quick: 1)",
+        help="rounds per launcher, each one static and one elastic run in alternating order, "
+        "or one interleaved run (default 3; --quick: 1)",
     )
     e2e.add_argument(
         "--steps",

@@ -164,7 +164,7 @@ def _single(spec: str, role: str) -> CheckpointSpec:
     specs = parse_checkpoint(spec)
     if len(specs) != 1:
         raise DiagnosticsError(
-            f"{role} {spec!r} holds {len(specs)} runs ({', '.join(s.run for s in specs)}); pick one with DIR:RUN."
+            f"{role} {spec!r} holds {len(specs)} runs ({', '.join(str(s.run) for s in specs)}); pick one with DIR:RUN."
         )
     return specs[0]
 

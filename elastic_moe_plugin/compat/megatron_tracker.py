@@ -34,7 +34,7 @@ from elastic_moe_plugin.core.patching import AttributePatches
 def has_metrics_tracker() -> bool:
     """True on megatron-core >= 0.17 (``moe_logging.MoEMetricsTracker``), False on 0.16."""
     try:
-        from megatron.core.transformer.moe import moe_logging  # noqa: F401
+        from megatron.core.transformer.moe import moe_logging  # noqa: F401 (importing it is the probe)
     except ImportError:
         return False
     return True
@@ -197,7 +197,7 @@ def _packed_sync(
         packed = torch.cat(parts) if len(parts) > 1 else parts[0]
         reduce({PACKED_ENTRY: with_packed(entries[members[0]], packed)})
         if len(parts) > 1:
-            for part, reduced in zip(parts, packed.split([part.numel() for part in parts])):
+            for part, reduced in zip(parts, packed.split([part.numel() for part in parts]), strict=True):
                 part.copy_(reduced)
 
 

@@ -29,7 +29,7 @@ Usage::
 
     from elastic_moe_plugin import cpu_runtime
 
-    cpu_runtime.disable_torch_compile()   # optional, saves ~14 s of inductor compile
+    cpu_runtime.disable_torch_compile()   # optional, skips inductor's slow CPU compile (docs/performance.md)
     cpu_runtime.enable()                  # before or after ``import megatron.core``
     cpu_runtime.initialize_model_parallel(ep=1)
     ...                                    # build and run real Megatron modules on CPU

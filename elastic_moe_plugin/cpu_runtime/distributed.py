@@ -69,7 +69,7 @@ def _all_gather_padded_on_gloo(stock: Callable[..., Any]) -> Callable[..., Any]:
         padded[: tensor.shape[0]].copy_(tensor)
         gathered = [torch.empty_like(padded) for _ in tensor_list]
         stock(gathered, padded, group=group)
-        for out, full in zip(tensor_list, gathered):
+        for out, full in zip(tensor_list, gathered, strict=True):
             out.copy_(full[: out.shape[0]])
         return None
 

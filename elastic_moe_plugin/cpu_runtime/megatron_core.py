@@ -40,6 +40,7 @@ Also here, for callers: :func:`in_rng_tracker_fork` (host-sync counters) and
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -88,12 +89,14 @@ def _paged_stash_stand_in() -> types.ModuleType:
     module = types.ModuleType(
         PAGED_STASH_MODULE, "CPU stand-in for Megatron's triton paged-stash kernels (elastic_moe_plugin.cpu_runtime)."
     )
-    # Same value as upstream; it only sizes launch grids, which never run here.
-    module.GLOBAL_BLOCK_SIZE = 1024
-    module.paged_stash_copy_kernel = _UnavailableTritonKernel("paged_stash_copy_kernel")
-    module.paged_stash_pop_kernel = _UnavailableTritonKernel("paged_stash_pop_kernel")
-    module.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
-    module.__cpu_runtime_stand_in__ = True
+    vars(module).update(
+        # Same value as upstream; it only sizes launch grids, which never run here.
+        GLOBAL_BLOCK_SIZE=1024,
+        paged_stash_copy_kernel=_UnavailableTritonKernel("paged_stash_copy_kernel"),
+        paged_stash_pop_kernel=_UnavailableTritonKernel("paged_stash_pop_kernel"),
+        __all__=["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"],
+        __cpu_runtime_stand_in__=True,
+    )
     return module
 
 
@@ -189,7 +192,7 @@ def install(patches: AttributePatches) -> None:
     """Make megatron-core importable and runnable on CPU (module docstring)."""
     _install_paged_stash_stand_in(patches)
     for module_name, fixup in _MODULE_FIXUPS.items():
-        patches.when_imported(module_name, lambda module, fixup=fixup: fixup(patches, module))
+        patches.when_imported(module_name, functools.partial(fixup, patches))
     log_filter = _DropEmulatedRngWarning()
     logging.getLogger(_RNG_LOGGER_NAME).addFilter(log_filter)
     patches.on_restore(lambda: logging.getLogger(_RNG_LOGGER_NAME).removeFilter(log_filter))
@@ -206,7 +209,7 @@ def in_rng_tracker_fork() -> bool:
     this instead. (Dropout in tensor-parallel regions runs inside such a fork; κ no longer does: it
     is drawn on the host, :mod:`elastic_moe_plugin.core.budget_stream`.)
     """
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     suffix = os.path.join("tensor_parallel", "random.py")
     while frame is not None:
         if frame.f_code.co_name == "fork" and frame.f_code.co_filename.endswith(suffix):
@@ -219,14 +222,16 @@ def disable_torch_compile() -> None:
     """Make ``torch.compile`` a no-op in this process and its children (TORCH_COMPILE_DISABLE=1).
 
     Megatron wraps ``TopKRouter._apply_expert_bias`` in ``torch.compile`` (``jit_fuser``); its
-    first call costs ~14 s of inductor compile on CPU. Not undone by ``cpu_runtime.disable()``.
-    Setting ``TORCH_COMPILE_DISABLE=1`` in the environment before starting Python has the same effect.
+    first call waits for inductor to compile it, which is slow on CPU (docs/performance.md). Not
+    undone by ``cpu_runtime.disable()``. Setting ``TORCH_COMPILE_DISABLE=1`` in the environment
+    before starting Python has the same effect.
     """
     os.environ["TORCH_COMPILE_DISABLE"] = "1"
     # torch reads the variable when torch._dynamo.config is first imported; if that already
     # happened, set the flag it produced (it is checked per call).
-    dynamo_config = sys.modules.get("torch._dynamo.config")
-    if dynamo_config is not None:
+    if "torch._dynamo.config" in sys.modules:
+        from torch._dynamo import config as dynamo_config
+
         dynamo_config.disable = True
 
 

@@ -137,11 +137,7 @@ CPU_FLAGS: dict[str, tuple[str, str]] = {
 }
 
 
-# --------------------------------------------------------------------------------------------
-# 2. TE classes as they must look to mcore-bridge
-# --------------------------------------------------------------------------------------------
-
-
+# ------------------------------ 2. TE classes as they must look to mcore-bridge
 class TransformerEngineAbsent:
     """Base of the classes that stand in, inside mcore-bridge's modules, for the TE classes
     megatron-core binds to ``None``/``MagicMock()`` without Transformer Engine. ``isinstance`` and
@@ -176,13 +172,11 @@ def _is_absent_te_value(value: Any) -> bool:
     return value is None or isinstance(value, mock.NonCallableMock)
 
 
-# --------------------------------------------------------------------------------------------
-# 1. and 3. The import scope: TE stand-in for mcore-bridge bodies, triton-only modules
-# --------------------------------------------------------------------------------------------
-
-
+# ------------------------------ 1. and 3. The import scope: TE stand-in for mcore-bridge bodies, triton-only modules
 class _TEStandIn(types.ModuleType):
     """``transformer_engine`` (or a submodule) as mcore-bridge's module bodies may import it."""
+
+    __cpu_runtime_stand_in__ = True
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -293,9 +287,8 @@ class _BridgeImportScope:
             except ModuleNotFoundError as error:
                 if not (triton_only and (error.name or "").split(".")[0] == "triton"):
                     raise
-                for name in triton_only:
-                    setattr(module, name, _TritonKernelAbsent(module.__name__, name))
-                module.__cpu_runtime_stand_in__ = True
+                stand_ins = {name: _TritonKernelAbsent(module.__name__, name) for name in triton_only}
+                vars(module).update(stand_ins, __cpu_runtime_stand_in__=True)
                 self.served.append(module.__name__)
             if is_bridge:
                 self._after_bridge_body(module)
@@ -316,7 +309,6 @@ class _BridgeImportScope:
             module = self.te_modules.get(name)
             if module is None:
                 module = self.te_modules[name] = _TEStandIn(name)
-                module.__cpu_runtime_stand_in__ = True
         return module
 
     def remove_stand_ins(self) -> None:
@@ -331,11 +323,7 @@ class _BridgeImportScope:
                     del sys.modules[name]
 
 
-# --------------------------------------------------------------------------------------------
-# 4. The local spec and the weight layout of mcore-bridge's converter
-# --------------------------------------------------------------------------------------------
-
-
+# ------------------------------ 4. The local spec and the weight layout of mcore-bridge's converter
 def _local_spec(original: Callable[..., Any]) -> Callable[..., Any]:
     def spec_builder(*args: Any, **kwargs: Any) -> Any:
         kwargs["use_transformer_engine"] = False  # megatron-core's local spec, not TESpecProvider()
@@ -402,11 +390,7 @@ def _sequential_experts(original: Callable[..., Any]) -> Callable[..., Any]:
     return _set_mlp_state
 
 
-# --------------------------------------------------------------------------------------------
-# enable / disable
-# --------------------------------------------------------------------------------------------
-
-
+# ------------------------------ enable / disable
 class _Installed:
     scope: _BridgeImportScope | None = None
 

@@ -73,6 +73,7 @@ def _skip_build_when_compiled(datasets_dir: str) -> Callable[[Callable[[], Any]]
 
 def _fix_dataset_utils(patches: AttributePatches, module: types.ModuleType) -> None:
     # the folder the stock build runs ``make -C`` in: the one of the module itself
+    assert module.__file__ is not None  # megatron's dataset utils are a source file, never a namespace package
     patches.wrap(
         module, "compile_helpers", _skip_build_when_compiled(os.path.dirname(os.path.abspath(module.__file__)))
     )

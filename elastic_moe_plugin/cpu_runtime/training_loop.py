@@ -185,11 +185,12 @@ def _fix_results_queue(patches: AttributePatches, module: types.ModuleType) -> N
     if callable(original):  # 0.17+: the start method is an argument
         patches.set(module, "get_write_results_queue", lambda mp_mode="spawn": original("fork"))
     elif callable(getattr(module, "_get_write_results_queue", None)):  # 0.16 hard-codes 'spawn'
+        writer: Any = module  # megatron's checkpoint writer: its globals have no types here
 
         def _get_write_results_queue() -> Any:
-            if module._results_queue is None:  # the module's own cache, as the stock function keeps it
-                module._results_queue = module.mp.get_context("fork").Manager().Queue()
-            return module._results_queue
+            if writer._results_queue is None:  # the module's own cache, as the stock function keeps it
+                writer._results_queue = writer.mp.get_context("fork").Manager().Queue()
+            return writer._results_queue
 
         patches.set(module, "_get_write_results_queue", _get_write_results_queue)
 

@@ -35,7 +35,6 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from elastic_moe_plugin.swift.callbacks import hf_callback_class as _hf_callback_class
     from elastic_moe_plugin.swift.installer import install
     from elastic_moe_plugin.swift.model_check import require_covered_routers
     from elastic_moe_plugin.swift.names import CALLBACK_NAME, PLUGIN_FILE, plugin_path

@@ -12,6 +12,9 @@ import logging
 import os
 import sys
 
+#: the attribute that marks the plugin's excepthook, so a second call (or another copy of this module) adds none
+_HOOK_MARK = "__elastic_moe_hook__"
+
 
 def ensure_log_handler() -> None:
     """Show the plugin's INFO lines in ms-swift's output, in ms-swift's format (``[INFO:swift] ...``).
@@ -37,7 +40,7 @@ def report_errors_first() -> None:
     rank, torchrun workers included), so the message comes first, then the usual traceback: a
     :class:`ConfigError` as ``elastic-moe: configuration error: ...``, a model or framework the
     plugin cannot route (:class:`UnsupportedFrameworkError`) as ``elastic-moe: error: ...``."""
-    if getattr(sys.excepthook, "__elastic_moe_hook__", False):
+    if getattr(sys.excepthook, _HOOK_MARK, False):
         return
     previous = sys.excepthook
 
@@ -52,7 +55,7 @@ def report_errors_first() -> None:
             sys.stderr.flush()
         previous(kind, error, traceback)
 
-    excepthook.__elastic_moe_hook__ = True
+    setattr(excepthook, _HOOK_MARK, True)
     sys.excepthook = excepthook
 
 

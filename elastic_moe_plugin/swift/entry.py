@@ -50,7 +50,7 @@ def swift_entry(argv: list[str], orig_argv: list[str]) -> SwiftEntry | None:
             return None
         if spec is None or not spec.submodule_search_locations:
             return None
-        return SwiftEntry(parts[-1], len(parts) == 4, os.path.abspath(list(spec.submodule_search_locations)[0]))
+        return SwiftEntry(parts[-1], len(parts) == 4, os.path.abspath(next(iter(spec.submodule_search_locations))))
     script = os.path.abspath(argv[0])
     head, name = os.path.split(script)
     route, ext = os.path.splitext(name)
@@ -62,7 +62,7 @@ def swift_entry(argv: list[str], orig_argv: list[str]) -> SwiftEntry | None:
         head, folder = os.path.split(head)
     if folder != "cli":
         return None
-    swift_dir, package = os.path.split(head)
+    package = os.path.basename(head)
     if package != "swift" or not os.path.isfile(os.path.join(head, "cli", "main.py")):
         return None
     return SwiftEntry(route, megatron, head)

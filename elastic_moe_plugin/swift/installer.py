@@ -94,7 +94,7 @@ def install(config: ElasticConfig | None = None) -> ElasticConfig | None:
     args_json.on()
     if args_json.is_on and importable("swift.arguments"):
         patched.append("ms-swift's args.json (the plugin is not replayed at inference)")
-    checked = f"; checked against {peeked[0]} ({model.describe()})" if model is not None else ""
+    checked = f"; checked against {peeked[0]} ({model.describe()})" if peeked is not None and model is not None else ""
     logger.info(
         "rank %s/%s: plugin loaded (pid %d): %s%s; patched %s; callback %r registered in %s",
         rank,

@@ -24,9 +24,10 @@ from elastic_moe_plugin.swift.entry import argument_groups
 
 if TYPE_CHECKING:
     from elastic_moe_plugin.core.config import ElasticConfig
+    from elastic_moe_plugin.hf.families import ConfigRouters
 
 
-def peek_model(arguments: list[str]):
+def peek_model(arguments: list[str]) -> tuple[str, ConfigRouters] | None:
     """``(path, ConfigRouters)`` of the local checkpoint folder ``--model`` names, or None (a hub id,
     no config.json): what its ``config.json`` says about the routers, before ms-swift builds it."""
     import json

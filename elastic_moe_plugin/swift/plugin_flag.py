@@ -131,7 +131,7 @@ class Rewrite(NamedTuple):
     (``--plugin NAME`` or ``--external_plugins NAME``); none means nothing changed."""
 
     argv: list[str]
-    named: list[SwiftPlugin] = []
+    named: list[SwiftPlugin]
 
     @property
     def changed(self) -> bool:
@@ -165,7 +165,7 @@ def rewrite(argv: list[str], route: str, *, known: dict[str, SwiftPlugin] | None
     if EXTERNAL_PLUGINS_FLAG in last:
         _replace_plugin_names(kept[last[EXTERNAL_PLUGINS_FLAG]][1], known, named)
     if not named:
-        return Rewrite(argv=list(argv))
+        return Rewrite(argv=list(argv), named=[])
     _add_flags(kept, last, first_plugin_group, named, route)
     new_argv = [word for flag, values in kept for word in ([flag] if flag else []) + values]
     return Rewrite(argv=new_argv, named=named)
@@ -216,7 +216,7 @@ def _replace_plugin_names(values: list[str], known: dict[str, SwiftPlugin], name
 
 def _add_flags(
     kept: list[tuple[str | None, list[str]]],
-    last: dict[str | None, int],
+    last: dict[str, int],
     first_plugin_group: int | None,
     named: list[SwiftPlugin],
     route: str,
