@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
 import torch
 
@@ -34,6 +35,14 @@ from elastic_moe_plugin.tools.bench.measure import (
     measure,
 )
 
+if TYPE_CHECKING:
+    from elastic_moe_plugin.tools.bench.e2e import E2EOptions, E2EResult
+    from elastic_moe_plugin.tools.bench.hf import ExpertsScenarioResult, ExpertsVariantResult
+    from elastic_moe_plugin.tools.bench.kappa import KappaDrawResult
+
+    #: a row of any scenario: Megatron's and the transformers blocks' are ScenarioResults
+    BenchResult: TypeAlias = ScenarioResult | KappaDrawResult | E2EResult
+
 #: ``--only`` choices: the Megatron scenarios, ``hf`` for the transformers blocks, ``kappa`` for the κ
 #: draw, ``e2e`` for the launchers end to end
 SCENARIOS = ("router", "layer", "gpt", "hf", "kappa", "e2e")
@@ -42,7 +51,9 @@ DEFAULT_SCENARIOS = ("router", "layer", "gpt", "hf", "kappa")
 MEGATRON_SCENARIOS = ("router", "layer", "gpt")
 
 
-def run_suite(quick: bool, threads: int, only: list[str] | None = None, e2e_options=None) -> list:
+def run_suite(
+    quick: bool, threads: int, only: list[str] | None = None, e2e_options: E2EOptions | None = None
+) -> list[BenchResult]:
     """The scenarios named in ``only`` (:data:`DEFAULT_SCENARIOS` when None), Megatron first, then
     transformers, the κ draw and the launchers end to end (with ``e2e_options``, an
     :class:`~.e2e.E2EOptions`; its defaults when None)."""
@@ -52,7 +63,7 @@ def run_suite(quick: bool, threads: int, only: list[str] | None = None, e2e_opti
 
         e2e_options = e2e_options or e2e.E2EOptions()
         e2e_options.check()
-    results: list[ScenarioResult] = []
+    results: list[BenchResult] = []
     megatron_wanted = [name for name in MEGATRON_SCENARIOS if name in wanted]
     if megatron_wanted:
         from elastic_moe_plugin.tools.bench import megatron
@@ -66,21 +77,29 @@ def run_suite(quick: bool, threads: int, only: list[str] | None = None, e2e_opti
         from elastic_moe_plugin.tools.bench import kappa
 
         results += kappa.run_suite(quick, threads)
-    if "e2e" in wanted:
+    if e2e_options is not None and "e2e" in wanted:  # set above whenever e2e is wanted
         results += e2e.run_e2e(e2e_options, quick)
     return results
 
 
-def _is_kappa(result) -> bool:
+def _is_kappa(result: BenchResult) -> TypeGuard[KappaDrawResult]:
     return hasattr(result, "num_shards")
 
 
-def _is_e2e(result) -> bool:
+def _is_e2e(result: BenchResult) -> TypeGuard[E2EResult]:
     return hasattr(result, "launcher")
 
 
-def _is_block(result: ScenarioResult) -> bool:
+def _is_scenario(result: BenchResult) -> TypeGuard[ScenarioResult]:
+    return not _is_kappa(result) and not _is_e2e(result)
+
+
+def _is_block(result: ScenarioResult) -> TypeGuard[ExpertsScenarioResult]:
     return hasattr(result, "implementation")
+
+
+def _is_block_variant(variant: VariantResult) -> TypeGuard[ExpertsVariantResult]:
+    return hasattr(variant, "dispatched_pairs")
 
 
 def _rows(result: ScenarioResult, label: str, width: int) -> list[str]:
@@ -94,7 +113,7 @@ def _rows(result: ScenarioResult, label: str, width: int) -> list[str]:
             f"{variant.peak_bytes / 2**20:9.1f} {ratio['memory_ratio']:6.3f} {variant.syncs_per_forward:5d} "
             f"{ratio['syncs_added']:+6d} {variant.expected_pairs:>7d}/{variant.realised_pairs:<8d}"
         )
-        if _is_block(result):
+        if _is_block_variant(variant):
             line += f" {variant.dispatched_pairs:>7d}"
         lines.append(line)
     return lines
@@ -108,14 +127,14 @@ def _header(first: str, width: int, *, dispatched: bool = False) -> str:
     )
 
 
-def format_results(results: list[ScenarioResult]) -> str:
+def format_results(results: list[BenchResult]) -> str:
     """The Megatron table, then (if any) the transformers table: realised pairs there are the rows
     the expert GEMMs multiplied."""
     draws = [result for result in results if _is_kappa(result)]
     launchers = [result for result in results if _is_e2e(result)]
-    results = [result for result in results if not _is_kappa(result) and not _is_e2e(result)]
-    megatron = [result for result in results if not _is_block(result)]
-    blocks = [result for result in results if _is_block(result)]
+    scenarios = [result for result in results if _is_scenario(result)]
+    megatron = [result for result in scenarios if not _is_block(result)]
+    blocks = [result for result in scenarios if _is_block(result)]
     lines: list[str] = []
     if megatron:
         lines.append(_header("scenario", 16))
@@ -155,14 +174,14 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def to_json(results: list) -> dict:
+def to_json(results: list[BenchResult]) -> dict[str, Any]:
     draws = [asdict(result) for result in results if _is_kappa(result)]
     launchers = [result for result in results if _is_e2e(result)]
-    results = [result for result in results if not _is_kappa(result) and not _is_e2e(result)]
-    report = {"torch": torch.__version__}
-    if any(not _is_block(result) for result in results):
+    scenarios = [result for result in results if _is_scenario(result)]
+    report: dict[str, Any] = {"torch": torch.__version__}
+    if any(not _is_block(result) for result in scenarios):
         report["megatron_core"] = importlib.metadata.version("megatron-core")
-    if any(_is_block(result) for result in results):
+    if any(_is_block(result) for result in scenarios):
         report["transformers"] = _version("transformers")
     report.update(
         {
@@ -176,7 +195,7 @@ def to_json(results: list) -> dict:
                     "variants": {n: asdict(v) for n, v in r.variants.items()},
                     "ratios": r.ratios(),
                 }
-                for r in results
+                for r in scenarios
             ],
         }
     )

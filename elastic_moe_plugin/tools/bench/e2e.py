@@ -15,10 +15,10 @@ number of steps on a tiny model of the launcher's family (built offline here):
 Per launcher, ``rounds`` rounds. A round of a Megatron launcher is by default one run that switches
 between static and elastic blocks of steps inside the one trainer process (:mod:`.e2e_interleaved`):
 the house rule for speed, elastic against stock in one process, interleaved, and the only way to
-resolve a few percent on a machine whose speed drifts by 15-50% between runs minutes apart. A round
-of ``swift sft`` (and, with ``separate=True``, ``--separate-runs``, of every launcher) is one static
-and one elastic run, alternating which goes first (static, elastic; elastic, static; ...) so that
-load on the machine hits both alike.
+resolve a few percent on a machine whose speed drifts by far more between runs minutes apart
+(docs/performance.md). A round of ``swift sft`` (and, with ``separate=True``, ``--separate-runs``,
+of every launcher) is one static and one elastic run, alternating which goes first (static,
+elastic; elastic, static; ...) so that load on the machine hits both alike.
 Every child runs with one torch thread (``OMP_NUM_THREADS=1``), offline, without a GPU. Per
 separate run:
 
@@ -337,7 +337,7 @@ def _run_plan(launcher: Launcher, options: E2EOptions, quick: bool) -> tuple[int
 def _launchers(options: E2EOptions) -> list[Launcher]:
     from elastic_moe_plugin.tools.bench import e2e_megatron, e2e_swift
 
-    make = {
+    make: dict[str, Callable[[], Launcher]] = {
         "swift_sft": lambda: e2e_swift.SwiftSft(hidden=options.hidden),
         "megatron_sft": e2e_megatron.MegatronSft,
         "megatron_lm": e2e_megatron.MegatronLM,
@@ -355,11 +355,10 @@ def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None 
     results = []
     launchers = _launchers(options)
     plans = [_run_plan(launcher, options, quick) for launcher in launchers]  # every launcher's check, first
-    for launcher, (steps, warmup, block) in zip(launchers, plans):
-        interleaved = block is not None
+    for launcher, (steps, warmup, block) in zip(launchers, plans, strict=True):
         started = time.perf_counter()
         launcher.prepare(work / launcher.key / "assets", steps)
-        timing = e2e_interleaved.TIMING.format(block=block) if interleaved else launcher.timing
+        timing = e2e_interleaved.TIMING.format(block=block) if block is not None else launcher.timing
         result = E2EResult(
             launcher.key,
             launcher.label,
@@ -373,13 +372,15 @@ def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None 
         )
         for round_index in range(rounds):
             order = (launcher.static, launcher.elastic)[:: 1 if round_index % 2 == 0 else -1]
-            if interleaved:
+            if block is not None:  # one interleaved run
                 runs = _interleaved_runs(launcher, round_index, steps, warmup, block, work)
             elif quick:
                 with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-                    runs = list(
-                        pool.map(lambda schedule: _one_run(launcher, schedule, round_index, steps, warmup, work), order)
-                    )
+                    futures = [
+                        pool.submit(_one_run, launcher, schedule, round_index, steps, warmup, work)
+                        for schedule in order
+                    ]
+                    runs = [future.result() for future in futures]
             else:
                 runs = [_one_run(launcher, schedule, round_index, steps, warmup, work) for schedule in order]
             for run in runs:
@@ -407,7 +408,8 @@ def format_table(results: list[E2EResult]) -> str:
     """One row per launcher and schedule; the ratio columns on the elastic row."""
     widths = (13, 8, 8, 8, 13, 12, 10, 7)
     header = " ".join(
-        f"{name:{width}s}" if i < 2 else f"{name:>{width}s}" for i, (name, width) in enumerate(zip(COLUMNS, widths))
+        f"{name:{width}s}" if i < 2 else f"{name:>{width}s}"
+        for i, (name, width) in enumerate(zip(COLUMNS, widths, strict=True))
     )
     lines = [header]
     for result in results:

@@ -9,8 +9,9 @@ first iteration of each mode after the warm-up (left out of the times). Blocks a
 they can be: ``megatron sft`` logs every step and takes blocks of 5 (8 pairs), Megatron-LM logs
 every 10 (its recipe's interval) and takes blocks of 10 (4 pairs). Both Megatron rows' batches
 have one shape (mock data of a fixed length; chat rows longer than ``--max_length``, cut to it),
-so blocks of different steps do the same work. Load on the machine then hits both
-modes within seconds of each other, where separate runs minutes apart drift by 15-50% here.
+so blocks of different steps do the same work. Load on the machine then hits both modes within
+seconds of each other, where separate runs minutes apart drift by far more than the effect measured
+(docs/performance.md).
 
 From the iterations after the warm-up (:func:`read`):
 
@@ -102,8 +103,8 @@ def read(path: Path, warmup: int) -> InterleavedReading:
         seconds = [value for index in timed if modes[index] == mode for value in blocks[index]]
         rates[mode] = len(seconds) / sum(seconds)
     syncs = {mode: data["syncs"].get(mode) for mode in MODES}
-    elastic = frozenset(call for call, mode, _ in rows if mode == "elastic")
-    return InterleavedReading(block, rates, tuple(ratios), syncs, elastic)
+    elastic_calls = frozenset(call for call, mode, _ in rows if mode == "elastic")
+    return InterleavedReading(block, rates, tuple(ratios), syncs, elastic_calls)
 
 
 __all__ = ["BLOCK", "MODES", "PAIRS", "QUICK_BLOCK", "QUICK_PAIRS", "TIMING", "InterleavedReading", "read", "run_steps"]

@@ -2,7 +2,8 @@
 
 - :class:`MegatronSft`: real ``megatron sft`` (Megatron-SWIFT, mcore-bridge) on one CPU process, as
   ``tests/swift/test_megatron_sft.py`` and ``elastic-moe launch RECIPE --rehearse`` run it: the CPU
-  runtime's start-up bootstrap first on ``PYTHONPATH`` (:func:`~elastic_moe_plugin.tools.recipes.rehearse.cpu_bootstrap_dir`),
+  runtime's start-up bootstrap first on ``PYTHONPATH``
+  (:func:`~elastic_moe_plugin.tools.recipes.rehearse.cpu_bootstrap_dir`),
   its :data:`~elastic_moe_plugin.cpu_runtime.megatron_swift.CPU_FLAGS`, the plugin file with
   ``--callbacks elastic_moe``; a tiny Qwen3-MoE (2 layers, hidden 64, 16 experts of width 16,
   top-8, renormalised gate) built with the recipes' tiny-asset builders; micro-batch 2 of at most 192
@@ -21,11 +22,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import socket
 import sys
 from pathlib import Path
+from typing import Any, ClassVar
 
 from elastic_moe_plugin.tools.bench import e2e_interleaved
 from elastic_moe_plugin.tools.bench.e2e_child import (
@@ -71,14 +74,14 @@ class MegatronSft:
 
     key, label = "megatron_sft", "megatron sft"
     static, elastic = SCHEDULES
-    default_steps, default_warmup = 60, 10  # ~0.1 s steps: 16 timed ones say little
+    default_steps, default_warmup = 60, 10  # its steps are short (docs/performance.md): 16 timed ones say little
     interleaves = True  # static and elastic blocks in one process (e2e_interleaved)
     # it logs every step (the recipes' --logging_steps 1), so blocks need not hold whole log
-    # intervals; short ones pair steps a second apart, where the step time here drifts by up to
-    # 50% over a few seconds (70 against 105 ms, in either mode)
+    # intervals; short ones pair steps close in time, where the step time here drifts over a few
+    # seconds, in either mode (docs/performance.md)
     interleave_block, interleave_pairs = 5, 8
     timing = "from Megatron-SWIFT's logged cumulative train_speed(s/it)"
-    MODEL = {
+    MODEL: ClassVar[dict[str, Any]] = {
         "hidden_size": 64,
         "intermediate_size": 64,
         "num_hidden_layers": 2,
@@ -366,7 +369,10 @@ class MegatronLM:
             if not match:
                 continue
             iteration, fields = int(match.group(1)), match.group(2)
-            elapsed[iteration] = float(re.search(r"elapsed time per iteration \(ms\): ([\d.]+)", fields).group(1))
+            time_match = re.search(r"elapsed time per iteration \(ms\): ([\d.]+)", fields)
+            if time_match is None:
+                raise RuntimeError(f"Megatron-LM logged iteration {iteration} without its elapsed time: {line}")
+            elapsed[iteration] = float(time_match.group(1))
             kappa = re.search(r" elastic_moe/mean_kappa: ([^ |]+) \|", fields)
             if kappa:
                 kappas[iteration] = float(kappa.group(1))
@@ -389,7 +395,7 @@ class MegatronLM:
         logged = sorted(elapsed)
         spans = [
             (iteration - previous, elapsed[iteration])
-            for previous, iteration in zip([0, *logged], logged)
+            for previous, iteration in itertools.pairwise([0, *logged])
             if previous >= warmup
         ]
         if not spans:

@@ -21,8 +21,12 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic_moe_plugin.tools.bench.e2e_child import Command, RunReading, child_env, console_script
+
+if TYPE_CHECKING:
+    from elastic_moe_plugin.tools.bench.e2e_interleaved import InterleavedReading
 
 #: OLMoE-shaped routing (64 experts, top-8, full-softmax gate), tiny width and depth
 MODEL = {
@@ -191,8 +195,8 @@ class SwiftSft:
     default_steps, default_warmup = 20, 4
     timing = "from ms-swift's logged cumulative train_speed(s/it)"
     # separate runs: switched in one run (hf.remove / hf.apply between steps), the static steps ran
-    # slower than a static run's (0.30-0.40 against 0.39-0.41 steps/s, 2026-12-02), an effect of the
-    # switch not yet explained, which would flatter elastic
+    # slower than a static run's (docs/performance.md), an effect of the switch not yet explained,
+    # which would flatter elastic
     interleaves = False
     interleave_block = interleave_pairs = 0
 
@@ -215,8 +219,16 @@ class SwiftSft:
     def prepare(self, work: Path, steps: int) -> None:
         self.model_dir, self.dataset = build(work, self.model)
 
-    def command(self, schedule: str, steps: int, out: Path, sync_step: int) -> Command:
+    def command(
+        self, schedule: str, steps: int, out: Path, sync_step: int, interleave_block: int | None = None
+    ) -> Command:
+        if interleave_block is not None:
+            raise ValueError("swift sft does not interleave: its rounds are separate static and elastic runs")
+        assert self.model_dir is not None and self.dataset is not None, "prepare() builds them first"
         return command(self.model_dir, self.dataset, schedule, steps, out, self.experts_impl, sync_step=sync_step)
+
+    def read_interleaved(self, out: Path, output: str, warmup: int) -> tuple[InterleavedReading, float | None]:
+        raise NotImplementedError("swift sft does not interleave: its rounds are separate static and elastic runs")
 
     def read(self, out: Path, output: str, warmup: int) -> RunReading:
         rows = logged_rows(out)

@@ -26,13 +26,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin.tools.bench.measure import ScenarioResult, Step, VariantResult, measure
+
+if TYPE_CHECKING:
+    from elastic_moe_plugin.core.schedule import SamplingMode
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
@@ -82,8 +85,8 @@ def _sizes(hidden: int, ffn: int) -> dict[str, Size]:
       matrix per row (25 MB per row at OLMoE's width, forward and again for the gradient), the
       small-batch implementation it is;
     - ``eager``: 1/8 of the width, 256 tokens: its backward materialises a full [E, 2F, H] and
-      [E, H, F] weight gradient for every expert it indexes (stock behaviour), about 70 s a step on
-      one CPU thread at OLMoE's width.
+      [E, H, F] weight gradient for every expert it indexes (stock behaviour), far too slow a step at
+      OLMoE's width on one CPU thread (docs/performance.md).
     """
     return {
         "grouped_mm": Size(hidden, ffn, 256),
@@ -123,6 +126,19 @@ class ExpertsScenarioResult(ScenarioResult):
 
 
 # ------------------------------------------------------------------------------------ counting
+class _ExpertWeights(Protocol):
+    """What :class:`ExpertGemmRows` reads of a transformers experts module (``block.experts``): plain
+    attributes its class and ``use_experts_implementation`` set, which ``nn.Module``'s stubs type as
+    ``Tensor | Module``."""
+
+    has_gate: bool
+    is_transposed: bool
+    hidden_dim: int
+    intermediate_dim: int
+    gate_up_proj: torch.Tensor
+    up_proj: torch.Tensor
+
+
 class ExpertGemmRows(TorchDispatchMode):
     """Rows multiplied by the GEMMs of ``experts`` while it runs, from their FLOPs.
 
@@ -134,9 +150,10 @@ class ExpertGemmRows(TorchDispatchMode):
 
     def __init__(self, experts: torch.nn.Module) -> None:
         super().__init__()
-        up = experts.gate_up_proj if experts.has_gate else experts.up_proj  # [E, N1, H] ([E, H, N1] transposed)
-        up_width = up.shape[2] if experts.is_transposed else up.shape[1]
-        self.flops_per_row = 2 * experts.hidden_dim * up_width + 2 * experts.intermediate_dim * experts.hidden_dim
+        weights = cast(_ExpertWeights, experts)
+        up = weights.gate_up_proj if weights.has_gate else weights.up_proj  # [E, N1, H] ([E, H, N1] transposed)
+        up_width = up.shape[2] if weights.is_transposed else up.shape[1]
+        self.flops_per_row = 2 * weights.hidden_dim * up_width + 2 * weights.intermediate_dim * weights.hidden_dim
         self.flops = 0
         self._active = False
         self._handles = [
@@ -234,7 +251,7 @@ def block_scenario(shape: BlockShape, implementation: str) -> tuple[dict[str, St
     x = torch.randn(1, tokens, size.hidden, generator=generator)
     grad_out = torch.randn(1, tokens, size.hidden, generator=generator)
 
-    def elastic(sampling: str):
+    def elastic(sampling: SamplingMode) -> Callable[[], None]:
         def setup() -> None:
             hf.apply(ElasticConfig(schedule=shape.schedule, sampling=sampling))
             # Every run of a variant draws the same κ (κ's own stream, seeded afresh): the eager loop
@@ -256,7 +273,9 @@ def block_scenario(shape: BlockShape, implementation: str) -> tuple[dict[str, St
 
     def counted_rows(name: str):
         def rows() -> int:
-            with ExpertGemmRows(block.experts) as counted, torch.no_grad():
+            experts = block.experts
+            assert isinstance(experts, torch.nn.Module)  # a sparse MoE block's experts are a module
+            with ExpertGemmRows(experts) as counted, torch.no_grad():
                 forward()
             record = hf.routing_records(block).get(0) if name != "stock" else None
             dispatched[name] = int(record.budgets.sum()) if record is not None else tokens * shape.topk

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from elastic_moe_plugin.core.budget_stream import ProcessStream
-from elastic_moe_plugin.core.schedule import BudgetSchedule
-from elastic_moe_plugin.tools.bench.measure import LiveBytes
+from elastic_moe_plugin.core.schedule import BudgetSchedule, SamplingMode
+from elastic_moe_plugin.tools.bench.measure import SAMPLINGS, LiveBytes
 
 SHARDS, QUICK_SHARDS = (1, 8, 64, 1024), (1, 8)
 TOKENS, QUICK_TOKENS = 8192, 1024
@@ -50,7 +50,9 @@ class KappaDrawResult:
     peak_bytes: int
 
 
-def _before(schedule: BudgetSchedule, sampling: str, num_shards: int, tokens: int) -> Callable[[], torch.Tensor]:
+def _before(
+    schedule: BudgetSchedule, sampling: SamplingMode, num_shards: int, tokens: int
+) -> Callable[[], torch.Tensor]:
     generator = torch.Generator().manual_seed(1234)
     shard = num_shards - 1
 
@@ -61,7 +63,9 @@ def _before(schedule: BudgetSchedule, sampling: str, num_shards: int, tokens: in
     return draw
 
 
-def _after(schedule: BudgetSchedule, sampling: str, num_shards: int, tokens: int) -> Callable[[], torch.Tensor]:
+def _after(
+    schedule: BudgetSchedule, sampling: SamplingMode, num_shards: int, tokens: int
+) -> Callable[[], torch.Tensor]:
     home = ProcessStream(lambda: 1234)
     shard = num_shards - 1
 
@@ -92,7 +96,7 @@ def run_suite(quick: bool, threads: int) -> list[KappaDrawResult]:
     rounds, warmup = (5, 1) if quick else (25, 3)
     schedule = BudgetSchedule.parse(SCHEDULE_SPEC, center=CENTER)
     results = []
-    for sampling in ("iid", "balanced"):
+    for sampling in SAMPLINGS:
         for num_shards in shards:
             draws = {
                 "before": _before(schedule, sampling, num_shards, tokens),

@@ -22,12 +22,18 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+if TYPE_CHECKING:
+    from elastic_moe_plugin.core.schedule import SamplingMode
+
 VARIANTS = ("stock", "iid", "balanced")
+#: the elastic variants: one per κ sampling mode
+SAMPLINGS: tuple[SamplingMode, ...] = ("iid", "balanced")
 SYNC_OPS = ("_local_scalar_dense", "nonzero")
 
 
@@ -137,7 +143,7 @@ class Step:
     ``setup()`` runs, untimed, before each of them (e.g. to install or remove a patch)."""
 
     run: Callable[[], None]
-    forward: Callable[[], None]
+    forward: Callable[[], object]  # its output is discarded
     pairs: Callable[[], int]
     setup: Callable[[], None] = _nothing
 
@@ -207,4 +213,14 @@ def measure(
     return result
 
 
-__all__ = ["SYNC_OPS", "VARIANTS", "LiveBytes", "ScenarioResult", "Step", "SyncCounter", "VariantResult", "measure"]
+__all__ = [
+    "SAMPLINGS",
+    "SYNC_OPS",
+    "VARIANTS",
+    "LiveBytes",
+    "ScenarioResult",
+    "Step",
+    "SyncCounter",
+    "VariantResult",
+    "measure",
+]

@@ -28,11 +28,16 @@ drop-and-pad, where stock's own figure is the expected one).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from elastic_moe_plugin.compat import megatron_tracker
-from elastic_moe_plugin.tools.bench.measure import ScenarioResult, Step, measure
+from elastic_moe_plugin.tools.bench.measure import SAMPLINGS, ScenarioResult, Step, measure
+
+if TYPE_CHECKING:
+    from elastic_moe_plugin.core.schedule import SamplingMode
 
 
 # ------------------------------------------------------------------------------------ set-up
@@ -87,7 +92,7 @@ def _config(**overrides):
     return TransformerConfig(**values)
 
 
-def _elastic_config(schedule: str, sampling: str):
+def _elastic_config(schedule: str, sampling: SamplingMode):
     from elastic_moe_plugin.core.config import ElasticConfig
 
     return ElasticConfig(schedule=schedule, sampling=sampling)
@@ -113,7 +118,7 @@ def router_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hid
     torch.manual_seed(0)
     device = _device()
     routers = {"stock": TopKRouter(config=config, pg_collection=pg_collection)}
-    for sampling in ("iid", "balanced"):
+    for sampling in SAMPLINGS:
         router_class = mcore.ElasticTopKRouter.with_config(_elastic_config(schedule, sampling))
         routers[sampling] = router_class(config=config, pg_collection=pg_collection)
         routers[sampling].load_state_dict(routers["stock"].state_dict())
@@ -183,7 +188,7 @@ def layer_scenario(
     device = _device()
     torch.manual_seed(0)
     layers = {"stock": MoELayer(config=config, submodules=_moe_submodules())}
-    for sampling in ("iid", "balanced"):
+    for sampling in SAMPLINGS:
         submodules = dataclasses.replace(
             _moe_submodules(), router=mcore.ElasticTopKRouter.with_config(_elastic_config(schedule, sampling))
         )
@@ -206,7 +211,7 @@ def layer_scenario(
 
 
 def _layer_step(layer, x, grad_out, expected_rows) -> Step:
-    rows = {}
+    rows: dict[str, int] = {}
     # the experts' input [rows, H]: what they multiply, padding included
     layer.experts.register_forward_pre_hook(lambda module, args: rows.__setitem__("rows", int(args[0].shape[0])))
 
@@ -242,7 +247,7 @@ def gpt_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hidden
     models = {
         "stock": GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=sequence)
     }
-    for sampling in ("iid", "balanced"):
+    for sampling in SAMPLINGS:
         elastic_spec = mcore.elastic_router_spec(spec, _elastic_config(schedule, sampling))
         models[sampling] = GPTModel(
             config=config, transformer_layer_spec=elastic_spec, vocab_size=vocab, max_sequence_length=sequence
@@ -254,27 +259,45 @@ def gpt_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hidden
     position_ids = torch.arange(sequence, device=device).unsqueeze(0).expand(batch, -1)
     # an explicit causal mask: Megatron's default one is allocated on "cuda"
     attention_mask = torch.triu(torch.ones(sequence, sequence, dtype=torch.bool, device=device), 1)[None, None]
+
+    def call(module: torch.nn.Module) -> torch.Tensor:
+        return module(tokens_in, position_ids, attention_mask, labels=labels).float().mean()
+
     steps = {}
     for name, model in models.items():
         model.to(device).train()
-
-        def call(module):
-            return module(tokens_in, position_ids, attention_mask, labels=labels).float().mean()
-
-        def run(module=model, call=call):
-            module.zero_grad(set_to_none=True)
-            call(module).backward()
-            megatron_tracker.zero()
-
-        steps[name] = Step(
-            run=run,
-            forward=lambda module=model, call=call: call(module),
-            pairs=lambda module=model: _records_pairs(module, batch * sequence * topk * layers),
-        )
+        steps[name] = _gpt_step(model, call, batch * sequence * topk * layers)
     return steps
 
 
+def _gpt_step(model: torch.nn.Module, call: Callable[[torch.nn.Module], torch.Tensor], expected_pairs: int) -> Step:
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        call(model).backward()
+        megatron_tracker.zero()
+
+    return Step(run=run, forward=lambda: call(model), pairs=lambda: _records_pairs(model, expected_pairs))
+
+
 # ------------------------------------------------------------------------------------ running
+class _LayerShape(TypedDict):
+    num_experts: int
+    topk: int
+    schedule: str
+    tokens: int
+    hidden: int
+    ffn: int
+
+
+class _GptShape(TypedDict):
+    num_experts: int
+    topk: int
+    schedule: str
+    tokens: int
+    hidden: int
+    layers: int
+
+
 def _measure(scenario: str, shape: str, steps: dict[str, Step], warmup: int, repeats: int) -> ScenarioResult:
     return measure(
         scenario, shape, steps, warmup, repeats, reset=megatron_tracker.reset, between_runs=megatron_tracker.zero
@@ -286,13 +309,13 @@ def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list[
     _megatron_setup(threads)
     if quick:
         router_shapes = [(64, 8, "6-10", 1024, 256)]
-        layer_shape = dict(num_experts=16, topk=4, schedule="2-6", tokens=512, hidden=128, ffn=256)
-        gpt_shape = dict(num_experts=16, topk=4, schedule="2-6", tokens=256, hidden=64, layers=2)
+        layer_shape = _LayerShape(num_experts=16, topk=4, schedule="2-6", tokens=512, hidden=128, ffn=256)
+        gpt_shape = _GptShape(num_experts=16, topk=4, schedule="2-6", tokens=256, hidden=64, layers=2)
         warmup, repeats = 1, 5
     else:
         router_shapes = [(64, 8, "6-10", 8192, 2048), (128, 8, "6-10", 8192, 2048)]
-        layer_shape = dict(num_experts=64, topk=8, schedule="6-10", tokens=4096, hidden=512, ffn=256)
-        gpt_shape = dict(num_experts=16, topk=4, schedule="2-6", tokens=1024, hidden=128, layers=4)
+        layer_shape = _LayerShape(num_experts=64, topk=8, schedule="6-10", tokens=4096, hidden=512, ffn=256)
+        gpt_shape = _GptShape(num_experts=16, topk=4, schedule="2-6", tokens=1024, hidden=128, layers=4)
         warmup, repeats = 2, 11
     wanted = set(only or ("router", "layer", "gpt"))
     results = []

@@ -19,9 +19,9 @@ is one training iteration (every micro-batch's forward and backward, the optimiz
   switch runs between the two, outside every iteration's time. With ``E2E_BENCH_SYNC_STEP=w`` (the
   warm-up), the first call of each mode after call w runs under the sync counter, untimed (the
   counter's own cost). Every block starts with ``gc.freeze()``: the objects alive then are left
-  out of the garbage collector's later passes, so a full collection (hundreds of milliseconds over
-  a trainer's ~750k objects on the CI machine, landing in whichever block it lands) does not decide
-  a block pair; it costs both modes alike what the objects of their own steps cost. Rank 0 writes
+  out of the garbage collector's later passes, so a full collection (long over a trainer's many
+  objects, docs/performance.md; landing in whichever block it lands) does not decide a block pair;
+  it costs both modes alike what the objects of their own steps cost. Rank 0 writes
   ``{"block": b, "iterations": [[i, "static" | "elastic", seconds or null], ...],
   "syncs": {"static": n, "elastic": n}}`` to ``$E2E_BENCH_INTERLEAVE_OUT`` at exit (null: a
   sync-counted call, and the last call, which no call follows).
@@ -38,6 +38,10 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastic_moe_plugin.core.config import ElasticConfig
 
 TARGETS = {  # target -> (module, class or None, function)
     "megatron_lm": ("megatron.training.training", None, "train_step"),
@@ -75,7 +79,8 @@ class _Interleaving:
 
     def __init__(self, block: int, out: str, warmup: int = 0) -> None:
         self.block, self.out, self.warmup = block, out, warmup
-        self.calls, self.config = 0, None
+        self.calls = 0
+        self.config: ElasticConfig | None = None
         self.starts: list[tuple[int, str, float, bool]] = []  # (call, mode, start, sync-counted)
         self.ends: list[float] = []  # the end of call i's iteration: call i + 1 entered, before its switch
         self.syncs: dict[str, int] = {}
@@ -163,9 +168,8 @@ def _install() -> None:
     module, owner, function = _target(os.environ["E2E_BENCH_TARGET"])
     if block:
         wrap = _Interleaving(int(block), os.environ["E2E_BENCH_INTERLEAVE_OUT"], int(step or 0)).wrap
-    else:
-        out = os.environ["E2E_BENCH_SYNC_OUT"]
-        wrap = lambda train_step: _counted(train_step, int(step), out)  # noqa: E731
+    elif step:
+        wrap = functools.partial(_counted, step=int(step), out=os.environ["E2E_BENCH_SYNC_OUT"])
     _wrap_on_import(module, owner, function, wrap)
 
 
@@ -176,7 +180,12 @@ def _run_shadowed_sitecustomize() -> None:
     after = absolute.index(here) + 1 if here in absolute else 0
     entries = [entry for entry in sys.path[after:] if entry and os.path.abspath(entry) != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", entries)
-    if spec is None or spec.origin is None or os.path.abspath(spec.origin) == os.path.abspath(__file__):
+    if (
+        spec is None
+        or spec.loader is None
+        or spec.origin is None
+        or os.path.abspath(spec.origin) == os.path.abspath(__file__)
+    ):
         return
     module = importlib.util.module_from_spec(spec)
     sys.modules["_elastic_moe_bench_shadowed_sitecustomize"] = module
