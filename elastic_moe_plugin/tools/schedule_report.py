@@ -41,11 +41,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         "",
         f"{'budget':>8} {'pmf':>8}",
     ]
-    lines += [f"{budget:>8} {q:>8.4f}" for budget, q in zip(summary["budgets"], summary["pmf"])]
+    lines += [f"{budget:>8} {q:>8.4f}" for budget, q in zip(summary["budgets"], summary["pmf"], strict=True)]
     lines += ["", f"{'rank':>8} {'P(k>=r)':>8} {'static':>8}"]
     lines += [
         f"{rank:>8} {a:>8.4f} {step:>8.0f}"
-        for rank, a, step in zip(summary["ranks"], summary["survival"], summary["static_step"])
+        for rank, a, step in zip(summary["ranks"], summary["survival"], summary["static_step"], strict=True)
     ]
     lines += [
         "",

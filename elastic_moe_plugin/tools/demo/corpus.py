@@ -114,10 +114,15 @@ class Corpus:
                 yield self.train[order[:batch_size]]
                 order = order[batch_size:]
         else:
-            span = self.seq_len + 1
+            stream, span = self._stream(), self.seq_len + 1
             for _ in range(steps):
-                starts = torch.randint(0, self.stream.numel() - span + 1, (batch_size,), generator=generator)
-                yield torch.stack([self.stream[s : s + span] for s in starts.tolist()])
+                starts = torch.randint(0, stream.numel() - span + 1, (batch_size,), generator=generator)
+                yield torch.stack([stream[s : s + span] for s in starts.tolist()])
+
+    def _stream(self) -> torch.Tensor:
+        """The byte stream of a corpus without a train split (a file's)."""
+        assert self.stream is not None, "a corpus holds a train split or a byte stream"
+        return self.stream
 
     def to_dict(self) -> dict[str, Any]:
         info = {
@@ -129,7 +134,7 @@ class Corpus:
         if self.train is not None:
             info["train_sequences"] = int(self.train.shape[0])
         else:
-            info["train_bytes"] = int(self.stream.numel())
+            info["train_bytes"] = int(self._stream().numel())
         return info
 
 

@@ -64,13 +64,13 @@ def _loss_curves(plt, summary: dict[str, Any], out: Path) -> str:
     tail = [
         v
         for run in runs.values()
-        for step, v in zip(run["history"]["eval_step"], run["history"]["eval_loss"])
+        for step, v in zip(run["history"]["eval_step"], run["history"]["eval_loss"], strict=True)
         if step * tokens_per_step >= half
     ]
     tail += [
         v
         for name, run in runs.items()
-        for step, v in zip(run["history"]["step"], smoothed[name])
+        for step, v in zip(run["history"]["step"], smoothed[name], strict=True)
         if step * tokens_per_step >= half
     ]
     if tail:

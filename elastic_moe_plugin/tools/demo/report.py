@@ -110,7 +110,8 @@ def _header_lines(summary: dict[str, Any]) -> list[str]:
         f"  budget  {s['tokens']:,} tokens per run ({s['steps']} steps x {s['batch_size']} x {s['seq_len']}), "
         f"seed {s['seed']}, AdamW lr {s['lr']:g}, {summary['torch_threads']} torch thread(s)",
         f"  elastic schedule {elastic['schedule']} around k={k} (sigma={s['sigma']:g}), elastic layers "
-        f"{', '.join(map(str, elastic_layers)) if elastic_layers else 'none'}; inference is static top-{k} in both runs",
+        f"{', '.join(map(str, elastic_layers)) if elastic_layers else 'none'}; "
+        f"inference is static top-{k} in both runs",
         "",
         _row("", "static", head),
     ]

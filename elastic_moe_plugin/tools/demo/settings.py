@@ -51,5 +51,5 @@ class DemoSettings:
         return self.steps * self.tokens_per_step
 
 
-#: ``--quick``: a run of under a minute
+#: ``--quick``: a smaller batch and fewer steps, for a short run (its duration: docs/performance.md)
 QUICK = dict(batch_size=16, steps=60, eval_points=3, heldout_sequences=128)

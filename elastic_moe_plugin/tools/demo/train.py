@@ -23,7 +23,7 @@ import math
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -68,12 +68,20 @@ def evaluate(model, heldout: torch.Tensor, batch_size: int = 64) -> float:
     return total / count
 
 
+class History(TypedDict):
+    """``step`` / ``loss`` every step (1-based), ``eval_step`` / ``eval_loss`` at every evaluation."""
+
+    step: list[int]
+    loss: list[float]
+    eval_step: list[int]
+    eval_loss: list[float]
+
+
 @dataclasses.dataclass
 class TrainingLog:
     """What :func:`train_loop` recorded."""
 
-    #: ``step`` / ``loss`` every step (1-based), ``eval_step`` / ``eval_loss`` at every evaluation
-    history: dict[str, list]
+    history: History
     train_time: float  # seconds of training steps, evaluations excluded
     eval_time: float  # seconds of the held-out evaluations during training
     window_start: int  # first (0-based) step whose tokens per expert are counted
@@ -100,7 +108,7 @@ def train_loop(name: str, model, stats: RoutingStats, settings: DemoSettings, co
     positions = torch.arange(settings.seq_len).expand(settings.batch_size, settings.seq_len)
     eval_every = max(1, settings.steps // max(1, settings.eval_points))
     window_start = settings.steps - max(1, settings.steps // 4)
-    history = {"step": [], "loss": [], "eval_step": [], "eval_loss": []}
+    history: History = {"step": [], "loss": [], "eval_step": [], "eval_loss": []}
     progress = Progress(name, settings.steps)
     train_start = time.perf_counter()
     eval_time = 0.0

@@ -41,7 +41,10 @@ def demo_config(folder: Path) -> dict[str, Any] | None:
 
 def _split_label(spec: str) -> tuple[str | None, str]:
     # a path that itself contains '=' wins over the LABEL=PATH reading
-    return tuple(spec.split("=", 1)) if "=" in spec and not Path(spec).exists() else (None, spec)
+    if "=" in spec and not Path(spec).exists():
+        label, path = spec.split("=", 1)
+        return label, path
+    return None, spec
 
 
 def _run_of_checkpoint_file(file: Path, path: str) -> tuple[Path, str]:

@@ -137,7 +137,7 @@ def peak_block(values: dict[int, float], excluded: Sequence[int], width: int) ->
     if not runs:
         return None
     width = max(1, min(width, max(len(run) for run in runs)))
-    best = None
+    best: dict[str, Any] | None = None
     for run in runs:
         for start in range(len(run) - width + 1):
             block = run[start : start + width]
@@ -153,7 +153,12 @@ def peak_block(values: dict[int, float], excluded: Sequence[int], width: int) ->
 
 
 def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+    return _average(values) if values else None
+
+
+def _average(values: Sequence[float]) -> float:
+    """The mean of a non-empty sequence."""
+    return sum(values) / len(values)
 
 
 def _layers_over_tasks(
@@ -197,13 +202,13 @@ def _prioritisation(
         if changed > 0:
             shares.append(sum(entries[layer]["reorder_count"] for layer in layers) / changed)
     retention = [
-        _mean([per_layer[layer]["retention"][j] for layer in layers])
+        _average([per_layer[layer]["retention"][j] for layer in layers])
         for j in range(len(per_layer[layers[0]]["retention"]))
     ]
     lost = [1.0 - value for value in retention[:k]]
     window = max(1, min(settings.cutoff_window, k))
     return {
-        "d1_over_dk": (d1 / dk) if dk else None,
+        "d1_over_dk": (d1 / dk) if d1 is not None and dk else None,
         "top1_reorder_share": _mean(shares),
         "rank_retention": retention,
         "near_cutoff_share": sum(lost[k - window :]) / sum(lost) if sum(lost) > 1e-12 else None,
@@ -383,7 +388,7 @@ def _sweep_result(
             "loss": nll / count,
             "perplexity": math.exp(nll / count),
             "tokens": int(count),
-            "loss_per_task": {task.name: s[0] / s[1] for task, s in zip(tasks, sums)},
+            "loss_per_task": {task.name: s[0] / s[1] for task, s in zip(tasks, sums, strict=True)},
         }
     return entry
 

@@ -120,7 +120,7 @@ def _kappa_from_demo_summary(
 ) -> dict[str, dict[str, Any]]:
     out = {}
     schedule = summary.get("schedule") or {}
-    pmf = {int(b): float(q) for b, q in zip(schedule.get("budgets", []), schedule.get("pmf", []))}
+    pmf = {int(b): float(q) for b, q in zip(schedule.get("budgets", []), schedule.get("pmf", []), strict=True)}
     for run, entry in summary["runs"].items():
         if runs is not None and run not in runs:
             continue
@@ -142,7 +142,7 @@ def demo_kappa_for(models: Sequence[RoutedModel]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for model in models:
         info = model.info
-        if info.kind != "megatron-demo":
+        if info.kind != "megatron-demo" or info.run is None:
             continue
         summary_file = Path(info.path) / "summary.json"
         if not summary_file.is_file():

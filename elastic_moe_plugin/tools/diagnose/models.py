@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -61,6 +61,14 @@ class RoutedModel:
         return torch.softmax(logits.float(), dim=-1)
 
 
+class _HFRouter(Protocol):
+    """What :class:`HFRoutedModel` reads of a transformers router (``OlmoeTopKRouter``, ...): plain
+    attributes, which ``nn.Module``'s stubs type as ``Tensor | Module``."""
+
+    num_experts: int
+    top_k: int
+
+
 class HFRoutedModel(RoutedModel):
     """A transformers MoE checkpoint; routers of the families :mod:`elastic_moe_plugin.hf` covers."""
 
@@ -74,7 +82,7 @@ class HFRoutedModel(RoutedModel):
         self.routers = self._find_routers(path)
         config = self.model.config
         text = getattr(config, "text_config", None) or config
-        first = next(iter(self.routers.values()))
+        first = cast(_HFRouter, next(iter(self.routers.values())))
         self.info = ModelInfo(
             label=label,
             kind="hf",
@@ -262,6 +270,7 @@ def load_models(
                 stack.enter_context(_quiet_megatron())
                 stack.enter_context(megatron_session())
                 session = True
+            assert spec.run is not None  # a demo checkpoint names its run (parse_checkpoint)
             models.append(MegatronDemoModel(spec.path, spec.run, spec.label))
     labels = [m.info.label for m in models]
     if len(set(labels)) != len(labels):

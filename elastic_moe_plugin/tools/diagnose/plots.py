@@ -73,7 +73,7 @@ def plot_disagreement(pairs: dict[str, Any], path: Path) -> Path:
     dk = [pairs[label]["Dk"] for label in labels]
     left.bar([p - width / 2 for p in positions], d1, width, label="D1 (top-1 differs)")
     left.bar([p + width / 2 for p in positions], dk, width, label=f"D{k} (1 - |S∩S'|/{k})")
-    for p, a, b in zip(positions, d1, dk):
+    for p, a, b in zip(positions, d1, dk, strict=True):
         left.text(p - width / 2, a, f"{a:.3f}", ha="center", va="bottom", fontsize=7)
         left.text(p + width / 2, b, f"{b:.3f}", ha="center", va="bottom", fontsize=7)
     # headroom above the bars for the value labels and the legend
@@ -119,14 +119,14 @@ def plot_kappa(kappa: dict[str, dict[str, Any]], path: Path) -> Path:
     plt = _pyplot()
     panels = list(kappa)
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.0), squeeze=False)
-    for ax, label in zip(axes[0], panels):
+    for ax, label in zip(axes[0], panels, strict=True):
         entry = kappa[label]
         observed = entry["observed"]
         pmf = entry["pmf"]
         budgets = sorted({b for shares in observed.values() for b in shares} | set(pmf))
         mean = [sum(shares.get(b, 0.0) for shares in observed.values()) / len(observed) for b in budgets]
         ax.bar(budgets, mean, width=0.6, alpha=0.6, label=f"observed, mean of {len(observed)} layer(s)")
-        for layer, shares in sorted(observed.items()):
+        for _layer, shares in sorted(observed.items()):  # in layer order
             ax.plot(budgets, [shares.get(b, 0.0) for b in budgets], ls="none", marker="_", ms=14, color="0.3")
         if pmf:
             ax.plot(budgets, [pmf.get(b, 0.0) for b in budgets], color="tab:red", marker="o", label="schedule pmf q(κ)")

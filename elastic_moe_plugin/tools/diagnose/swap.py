@@ -25,7 +25,7 @@ from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.tools.diagnose.checkpoints import CheckpointSpec, demo_config
 from elastic_moe_plugin.tools.diagnose.compare import CompareSettings, check_compatible
 from elastic_moe_plugin.tools.diagnose.errors import DiagnosticsError
-from elastic_moe_plugin.tools.diagnose.models import load_models
+from elastic_moe_plugin.tools.diagnose.models import HFRoutedModel, load_models
 
 SWAP_FORMAT = "elastic-moe-router-swap/1"
 _MEGATRON_ROUTER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.router\.(.+)$")
@@ -62,6 +62,7 @@ def select_router_layers(spec: str | None, num_layers: int, moe_layers: Sequence
 def _swap_hf(donor: CheckpointSpec, target: CheckpointSpec, out_dir: Path, layers: str | None, dtype: str) -> list[int]:
     with contextlib.ExitStack() as stack:
         a, b = load_models([donor, dataclasses.replace(target, label=target.label + "#target")], stack, dtype)
+        assert isinstance(a, HFRoutedModel) and isinstance(b, HFRoutedModel)  # what "hf" specs load as
         check_compatible([a, b], CompareSettings(k=b.info.topk))
         selected = select_router_layers(layers, b.info.num_layers, b.info.moe_layers)
         for layer in selected:
@@ -98,11 +99,11 @@ def _check_demo_routers_interchangeable(
 def _copy_router_tensors(donor_state: dict[str, Any], target_state: dict[str, Any], selected: Sequence[int]) -> None:
     """Replace the target's router entries of the ``selected`` layers by (copies of) the donor's, in place."""
     donor_keys = {key for key in donor_state if _MEGATRON_ROUTER_KEY.match(key)}
-    target_keys = {key for key in target_state if _MEGATRON_ROUTER_KEY.match(key)}
-    if donor_keys != target_keys:
-        raise DiagnosticsError(f"the router tensors differ: {sorted(donor_keys ^ target_keys)}.")
-    for key in sorted(target_keys):
-        if int(_MEGATRON_ROUTER_KEY.match(key).group(1)) in selected:
+    target_layers = {key: int(match.group(1)) for key in target_state if (match := _MEGATRON_ROUTER_KEY.match(key))}
+    if donor_keys != set(target_layers):
+        raise DiagnosticsError(f"the router tensors differ: {sorted(donor_keys ^ set(target_layers))}.")
+    for key in sorted(target_layers):
+        if target_layers[key] in selected:
             donor_value, target_value = donor_state[key], target_state[key]
             # non-tensor entries (``_extra_state``: None) are taken over as they are
             if isinstance(donor_value, torch.Tensor) and isinstance(target_value, torch.Tensor):
@@ -112,8 +113,14 @@ def _copy_router_tensors(donor_state: dict[str, Any], target_state: dict[str, An
             target_state[key] = donor_value
 
 
+def _demo_config_of(spec: CheckpointSpec) -> dict[str, Any]:
+    config = demo_config(Path(spec.path))
+    assert config is not None, f"{spec.path}: a demo checkpoint's folder holds its model_config.json (parse_checkpoint)"
+    return config
+
+
 def _swap_demo(donor: CheckpointSpec, target: CheckpointSpec, out_dir: Path, layers: str | None) -> list[int]:
-    donor_config, target_config = demo_config(Path(donor.path)), demo_config(Path(target.path))
+    donor_config, target_config = _demo_config_of(donor), _demo_config_of(target)
     target_transformer = target_config["transformer_config"]
     _check_demo_routers_interchangeable(donor, target, donor_config["transformer_config"], target_transformer)
     num_layers = int(target_transformer["num_layers"])

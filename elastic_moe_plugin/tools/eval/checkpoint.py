@@ -42,8 +42,10 @@ from elastic_moe_plugin.tools.eval.harness import (
     make_task_manager,
 )
 
-# re-exported: check_moe and CODE_EXECUTION_SKIPPED moved to .plan (the checks without lm-eval)
-from elastic_moe_plugin.tools.eval.plan import CODE_EXECUTION_SKIPPED, check_moe, plan_evaluation  # noqa: F401
+# re-exported (``as``): check_moe and CODE_EXECUTION_SKIPPED moved to .plan (the checks without lm-eval)
+from elastic_moe_plugin.tools.eval.plan import CODE_EXECUTION_SKIPPED as CODE_EXECUTION_SKIPPED
+from elastic_moe_plugin.tools.eval.plan import check_moe as check_moe
+from elastic_moe_plugin.tools.eval.plan import plan_evaluation
 from elastic_moe_plugin.tools.eval.suite import Suite
 from elastic_moe_plugin.tools.eval.summary import RAW_DIR, SAMPLES_DIR, build_summary, write_summary
 
@@ -94,7 +96,9 @@ def _build_lm(
         lm, model = build_hf_lm(
             checkpoint, device=device, dtype=dtype, batch_size=batch_size, trust_remote_code=trust_remote_code
         )
-        override = inference_topk.transformers(model, topk) if topk is not None else contextlib.nullcontext([])
+        override: contextlib.AbstractContextManager[Any] = (
+            inference_topk.transformers(model, topk) if topk is not None else contextlib.nullcontext([])
+        )
         return lm, override, len(inference_topk.find_routers(model))
     lm = build_vllm_lm(
         checkpoint,

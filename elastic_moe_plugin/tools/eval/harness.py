@@ -33,7 +33,7 @@ def require_lm_eval():
     """Import lm-eval or raise :class:`MissingExtraError` naming the install command."""
     try:
         import lm_eval
-        from lm_eval import simple_evaluate  # noqa: F401
+        from lm_eval import simple_evaluate  # noqa: F401  (imported to fail here if its entry point does not import)
     except ImportError as error:
         raise MissingExtraError(
             "elastic-moe eval needs lm-evaluation-harness (lm_eval >= 0.4.9), which is not "

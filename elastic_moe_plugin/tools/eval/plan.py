@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import os
 import types
 from pathlib import Path
 from typing import Any
@@ -152,10 +153,10 @@ def missing_task_modules(harness_tasks: list[str]) -> dict[str, list[str]]:
 
 
 def plan_evaluation(
-    checkpoint: str,
-    suite: str | Suite,
+    checkpoint: str | os.PathLike[str],
+    suite: str | os.PathLike[str] | Suite,
     *,
-    out_dir: str | Path,
+    out_dir: str | os.PathLike[str],
     topk: int | None = None,
     limit: float | None = None,
     backend: str = "hf",
@@ -240,7 +241,9 @@ def format_suite_tasks(suite: Suite) -> str:
         f"{len(suite.averaged)}; {suite.source})"
     ]
     lines += [
-        "  " + "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths)) + f"  {row[5]}".rstrip()
+        "  "
+        + "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths, strict=True))
+        + f"  {row[5]}".rstrip()
         for row in rows
     ]
     return "\n".join(lines)

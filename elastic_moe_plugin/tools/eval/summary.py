@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import io
@@ -224,10 +225,8 @@ def _versions() -> dict[str, str]:
 
     found = {"elastic_moe_plugin": __version__}
     for package in ("lm_eval", "transformers", "torch", "vllm"):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             found[package] = version(package)
-        except PackageNotFoundError:
-            pass
     return found
 
 
@@ -278,7 +277,7 @@ def format_score(value: float | None, decimals: int) -> str:
 
 def _report_rows(summary: Mapping[str, Any], decimals: int) -> list[tuple[str, ...]]:
     """Header, one row per suite task, and the average: task, lm-eval task, metric, shots, docs, score."""
-    rows = [("task", "lm-eval task", "metric", "shots", "docs", "score")]
+    rows: list[tuple[str, ...]] = [("task", "lm-eval task", "metric", "shots", "docs", "score")]
     for record in summary["tasks"]:
         if record["status"] == "skipped":
             rows.append(

@@ -64,9 +64,10 @@ class Table:
     def average_delta(self, row: int) -> float | None:
         """Δ of the averages, only when both are over the same tasks."""
         mine, base = self.rows[row], self.rows[self.baseline]
-        if mine["average"] is None or base["average"] is None or set(mine["average_over"]) != set(base["average_over"]):
+        value, base_value = self.rounded(mine["average"]), self.rounded(base["average"])
+        if value is None or base_value is None or set(mine["average_over"]) != set(base["average_over"]):
             return None
-        return round(self.rounded(mine["average"]) - self.rounded(base["average"]), self.decimals)
+        return round(value - base_value, self.decimals)
 
 
 def load_summary(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from elastic_moe_plugin.core.schedule import SAMPLING_MODES, BudgetSchedule
+from elastic_moe_plugin.core.schedule import SAMPLING_MODES, BudgetSchedule, SamplingMode
 from elastic_moe_plugin.tools.gates_lab.gradcheck import finite_or_none, gradcheck_router
 from elastic_moe_plugin.tools.gates_lab.inputs import DTYPES, check_int, convention_names
 from elastic_moe_plugin.tools.gates_lab.toy_moe import ZERO_CAUSES, _build_toy, _run_convention, _Toy
@@ -29,7 +29,7 @@ def compare(
     k: int = 1,
     schedule: str | None = None,
     sigma: float = 1.5,
-    sampling: str = "iid",
+    sampling: SamplingMode = "iid",
     num_experts: int | None = None,
     num_tokens: int | None = None,
     hidden: int = 8,
@@ -183,7 +183,7 @@ def _draw_budgets(
     k: int,
     schedule: str | None,
     sigma: float,
-    sampling: str,
+    sampling: SamplingMode,
     num_experts: int,
     num_tokens: int,
     generator: torch.Generator,

@@ -65,7 +65,10 @@ import torch
 
 from elastic_moe_plugin.core.routing import (
     SIGMOID_EPS,
+    Normalization,
     RoutingRule,
+    ScoreFunction,
+    SelectOn,
     budget_mask,
     select,
     several_kept,
@@ -173,11 +176,13 @@ class _MaskedSoftmax(torch.autograd.Function):
     backward = staticmethod(softmax_like_backward)
 
 
-def _rule(logits: torch.Tensor, score_function: str, select_on: str, normalization: str) -> RoutingRule:
+def _rule(
+    logits: torch.Tensor, score_function: ScoreFunction, select_on: SelectOn, normalization: Normalization
+) -> RoutingRule:
     return RoutingRule(
         score_function,
         select_on,
-        normalization,  # type: ignore[arg-type]
+        normalization,
         renormalization_eps=SIGMOID_EPS if score_function == "sigmoid" else 0.0,
         score_dtype=_compute_dtype(logits),
     )

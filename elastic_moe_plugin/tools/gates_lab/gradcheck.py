@@ -339,12 +339,12 @@ def _plan_step(margins: torch.Tensor, step: float | None) -> _StepPlan:
     trusted = margins >= MIN_STEP / STEP_SHARE_OF_MARGIN
     smallest = float(margins[trusted].min()) if bool(trusted.any()) else math.inf
     # κ = E tokens have no boundary (margin inf): they alone allow the default step.
-    h = min(DEFAULT_STEP, STEP_SHARE_OF_MARGIN * smallest) if bool(trusted.any()) else None
+    chosen = min(DEFAULT_STEP, STEP_SHARE_OF_MARGIN * smallest) if bool(trusted.any()) else None
     reason = (
         f"is below the floor {MIN_STEP / STEP_SHARE_OF_MARGIN:.0e} (any step small enough not to cross "
         f"would be lost in rounding)"
     )
-    return _StepPlan(step=h, refused=~trusted, probe=DEFAULT_STEP, refusal_reason=reason)
+    return _StepPlan(step=chosen, refused=~trusted, probe=DEFAULT_STEP, refusal_reason=reason)
 
 
 def _autograd_gradient(output: _GatedOutput, z: torch.Tensor) -> torch.Tensor:
@@ -352,6 +352,7 @@ def _autograd_gradient(output: _GatedOutput, z: torch.Tensor) -> torch.Tensor:
     z_grad = z.clone().requires_grad_()
     outputs, _ = output(z_grad)
     outputs.sum().backward()
+    assert z_grad.grad is not None  # a leaf that requires grad: backward() filled it
     return z_grad.grad.detach()
 
 

@@ -33,7 +33,8 @@ ZERO_CAUSES: dict[str, str] = {
     ),
     "renormalized_top1": (
         "renormalised top-1: the single kept weight is p_a / p_a = 1 for any logits, so the gate "
-        "carries no task gradient to the router (docs/gates.md#gate-conventions; Megatron rejects post-softmax top-1 for this)"
+        "carries no task gradient to the router (docs/gates.md#gate-conventions; "
+        "Megatron rejects post-softmax top-1 for this)"
     ),
     "saturated": (
         "saturated probability: the gate probability is exactly 0 or 1 in this dtype, so its "
@@ -147,6 +148,7 @@ def _forward_backward(
 ) -> _Pass:
     router = None if toy.router_weight is None else toy.router_weight.clone().requires_grad_()
     if router is None:
+        assert toy.logits is not None  # a toy without router weights holds the user's logits
         logits = toy.logits.clone().requires_grad_()
     else:
         logits = (toy.inputs @ router.T) * logit_scale
@@ -217,6 +219,8 @@ def _run_convention(
         causes[item["cause"]] = causes.get(item["cause"], 0) + 1
     unselected_grad = ((logit_grad != 0) & ~run.routing_map).any(-1)
     retained = run.weights.detach().sum(-1)
+    experts_grad, output_grad = run.experts.grad, run.output.grad
+    assert experts_grad is not None and output_grad is not None  # a leaf and a retained grad: backward() filled them
     router_grad_norm = None
     if run.router is not None:
         router_grad_norm = float(run.router.grad.norm()) if run.router.grad is not None else 0.0
@@ -230,12 +234,12 @@ def _run_convention(
         },
         "router_grad_norm": router_grad_norm,
         "logit_grad_norm": float(logit_grad.norm()),
-        "expert_grad_norm": [float(g.norm()) for g in run.experts.grad],
+        "expert_grad_norm": [float(g.norm()) for g in experts_grad],
         "zero_gate_grad_tokens": len(zeros),
         "unselected_logit_grad_tokens": int(unselected_grad.sum()),
         "zero_gate_grad": zeros,
         "zero_causes": causes,
         # For gradcheck: expert outputs projected on dL/dy, held fixed (the loss linearised at y).
-        "_fixed_outputs": (run.output.grad[:, None, :] * run.expert_outputs.detach()).sum(-1),
+        "_fixed_outputs": (output_grad[:, None, :] * run.expert_outputs.detach()).sum(-1),
         "_logits": run.logits.detach(),
     }

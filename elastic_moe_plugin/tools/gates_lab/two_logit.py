@@ -21,7 +21,8 @@ from elastic_moe_plugin.tools.gates_lab.conventions import CONVENTION_NAMES, get
 
 
 def two_logit_example(x: float = 1.0, w: float = 1.0) -> dict[str, Any]:
-    """The binary gate of docs/gates.md#the-two-logit-worked-example: logits [0, w·x − 0.5], p2 = σ(w·x − 0.5), dp2/dz2 = p2(1 − p2).
+    """The binary gate of docs/gates.md#the-two-logit-worked-example: logits [0, w·x − 0.5],
+    p2 = σ(w·x − 0.5), dp2/dz2 = p2(1 − p2).
 
     x = 0.5, w = 1 gives p2 = 0.5 and 0.25 (and a tie: top-1 is ambiguous there); x = 1, w = 1
     gives p2 ≈ 0.6225 and ≈ 0.2350. Also reported: the chain-rule factors dp2/dw = x·p2(1 − p2)
@@ -40,6 +41,8 @@ def two_logit_example(x: float = 1.0, w: float = 1.0) -> dict[str, Any]:
     logits = torch.stack([torch.zeros_like(z2), z2])
     p2 = torch.softmax(logits, dim=0)[1]
     p2.backward()
+    z2_grad, w_grad, x_grad = z2.grad, w_t.grad, x_t.grad
+    assert z2_grad is not None and w_grad is not None and x_grad is not None  # p2.backward() filled them
     closed_p = 1.0 / (1.0 + math.exp(-(float(w) * float(x) - 0.5)))
     derivative = closed_p * (1.0 - closed_p)
     return {
@@ -48,11 +51,11 @@ def two_logit_example(x: float = 1.0, w: float = 1.0) -> dict[str, Any]:
         "logits": [0.0, float(z2.detach())],
         "p2": float(p2.detach()),
         "p2_closed": closed_p,
-        "dp2_dz2": float(z2.grad),
+        "dp2_dz2": float(z2_grad),
         "dp2_dz2_closed": derivative,
-        "dp2_dw": float(w_t.grad),
+        "dp2_dw": float(w_grad),
         "dp2_dw_closed": float(x) * derivative,
-        "dp2_dx": float(x_t.grad),
+        "dp2_dx": float(x_grad),
         "dp2_dx_closed": float(w) * derivative,
         "tie": float(z2.detach()) == 0.0,
         "top1": _top1_gates(logits.detach()),
@@ -66,11 +69,13 @@ def _top1_gates(logits: torch.Tensor) -> dict[str, dict[str, Any]]:
         gate_logits = logits[None, :].clone().requires_grad_()
         expert_ids, weights = get_convention(name)(gate_logits, 1)
         weights[0, 0].backward()
+        grad = gate_logits.grad
+        assert grad is not None  # a leaf that requires grad: backward() filled it
         top1[name] = {
             "selected": int(expert_ids[0, 0]),
             "weight": float(weights[0, 0].detach()),
-            "dweight_dz1": float(gate_logits.grad[0, 0]),
-            "dweight_dz2": float(gate_logits.grad[0, 1]),
+            "dweight_dz1": float(grad[0, 0]),
+            "dweight_dz2": float(grad[0, 1]),
         }
     return top1
 
@@ -80,7 +85,8 @@ def format_two_logit(example: dict[str, Any]) -> str:
     e = example
     z2 = e["logits"][1]
     lines = [
-        f"two-logit gate (docs/gates.md#the-two-logit-worked-example): logits [0, w*x - 0.5] with x={e['x']:g}, w={e['w']:g} -> [0, {z2:g}]",
+        f"two-logit gate (docs/gates.md#the-two-logit-worked-example): logits [0, w*x - 0.5] "
+        f"with x={e['x']:g}, w={e['w']:g} -> [0, {z2:g}]",
         f"  p2 = sigmoid(w*x - 0.5)          = {e['p2_closed']:.6f}   (softmax over both logits: {e['p2']:.6f})",
         f"  dp2/dz2 = p2 * (1 - p2)          = {e['dp2_dz2_closed']:.6f}   (autograd: {e['dp2_dz2']:.6f})",
         f"  dp2/dw  = x * p2 * (1 - p2)      = {e['dp2_dw_closed']:.6f}   (autograd: {e['dp2_dw']:.6f})",
