@@ -25,7 +25,7 @@ import sys
 import traceback
 import types
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 from elastic_moe_plugin.core.import_hooks import IMPORT_HOOKS
 from elastic_moe_plugin.tools.recipes.load import list_recipe_files, load_recipe
@@ -109,15 +109,16 @@ def install_import_shims() -> list[str]:
     import typing
 
     if not hasattr(typing, "override"):
-        typing.override = lambda function: function  # type: ignore[attr-defined]
+        typing.override = lambda function: function  # type: ignore[attr-defined]  # 3.11's typing has none
         used.append("typing.override (Python 3.12) for megatron/training on 3.11")
     return used
 
 
 def _strict(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    def error(message: str) -> None:
+    def error(message: str) -> NoReturn:
         raise _ParseError(message)
 
+    # argparse exits on a bad argument and has no hook to raise instead: its error method is replaced
     parser.error = error  # type: ignore[method-assign]
     return parser
 

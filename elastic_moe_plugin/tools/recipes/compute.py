@@ -62,7 +62,7 @@ def experts_per_token(recipe: Recipe) -> dict[str, Any]:
     schedule = elastic.budget_schedule(k)
     mean = schedule.mean
     row.update(
-        kind=("static top-%d" % k) if schedule.is_static else f"{schedule.spec()} sigma {elastic.sigma:g}",
+        kind=f"static top-{k}" if schedule.is_static else f"{schedule.spec()} sigma {elastic.sigma:g}",
         schedule=schedule.spec(),
         expected_per_layer=mean,
         expected_mean=(n_elastic * mean + n_static * k) / model.num_layers,
@@ -142,8 +142,9 @@ def format_budget(report: dict[str, Any]) -> str:
         f"recipe: {report['recipe']} ({report['setting']}, model {report['model']})",
         f"parameters: total {_b(p['total'])} ({p['total']:,}), active {_b(p['active'])} ({int(p['active']):,}) at the "
         f"checkpoint's top-k",
-        f"  non-embedding active {_b(p['non_embedding_active'])}; embeddings {_b(p['embedding'])}; per layer: attention "
-        f"{_b(p['per_layer_attention'])}, router {_b(p['per_layer_router'])}, one expert {_b(p['per_expert'])}",
+        f"  non-embedding active {_b(p['non_embedding_active'])}; embeddings {_b(p['embedding'])}; per layer: "
+        f"attention {_b(p['per_layer_attention'])}, router {_b(p['per_layer_router'])}, "
+        f"one expert {_b(p['per_expert'])}",
         f"  counted: {p['definition']}",
         f"M: {f['M']:.4e} FLOPs/token = 6*N_act_nonemb {f['six_n']:.4e} + 12*L*seq*d_attn {f['attention_term']:.4e}",
         f"  definition: {f['definition']}",
@@ -179,7 +180,8 @@ def format_budget(report: dict[str, Any]) -> str:
         mark = "*" if row["recipe"] == this else " "
         lines.append(
             f" {mark}{row['recipe']:<15}  {row['kind']:<17}  {row['layers']:<7}  {exp:>14}  {mean:>14}  "
-            f"{row['worst_per_layer']:>11}  {row['worst_mean']:>11.3f}  {row['min_per_layer']:>9}  top-{row['eval_topk']}"
+            f"{row['worst_per_layer']:>11}  {row['worst_mean']:>11.3f}  {row['min_per_layer']:>9}  "
+            f"top-{row['eval_topk']}"
         )
         if row.get("note"):
             lines.append(f"  {'':<15}  {row['note']}")

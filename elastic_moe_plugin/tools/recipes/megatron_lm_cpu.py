@@ -19,7 +19,9 @@ import runpy
 from elastic_moe_plugin import cpu_runtime
 from elastic_moe_plugin.cpu_runtime import grad_clip, megatron_training
 
-cpu_runtime.disable_torch_compile()  # Megatron torch.compiles TopKRouter._apply_expert_bias: ~14 s of inductor on CPU
+# Megatron torch.compiles TopKRouter._apply_expert_bias: slow inductor work on CPU for one small function
+# (docs/performance.md)
+cpu_runtime.disable_torch_compile()
 cpu_runtime.enable(training=True)
 megatron_training.enable()
 grad_clip.enable()

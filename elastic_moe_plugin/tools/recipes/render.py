@@ -189,8 +189,8 @@ def _render_swift(recipe: Recipe, topology: Topology, fit: Fit, command: LaunchC
             model_arg = str(Path(output_dir) / f"model-top{model.train_topk}")
             command.prepare.append((model.name, {"num_experts_per_tok": model.train_topk}, model_arg))
             command.notes.append(
-                f"top-{model.train_topk} control: the launcher first writes {model_arg}/ = {model.name} with config.json "
-                f"num_experts_per_tok={model.train_topk} (weights symlinked); evaluate the result with "
+                f"top-{model.train_topk} control: the launcher first writes {model_arg}/ = {model.name} with "
+                f"config.json num_experts_per_tok={model.train_topk} (weights symlinked); evaluate the result with "
                 f"num_experts_per_tok={model.topk}"
             )
         head = {

@@ -214,7 +214,8 @@ def fit_problems(recipe: Recipe, world_size: int) -> list[str]:
     per_step = batch["micro"] * dp
     if batch["global"] % per_step:
         problems.append(
-            f"global batch {batch['global']} is not divisible by micro batch x DP = {batch['micro']} x {dp} = {per_step}"
+            f"global batch {batch['global']} is not divisible by micro batch x DP = "
+            f"{batch['micro']} x {dp} = {per_step}"
         )
     return problems
 

@@ -28,7 +28,8 @@ def _enable() -> None:
     from elastic_moe_plugin import cpu_runtime
     from elastic_moe_plugin.cpu_runtime import MegatronCPUError, megatron_swift
 
-    # Megatron compiles TopKRouter._apply_expert_bias with torch.compile: ~14 s of inductor on CPU
+    # Megatron compiles TopKRouter._apply_expert_bias with torch.compile: slow inductor work on CPU for
+    # one small function (docs/performance.md)
     cpu_runtime.disable_torch_compile()
     # Transformer Engine's attention switches mean nothing without TE, and the CPU flags' local
     # attention backend makes megatron-core assert they are unset or 0. A shell set up for GPUs may
@@ -45,7 +46,12 @@ def _run_shadowed_sitecustomize() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     entries = [entry for entry in sys.path if entry and os.path.abspath(entry) != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", entries)
-    if spec is None or spec.origin is None or os.path.abspath(spec.origin) == os.path.abspath(__file__):
+    if (
+        spec is None
+        or spec.loader is None
+        or spec.origin is None
+        or os.path.abspath(spec.origin) == os.path.abspath(__file__)
+    ):
         return
     module = importlib.util.module_from_spec(spec)
     sys.modules["_elastic_moe_shadowed_sitecustomize"] = module
