@@ -222,6 +222,39 @@ def test_the_routing_core_holds_only_what_the_doors_run():
     assert sorted(set(definitions) - reached) == []
 
 
+#: the longest module of the package, and the longest function where the routing runs
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+SMALL_FUNCTION_LAYERS = ("core", "mcore", "hf", "swift")
+
+
+def _oversized(path: Path, root: Path = ROOT) -> list[str]:
+    """``path`` if it is over :data:`MAX_MODULE_LINES`, and its functions over
+    :data:`MAX_FUNCTION_LINES` (``def`` to last line, docstring included) in the small-function layers."""
+    text = path.read_text()
+    found = [f"{path.name}: {text.count(chr(10))} lines"] if text.count("\n") > MAX_MODULE_LINES else []
+    if path.relative_to(root).parts[0] in SMALL_FUNCTION_LAYERS:
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{path.name}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_modules_and_routing_functions_stay_readable():
+    """No module over 500 lines; no function over 60 lines in core/, mcore/, hf/ and swift/."""
+    assert [problem for path in MODULES.values() for problem in _oversized(path)] == []
+
+
+def test_the_size_check_finds_a_long_function(tmp_path):
+    package = tmp_path / "core"
+    package.mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (package / "long.py").write_text(f"def long():\n{body}\n")
+    assert _oversized(package / "long.py", tmp_path) == [f"long.py:1 long: {MAX_FUNCTION_LINES + 1} lines"]
+
+
 # ---------------------------------------------------------------------------------- what a training process loads
 _PROBE = r"""
 import json, sys
