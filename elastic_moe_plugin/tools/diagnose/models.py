@@ -17,6 +17,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from elastic_moe_plugin.core.routing import balancing_scores, score
 from elastic_moe_plugin.tools import inference_topk
 from elastic_moe_plugin.tools.diagnose.checkpoints import CheckpointSpec
 from elastic_moe_plugin.tools.diagnose.errors import DiagnosticsError
@@ -58,7 +59,7 @@ class RoutedModel:
 
     def router_distribution(self, logits: torch.Tensor) -> torch.Tensor:
         """The router's per-token distribution over all experts: softmax(z) in fp32."""
-        return torch.softmax(logits.float(), dim=-1)
+        return score(logits, "softmax")
 
 
 class _HFRouter(Protocol):
@@ -195,15 +196,8 @@ class MegatronDemoModel(RoutedModel):
             self._captured = None
 
     def router_distribution(self, logits):
-        if self.score_function == "softmax":
-            return torch.softmax(logits.float(), dim=-1)
-        # sigmoid / sqrtsoftplus routers: their scores, normalised to a distribution
-        scores = (
-            torch.sigmoid(logits.float())
-            if self.score_function == "sigmoid"
-            else torch.nn.functional.softplus(logits.float()).sqrt()
-        )
-        return scores / scores.sum(-1, keepdim=True)
+        # softmax, or sigmoid / sqrtsoftplus scores normalised to a distribution: what the aux losses weigh
+        return balancing_scores(logits, self.score_function)
 
     def topk(self, k):
         if not 1 <= k <= self.info.num_experts:

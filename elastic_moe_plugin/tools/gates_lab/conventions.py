@@ -168,7 +168,7 @@ class _MaskedSoftmax(torch.autograd.Function):
         # Slot 0 always enters the softmax so that a κ = 0 row is finite (its weights are zeroed).
         in_softmax = mask.clone()
         in_softmax[..., :1] = True
-        weights = torch.softmax(scores.masked_fill(~in_softmax, float("-inf")), dim=-1)
+        weights = weigh(RoutingRule(normalization="kept_softmax", score_dtype=scores.dtype), scores, in_softmax)
         weights = torch.where(mask, weights, torch.zeros_like(weights))
         ctx.save_for_backward(weights)
         return weights

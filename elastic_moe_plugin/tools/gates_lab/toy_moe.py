@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from elastic_moe_plugin.core.routing import score
 from elastic_moe_plugin.tools.gates_lab.conventions import get_convention, to_dense
 
 #: Why a token's router-gate gradient can be exactly zero, in the order the lab tests them.
@@ -125,7 +126,7 @@ def _zero_cause(
     if name in _NORMALISED_AT_TOP1 and kept == 1:
         return "renormalized_top1"
     if name == "sigmoid":
-        scores = torch.sigmoid(logits[token, kept_ids])
+        scores = score(logits[token, kept_ids], "sigmoid", logits.dtype)
         if bool((scores * (1 - scores) == 0).all()):
             return "saturated"
     elif bool(weights[token, 0] == 1) and (name == "full_softmax" or kept > 1):

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from elastic_moe_plugin.core.routing import score
 from elastic_moe_plugin.tools.gates_lab.conventions import CONVENTION_NAMES, get_convention
 
 
@@ -39,7 +40,7 @@ def two_logit_example(x: float = 1.0, w: float = 1.0) -> dict[str, Any]:
     z2 = w_t * x_t - 0.5
     z2.retain_grad()
     logits = torch.stack([torch.zeros_like(z2), z2])
-    p2 = torch.softmax(logits, dim=0)[1]
+    p2 = score(logits, "softmax", logits.dtype)[1]
     p2.backward()
     z2_grad, w_grad, x_grad = z2.grad, w_t.grad, x_t.grad
     assert z2_grad is not None and w_grad is not None and x_grad is not None  # p2.backward() filled them
