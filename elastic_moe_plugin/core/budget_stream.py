@@ -210,24 +210,24 @@ class _DrawsAhead:
     """Up to :data:`_AHEAD_DRAWS` consecutive draws of one (seed, shard) key, made together: their
     uniforms, and their κ under each (schedule, sampling) that asked for them, as finished CPU draws.
 
-    What a row holds is the draw itself, not an approximation of it: row i is the uniforms of
-    counter ``first + i`` at the block's width, and the uniforms of a draw of T <= width tokens are
-    the first T of the row (token t's uniform does not depend on T: the module docstring). iid κ
-    maps token by token, so the first T entries of a mapped row are the κ of the shorter draw;
-    balanced κ ranks all T uniforms together, so a row is mapped at the block's width and a shorter
-    draw is mapped on its own from the row's first T.
-
+    A row is the draw itself: row i is the uniforms of counter ``first + i`` at the block's width,
+    and a draw of T <= width tokens has the first T of them (token t's uniform does not depend on
+    T). iid κ maps token by token, so a shorter draw's κ is the first T of the mapped row; balanced
+    κ ranks all T uniforms together, so a shorter draw is mapped on its own from the row's first T.
     Rows are read-only by contract: a draw's κ, numpy and CPU tensor, is a view of one.
     """
 
-    __slots__ = ("first", "mapped", "seed", "shard", "uniforms")
+    __slots__ = ("first", "mapped", "philox", "seed", "shard", "uniforms")
 
-    def __init__(self, seed: int, shard: int, first: int, depth: int, width: int) -> None:
+    def __init__(
+        self, seed: int, shard: int, first: int, depth: int, width: int, philox: _Philox | None = None
+    ) -> None:
         self.seed, self.shard, self.first = seed, shard, first
         self.uniforms = np.empty((depth, width), dtype=np.float64)
-        philox = _philox(seed, shard)
+        #: the generator of this (seed, shard) key, handed on to the next block of the same key
+        self.philox = philox if philox is not None else _philox(seed, shard)
         for row in range(depth):
-            philox.at_counter(first + row).random(out=self.uniforms[row])
+            self.philox.at_counter(first + row).random(out=self.uniforms[row])
         #: [(schedule, sampling, the draw of each row at the full width)], one entry per distinct
         #: (schedule, sampling) that asked: a model's layers may differ
         self.mapped: list[tuple[BudgetSchedule, str, tuple[BudgetDraw, ...]]] = []
@@ -280,15 +280,15 @@ def _next_block(block: _DrawsAhead | None, seed: int, shard: int, counter: int, 
     replays earlier counters) gets a one-draw block of its own, and the caller keeps the current
     block for the draws ahead (:meth:`StreamHome.draw`).
     """
-    width = num_tokens
+    width, philox = num_tokens, None
     if block is not None and block.seed == seed and block.shard == shard:
         if block.holds(seed, shard, counter, num_tokens):
             return block
         if counter < block.first and num_tokens <= block.uniforms.shape[1]:
-            return _DrawsAhead(seed, shard, counter, 1, num_tokens)
-        width = max(num_tokens, block.uniforms.shape[1])
+            return _DrawsAhead(seed, shard, counter, 1, num_tokens, block.philox)
+        width, philox = max(num_tokens, block.uniforms.shape[1]), block.philox
     depth = max(1, min(_AHEAD_DRAWS, _AHEAD_ELEMENTS // max(width, 1), _WORD - counter))
-    return _DrawsAhead(seed, shard, counter, depth, width)
+    return _DrawsAhead(seed, shard, counter, depth, width, philox)
 
 
 # ---------------------------------------------------------------------------------- where it lives
@@ -422,12 +422,14 @@ class TrackedStream(StreamHome):
 
     def store(self, stream: BudgetStream, replaces: BudgetStream | None) -> None:
         tracker = self.tracker()
-        entry = self._entry(stream)
         states = getattr(tracker, "states_", None)
         if isinstance(states, dict):
+            entry = self._entry(stream, states)
             states[self.name] = entry  # what the tracker's own fork() does with its states
         else:
-            tracker.set_states({**tracker.get_states(), self.name: entry})
+            states = tracker.get_states()
+            entry = self._entry(stream, states)
+            tracker.set_states({**states, self.name: entry})
         self._last_entry, self._last_stream = entry, stream
 
     def forget(self) -> None:
@@ -438,18 +440,18 @@ class TrackedStream(StreamHome):
             tracker.set_states({name: value for name, value in states.items() if name != self.name})
         self._last_entry = self._last_stream = None
 
-    def _entry(self, stream: BudgetStream) -> Any:
-        device = self._generator_device()
+    def _entry(self, stream: BudgetStream, states: dict) -> Any:
+        device = self._generator_device(states)
         if device is None:
             return self._entries_ahead.get(stream)
         generator = torch.Generator(device=device)
         generator.set_state(stream.to_state_tensor())
         return generator
 
-    def _generator_device(self) -> torch.device | None:
+    def _generator_device(self, states: dict) -> torch.device | None:
         """The device of the tracker's ``torch.Generator`` states, None when it holds tensors (a
         tracker's states are all of one kind: its first state other than ours decides)."""
-        for name, state in self.states().items():
+        for name, state in states.items():
             if name != self.name:
                 return state.device if isinstance(state, torch.Generator) else None
         return None
@@ -470,14 +472,10 @@ class _EntriesAhead:
         row = stream.counter - self.first
         if stream.seed != self.seed or not 0 <= row < len(self.tensors):
             self.seed, self.first, row = stream.seed, stream.counter, 0
-            last = min(stream.counter + _AHEAD_DRAWS, _LAST_OFFSET)
-            self.tensors = tuple(
-                BudgetStream(stream.seed, counter).to_state_tensor() for counter in range(stream.counter, last)
-            )
+            last = min(stream.counter + _AHEAD_DRAWS, 1 << 62)  # offset 4·counter < 2^64: counter < 2^62
+            counters = range(stream.counter, last)
+            self.tensors = tuple(BudgetStream(stream.seed, counter).to_state_tensor() for counter in counters)
         return self.tensors[row]
-
-
-_LAST_OFFSET = 1 << 62  # a state's offset 4·counter has 64 bits: counters below 2^62 have one
 
 
 def to_device(host: np.ndarray, device: torch.device | str) -> torch.Tensor:
