@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-SCENARIOS = ("router", "layer", "gpt", "hf", "kappa", "e2e")  # elastic_moe_plugin.tools.bench.SCENARIOS
+SCENARIOS = ("router", "layer", "gpt", "hf", "kappa", "calls", "e2e")  # elastic_moe_plugin.tools.bench.SCENARIOS
 LAUNCHERS = ("swift_sft", "megatron_sft", "megatron_lm")  # elastic_moe_plugin.tools.bench.e2e.LAUNCHERS
 
 
@@ -29,7 +29,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="run only these scenarios (default: all but e2e). router, layer (dropless and "
         "drop-and-pad), gpt: Megatron-core; hf: transformers' OLMoE- and Qwen3-MoE-shaped blocks "
         "under every experts implementation; kappa: the κ draw per router call for 1-1024 token "
-        "shards, before and after the counter-based stream; e2e: training steps/s of swift sft, "
+        "shards, before and after the counter-based stream; calls: one router call per door, stock, "
+        "static and elastic, in µs and in package calls; e2e: training steps/s of swift sft, "
         "megatron sft and Megatron-LM's trainer on tiny models, static against elastic 6-10, "
         "in rounds of child processes (minutes)",
     )

@@ -7,6 +7,8 @@
   per experts implementation, with the rows the expert GEMMs multiply;
 - :mod:`.kappa`: the κ draw itself (``kappa``), time and memory per router call as the number of
   token shards grows, the draw before the counter-based stream against the one now;
+- :mod:`.calls`: one router call (``calls``), stock against patched, per door: µs per call and
+  the package's calls and modules in one elastic call;
 - :mod:`.e2e`: training end to end (``e2e``), one row per launcher (``swift sft``, ``megatron sft``,
   Megatron-LM's trainer), each a child process per run, static against elastic in alternating rounds
   (:mod:`.e2e_swift`, :mod:`.e2e_megatron`). It runs only when ``only`` names it.
@@ -36,18 +38,19 @@ from elastic_moe_plugin.tools.bench.measure import (
 )
 
 if TYPE_CHECKING:
+    from elastic_moe_plugin.tools.bench.calls import RouterCallResult
     from elastic_moe_plugin.tools.bench.e2e import E2EOptions, E2EResult
     from elastic_moe_plugin.tools.bench.hf import ExpertsScenarioResult, ExpertsVariantResult
     from elastic_moe_plugin.tools.bench.kappa import KappaDrawResult
 
     #: a row of any scenario: Megatron's and the transformers blocks' are ScenarioResults
-    BenchResult: TypeAlias = ScenarioResult | KappaDrawResult | E2EResult
+    BenchResult: TypeAlias = ScenarioResult | KappaDrawResult | RouterCallResult | E2EResult
 
 #: ``--only`` choices: the Megatron scenarios, ``hf`` for the transformers blocks, ``kappa`` for the κ
-#: draw, ``e2e`` for the launchers end to end
-SCENARIOS = ("router", "layer", "gpt", "hf", "kappa", "e2e")
+#: draw, ``calls`` for one router call per door, ``e2e`` for the launchers end to end
+SCENARIOS = ("router", "layer", "gpt", "hf", "kappa", "calls", "e2e")
 #: what runs without ``--only``: every in-process scenario (``e2e`` trains with each launcher: minutes)
-DEFAULT_SCENARIOS = ("router", "layer", "gpt", "hf", "kappa")
+DEFAULT_SCENARIOS = ("router", "layer", "gpt", "hf", "kappa", "calls")
 MEGATRON_SCENARIOS = ("router", "layer", "gpt")
 
 
@@ -77,6 +80,10 @@ def run_suite(
         from elastic_moe_plugin.tools.bench import kappa
 
         results += kappa.run_suite(quick, threads)
+    if "calls" in wanted:
+        from elastic_moe_plugin.tools.bench import calls
+
+        results += calls.run_suite(quick, threads)
     if e2e_options is not None and "e2e" in wanted:  # set above whenever e2e is wanted
         results += e2e.run_e2e(e2e_options, quick)
     return results
@@ -90,8 +97,12 @@ def _is_e2e(result: BenchResult) -> TypeGuard[E2EResult]:
     return hasattr(result, "launcher")
 
 
+def _is_call(result: BenchResult) -> TypeGuard[RouterCallResult]:
+    return hasattr(result, "door")
+
+
 def _is_scenario(result: BenchResult) -> TypeGuard[ScenarioResult]:
-    return not _is_kappa(result) and not _is_e2e(result)
+    return not _is_kappa(result) and not _is_e2e(result) and not _is_call(result)
 
 
 def _is_block(result: ScenarioResult) -> TypeGuard[ExpertsScenarioResult]:
@@ -158,6 +169,13 @@ def format_results(results: list[BenchResult]) -> str:
         if lines:
             lines.append("")
         lines.append(kappa.format_table(draws))
+    router_calls = [result for result in results if _is_call(result)]
+    if router_calls:
+        from elastic_moe_plugin.tools.bench import calls
+
+        if lines:
+            lines.append("")
+        lines.append(calls.format_table(router_calls))
     if launchers:
         from elastic_moe_plugin.tools.bench import e2e
 
@@ -201,6 +219,9 @@ def to_json(results: list[BenchResult]) -> dict[str, Any]:
     )
     if draws:
         report["kappa_draw"] = draws
+    router_calls = [asdict(result) for result in results if _is_call(result)]
+    if router_calls:
+        report["router_calls"] = router_calls
     if launchers:
         from elastic_moe_plugin.tools.bench import e2e
 

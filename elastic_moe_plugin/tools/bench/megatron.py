@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 
 # ------------------------------------------------------------------------------------ set-up
-def _megatron_setup(threads: int) -> None:
+def megatron_setup(threads: int) -> None:
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     if threads:
         torch.set_num_threads(threads)
@@ -65,11 +65,11 @@ def _megatron_setup(threads: int) -> None:
             cpu_runtime.initialize_model_parallel()
 
 
-def _device() -> torch.device:
+def bench_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _config(**overrides):
+def transformer_config(**overrides):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -113,10 +113,12 @@ def router_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hid
 
     from elastic_moe_plugin import mcore
 
-    config = _config(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_moe_experts=num_experts, moe_router_topk=topk)
+    config = transformer_config(
+        hidden_size=hidden, ffn_hidden_size=4 * hidden, num_moe_experts=num_experts, moe_router_topk=topk
+    )
     pg_collection = get_default_pg_collection()
     torch.manual_seed(0)
-    device = _device()
+    device = bench_device()
     routers = {"stock": TopKRouter(config=config, pg_collection=pg_collection)}
     for sampling in SAMPLINGS:
         router_class = mcore.ElasticTopKRouter.with_config(_elastic_config(schedule, sampling))
@@ -176,7 +178,7 @@ def layer_scenario(
     from elastic_moe_plugin import mcore
 
     capacity = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True) if drop_and_pad else {}
-    config = _config(
+    config = transformer_config(
         hidden_size=hidden,
         ffn_hidden_size=ffn,
         moe_ffn_hidden_size=ffn,
@@ -185,7 +187,7 @@ def layer_scenario(
         moe_token_dispatcher_type=dispatcher,
         **capacity,
     )
-    device = _device()
+    device = bench_device()
     torch.manual_seed(0)
     layers = {"stock": MoELayer(config=config, submodules=_moe_submodules())}
     for sampling in SAMPLINGS:
@@ -233,7 +235,7 @@ def gpt_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hidden
 
     vocab, batch = 256, 4
     sequence = max(8, tokens // batch)
-    config = _config(
+    config = transformer_config(
         num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=2 * hidden,
@@ -242,7 +244,7 @@ def gpt_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hidden
         moe_router_topk=topk,
     )
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
-    device = _device()
+    device = bench_device()
     torch.manual_seed(0)
     models = {
         "stock": GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=sequence)
@@ -306,7 +308,7 @@ def _measure(scenario: str, shape: str, steps: dict[str, Step], warmup: int, rep
 
 def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list[ScenarioResult]:
     """The Megatron scenarios named in ``only`` (``router``, ``layer``, ``gpt``; all when None)."""
-    _megatron_setup(threads)
+    megatron_setup(threads)
     if quick:
         router_shapes = [(64, 8, "6-10", 1024, 256)]
         layer_shape = _LayerShape(num_experts=16, topk=4, schedule="2-6", tokens=512, hidden=128, ffn=256)
