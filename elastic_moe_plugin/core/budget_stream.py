@@ -130,7 +130,7 @@ class BudgetStream:
         ``torch.Generator`` objects (checkpoint load under CUDA graphs), so the stream survives
         either form; :meth:`from_state` reads both."""
         raw = self.seed.to_bytes(8, "little") + (4 * self.counter).to_bytes(8, "little")
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # owns its bytes; 3x faster than a list
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # owns its bytes; cheaper than a list of ints
 
     @classmethod
     def from_state(cls, state: torch.Tensor | torch.Generator) -> BudgetStream:

@@ -301,8 +301,8 @@ def capacity_drop_shares(record: RoutingRecord, topk: int) -> dict[str, float]:
 
 #: Per-layer names whose value is a constant of the config, the same at every step: the schedule's
 #: a(r) (paper Eq. 7). A means-only log (Megatron's default, no per-layer logging) leaves them out:
-#: each scalar a trainer logs costs its training thread about 33 µs a step with TensorBoard, whose
-#: writer thread checksums every event in pure Python under the GIL (docs/performance.md).
+#: every scalar a trainer logs costs its training thread time with TensorBoard, whose writer thread
+#: checksums every event in pure Python under the GIL (docs/performance.md measures it).
 #: ``elastic-moe schedule`` prints them, and the per-layer logs keep them.
 SCHEDULE_CONSTANTS = ("survival_rank_",)
 
