@@ -35,7 +35,7 @@ The algorithm (:func:`route`)
    =====================  ==================================================  ====================
    none                   s_i (full-softmax p_i, or a sigmoid score)          full_softmax
    kept_softmax           exp(z_i) / Σ_{j∈S} exp(z_j)                         renormalized
-   kept_sum               s_i / (Σ_{j∈S} s_j + ε)                             renormalized
+   kept_sum               s_i / (Σ_{j∈S} s_j + ε), or / max(Σ s_j, floor)    renormalized
    kept_sum_if_several    s_i / (Σ_{j∈S} s_j + ε) if κ_t > 1, else s_i        sigmoid_auto
    =====================  ==================================================  ====================
 
@@ -89,25 +89,33 @@ class RoutingRule:
         normalization: the weight rule over the kept set (module docstring, step 5).
         renormalization_eps: ε of ``kept_sum`` / ``kept_sum_if_several`` (1e-20 for sigmoid
             routers; 0 where the framework divides by the plain sum).
+        renormalization_min: a floor on the kept sum instead of ε: the denominator is
+            max(Σ_{j∈S} s_j, floor) (ERNIE-4.5's ``moe_norm_min``; ``None``: no floor).
         num_groups / groups_kept: group-limited selection (``None``: every expert competes).
         group_score_topk: the top selection values summed to score a group (Megatron: k //
             groups_kept with the model's k, so κ = k keeps the groups stock top-k keeps).
         scaling_factor: multiplies the weights (``None``: 1).
         weights_in_logits_dtype: cast the weights to the logits' dtype (False: keep the scores').
+        masked_group_value: what group-limited selection writes over the experts of the groups
+            it drops: −inf (Megatron, DeepSeek-V3), or 0.0 (DeepSeek-V2, Mistral-4, AXK-2 rank
+            non-negative scores against it).
         score_dtype: the dtype of scores and gate weights: fp32, the frameworks' policy (the
-            gate lab computes fp64 logits in fp64, so closed forms hold to 1e-12).
+            gate lab computes fp64 logits in fp64, so closed forms hold to 1e-12); ``None``: the
+            logits' own dtype (routers that never leave it, e.g. Mistral-4, GPT-OSS).
     """
 
     score_function: ScoreFunction = "softmax"
     select_on: SelectOn = "scores"
     normalization: Normalization = "kept_sum"
     renormalization_eps: float = 0.0
+    renormalization_min: float | None = None
     num_groups: int | None = None
     groups_kept: int | None = None
     group_score_topk: int | None = None
     scaling_factor: float | None = None
     weights_in_logits_dtype: bool = True
-    score_dtype: torch.dtype = torch.float32
+    masked_group_value: float = float("-inf")
+    score_dtype: torch.dtype | None = torch.float32
 
     def __post_init__(self) -> None:
         if self.score_function not in SCORE_FUNCTIONS:
@@ -125,6 +133,8 @@ class RoutingRule:
                 "RoutingRule.normalization='kept_softmax' weighs a softmax over the kept logits, "
                 f"which only a softmax router has, not {self.score_function!r}."
             )
+        if self.renormalization_min is not None and self.renormalization_eps:
+            raise ValueError("RoutingRule takes renormalization_eps or renormalization_min, not both.")
         if self.groups_kept and not (self.num_groups and self.group_score_topk):
             raise ValueError("RoutingRule.groups_kept needs num_groups and group_score_topk.")
 
@@ -178,8 +188,9 @@ def route(
     if budgets is None:
         if top_p is None:
             raise ValueError("route() needs budgets κ [T] or top_p.")
-        full = probabilities if probabilities is not None else score(logits, "softmax", rule.score_dtype)
-        budgets = top_p_budgets(full.detach().gather(1, ids), top_p)
+        if probabilities is None:
+            probabilities = score(logits, "softmax", rule.score_dtype or logits.dtype)
+        budgets = top_p_budgets(probabilities.detach().gather(1, ids), top_p)
     kept = budget_mask(budgets, width)
     gate_weights = weigh(rule, values, kept, logits=logits, ids=ids)
     weights = gate_weights * rule.scaling_factor if rule.scaling_factor else gate_weights
@@ -230,11 +241,11 @@ def select(
     if probabilities is not None and rule.score_function == "softmax":
         scores = probabilities
     else:
-        scores = score(logits, rule.score_function, rule.score_dtype)
+        scores = score(logits, rule.score_function, rule.score_dtype or logits.dtype)
     if rule.select_on == "logits":
         selection = logits
     else:
-        selection = scores if selection_bias is None else scores + selection_bias.to(rule.score_dtype)
+        selection = scores if selection_bias is None else scores + selection_bias.to(scores.dtype)
     top, ids = _top(selection, rule, width)
     if rule.normalization == "kept_softmax":
         return ids, torch.gather(logits, 1, ids)
@@ -244,23 +255,25 @@ def select(
 def _top(selection: torch.Tensor, rule: RoutingRule, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-b of ``selection`` [T, E], sorted by rank: among every expert, or inside the kept groups."""
     if rule.num_groups and rule.groups_kept and rule.group_score_topk:
-        return _group_limited_topk(selection, width, rule.num_groups, rule.groups_kept, rule.group_score_topk)
+        return _group_limited_topk(
+            selection, width, rule.num_groups, rule.groups_kept, rule.group_score_topk, rule.masked_group_value
+        )
     return torch.topk(selection, k=width, dim=1, sorted=True)
 
 
 def _group_limited_topk(
-    selection: torch.Tensor, width: int, groups: int, groups_kept: int, group_score_topk: int
+    selection: torch.Tensor, width: int, groups: int, groups_kept: int, group_score_topk: int, masked_value: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-b inside the groups the rule keeps: each of G groups of E / G experts is scored by the
     sum of its top ``group_score_topk`` selection values, the best ``groups_kept`` groups stay, the
-    rest are masked to −inf (the same ops as Megatron's ``group_limited_topk``). Only the final top
+    rest are masked to ``masked_value`` (the same ops as Megatron's ``group_limited_topk``). Only the final top
     widens to b, so κ = k routes exactly as the framework's top-k."""
     num_tokens, num_experts = selection.shape
     group_scores = selection.view(num_tokens, groups, -1).topk(group_score_topk, dim=-1)[0].sum(dim=-1)
     group_ids = torch.topk(group_scores, k=groups_kept, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
     expert_mask = group_mask.unsqueeze(-1).expand(num_tokens, groups, num_experts // groups).reshape(num_tokens, -1)
-    return torch.topk(selection.masked_fill(~expert_mask.bool(), float("-inf")), k=width, dim=-1)
+    return torch.topk(selection.masked_fill(~expert_mask.bool(), masked_value), k=width, dim=-1)
 
 
 def budget_mask(budgets: torch.Tensor, width: int) -> torch.Tensor:
@@ -300,7 +313,8 @@ def weigh(
     kept logits, gathered from ``logits`` at ``ids``); every other rule through autograd's own
     backward of the framework's ops, so κ ≡ k reproduces the framework's gradients bit for bit.
     """
-    values = values.to(rule.score_dtype)
+    if rule.score_dtype is not None:
+        values = values.to(rule.score_dtype)
     normalization = rule.normalization
     if normalization == "none":
         return torch.where(kept, values, torch.zeros_like(values))
@@ -308,11 +322,14 @@ def weigh(
         # exp(-inf) is exactly 0 beyond κ (slot 0 is always kept), and so is its gradient there
         return torch.softmax(torch.where(kept, values, _negative_infinity(values.dtype, values.device)), dim=-1)
     kept_values = torch.where(kept, values, torch.zeros_like(values))
-    if normalization == "kept_sum" and rule.score_function == "softmax" and logits is not None and ids is not None:
+    floor = rule.renormalization_min
+    softmax_renormalised = normalization == "kept_sum" and rule.score_function == "softmax" and floor is None
+    if softmax_renormalised and logits is not None and ids is not None:
         return RenormalizedProbs.apply(
-            torch.gather(logits, 1, ids).to(rule.score_dtype), kept_values.detach(), rule.renormalization_eps
+            torch.gather(logits, 1, ids).to(values.dtype), kept_values.detach(), rule.renormalization_eps
         )
-    normalised = kept_values / (kept_values.sum(-1, keepdim=True) + rule.renormalization_eps)
+    total = kept_values.sum(-1, keepdim=True)
+    normalised = kept_values / (total.clamp(min=floor) if floor is not None else total + rule.renormalization_eps)
     if normalization == "kept_sum":
         return normalised
     return torch.where(several_kept(kept), normalised, kept_values)

@@ -50,7 +50,8 @@ def _hand_route(row: list[float], rule: RoutingRule, kappa: int, width: int, bia
         group_scores = [sum(sorted(selection[g * size:(g + 1) * size], reverse=True)[: rule.group_score_topk])
                         for g in range(rule.num_groups)]
         best = sorted(range(rule.num_groups), key=lambda g: group_scores[g], reverse=True)[: rule.groups_kept]
-        allowed = [e for e in allowed if e // size in best]
+        # the dropped groups' experts compete at the rule's masked value (−inf, or 0.0 as in DeepSeek-V2)
+        selection = [value if e // size in best else rule.masked_group_value for e, value in enumerate(selection)]
     ids = sorted(allowed, key=lambda e: selection[e], reverse=True)[:width]
     kept_ids = ids[:kappa]
     if rule.normalization == "none":
@@ -60,7 +61,8 @@ def _hand_route(row: list[float], rule: RoutingRule, kappa: int, width: int, bia
         exps = [math.exp(row[e] - top) for e in kept_ids]
         kept_weights = [x / sum(exps) for x in exps]
     else:
-        total = sum(scores[e] for e in kept_ids) + rule.renormalization_eps
+        total = sum(scores[e] for e in kept_ids)
+        total = max(total, rule.renormalization_min) if rule.renormalization_min is not None else total + rule.renormalization_eps
         several = rule.normalization == "kept_sum" or kappa > 1
         kept_weights = [scores[e] / total if several else scores[e] for e in kept_ids]
     scale = rule.scaling_factor or 1.0
@@ -86,6 +88,17 @@ RULES = {
     "softmax_groups_kept_softmax (group-limited softmax)": (
         dict(normalization="kept_softmax", num_groups=4, groups_kept=3, group_score_topk=1, scaling_factor=16.0),
         False),
+    "softmax_bias_floor (ERNIE-4.5)": (dict(normalization="kept_sum", renormalization_min=1e-12), True),
+    "softmax_bias_floor_binding (a floor above every kept sum)": (
+        dict(normalization="kept_sum", renormalization_min=2.0), True),
+    "softmax_groups_by_max_zero_fill_scaled (DeepSeek-V2)": (
+        dict(normalization="none", num_groups=4, groups_kept=2, group_score_topk=1, masked_group_value=0.0,
+             scaling_factor=16.0), False),
+    "sigmoid_bias_groups_zero_fill (AXK-2)": (
+        dict(score_function="sigmoid", normalization="kept_sum", renormalization_eps=1e-20, num_groups=4,
+             groups_kept=2, group_score_topk=2, masked_group_value=0.0), True),
+    "sigmoid_of_the_top_logits_renormalised (Cohere2-MoE sigmoid)": (
+        dict(score_function="sigmoid", select_on="logits", normalization="kept_sum"), False),
     "sigmoid_unnormalised_scaled": (dict(score_function="sigmoid", normalization="none", scaling_factor=1.5), True),
 }
 BUDGETS = {"kappa_is_k": None, "variable_kappa": (1, 6)}
@@ -148,6 +161,23 @@ def test_the_weights_dtype_is_the_logits_unless_the_rule_keeps_fp32():
     kept_fp32 = route(logits, RoutingRule(weights_in_logits_dtype=False), 3, budgets=budgets)
     assert kept_fp32.weights.dtype == torch.float32
     assert torch.equal(kept_fp32.weights.to(torch.bfloat16), route(logits, RoutingRule(), 3, budgets=budgets).weights)
+
+
+def test_a_rule_without_a_score_dtype_stays_in_the_logits_dtype():
+    """Mistral-4 and GPT-OSS never leave the logits' dtype: scores, selection and weights in bf16,
+    as the same ops written out in bf16."""
+    logits = _inputs(3, torch.bfloat16)[0]
+    budgets = torch.full((T,), 3)
+    kept_sum = route(logits, RoutingRule(score_dtype=None, renormalization_eps=1e-20), 3, budgets=budgets)
+    probabilities = torch.softmax(logits, dim=-1)
+    top, ids = torch.topk(probabilities, 3, dim=-1)
+    assert kept_sum.gate_weights.dtype == torch.bfloat16
+    assert torch.equal(kept_sum.ids, ids)
+    assert torch.equal(kept_sum.weights, top / (top.sum(-1, keepdim=True) + 1e-20))
+    on_logits = RoutingRule(score_dtype=None, select_on="logits", normalization="kept_softmax")
+    top_logits, ids = torch.topk(logits, 3, dim=-1)
+    routed = route(logits, on_logits, 3, budgets=budgets)
+    assert torch.equal(routed.weights, torch.softmax(top_logits, dim=1, dtype=torch.bfloat16))
 
 
 def test_top_p_keeps_the_smallest_top_ranked_set_reaching_p():
