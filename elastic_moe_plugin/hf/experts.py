@@ -33,12 +33,21 @@ activation and its backward, the weighting, the per-token sum): P, the tokens' T
 Only [T, b]-shaped index bookkeeping of the router's own outputs (the gathers of the P ids and
 weights, and the weights' gradient) keeps the b slots, with no hidden dimension.
 
-Expert parallelism (:func:`install_expert_parallel`): transformers' token dispatch
-(``ep_dispatch_experts``) sends only the P kept pairs to their owners and adds the weighted outputs
-back per token (with a TP group, each rank's ``Shard(0)`` slice of the tokens is marked with its
-slice of κ); the masked plan (``ep_router`` + ``moe_tp_experts``) keeps the mark through the
-router's output hook, so each rank's experts compact to the P kept pairs (the other ranks' experts
-are transformers' sentinel id ``num_local_experts``, left out of the grouped GEMM by its offsets).
+Expert parallelism (:func:`install_expert_parallel`), by what the installed transformers defines:
+
+- 5.23+ (``transformers.distributed.expert_parallel``): the ``ep_dispatch_experts`` style reaches the
+  experts through an ``EPImplementation`` (``DistributedConfig.ep_implementation``). ``AllToAllEP``
+  (``"all_to_all"``; ``"auto"`` in training) is called on the P kept pairs as P tokens of one slot
+  each: its TP slicing splits the pairs, its all-to-alls move only them, and the weighted pair
+  outputs it gathers back are summed per token. ``AllReduceEP`` (``"all_reduce"``; ``"auto"`` under
+  no grad) rebuilds the index for the local experts (other ranks' experts → the sentinel id E,
+  weight 0); the rebuilt index is marked with the call's κ, so each rank's experts compact to the
+  P kept pairs and leave the sentinel ones out of the grouped GEMM, and the all-reduce stays [T, H].
+- 5.19-5.22 (``EpDispatchExpertsParallel`` in ``tensor_parallel``, from 5.22 in ``expert_parallel``):
+  its token dispatch sends only the P kept pairs to their owners and adds the weighted outputs back
+  per token (with a TP group, each rank's ``Shard(0)`` slice of the tokens is marked with its slice
+  of κ); the masked plan (``ep_router`` + ``moe_tp_experts``) keeps the mark through the router's
+  output hook, so each rank's experts compact to the P kept pairs, as under ``AllReduceEP``.
 
 A call without a mark (eval mode, static layers, ``schedule="static"``, a router that is not
 patched, or a block that rebuilt the index tensor) runs the stock forward untouched, bit for bit;
@@ -55,6 +64,7 @@ E = ``experts.num_experts`` (the local experts under expert parallelism).
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 from collections.abc import Callable
 
@@ -175,11 +185,12 @@ def _grouped_mm(experts, original, hidden_states, top_k_index, top_k_weights, sl
     weighted rows are added into their tokens in expert order (:func:`_sum_per_token`), which saves
     stock's inverse permutation.
 
-    Under transformers' masked expert parallelism (``experts._is_expert_parallel``: ``ep_router``
-    marks the pairs of other ranks' experts with the sentinel id E), the sentinel pairs sort last
-    and ``histc`` leaves them out of the offsets, as in ``grouped_mm_experts_forward``: the GEMMs
-    stop at the local pairs, the tail gathers an appended zero row (whose gradient is dropped), and
-    one forward-only zeroing keeps the rows the kernel leaves uninitialised out of the output; the
+    Under transformers' masked expert parallelism (``experts._is_expert_parallel``: ``ep_router``,
+    or from 5.23 ``AllReduceEP``, gives the pairs of other ranks' experts the sentinel id E), the
+    sentinel pairs sort last and ``histc`` leaves them out of the offsets, as in
+    ``grouped_mm_experts_forward``: the GEMMs stop at the local pairs, the tail gathers an appended
+    zero row (whose gradient is dropped), and one forward-only zeroing keeps the rows the kernel
+    leaves uninitialised out of the output (and out of the post-expert norm, 5.20+); the
     tail's weights are 0, so nothing reaches a gradient.
     """
     from transformers.integrations import moe
@@ -218,6 +229,8 @@ def _grouped_mm(experts, original, hidden_states, top_k_index, top_k_weights, sl
             # The kernel leaves the tail rows uninitialised: zero them for the forward (in place;
             # the GEMM's backward does not read its output). d out = w · d weighted is 0 there.
             out.masked_fill_(tail.unsqueeze(-1), 0.0)
+    if getattr(experts, "has_post_expert_norm", False):  # transformers 5.20+: normed before the weighting
+        out = experts.post_expert_norm(out)
     # The product in the accumulation dtype (fp32 for bf16), as stock's slot sum accumulates it.
     weighted = out * weights.to(_accumulation_dtype(out.dtype)).unsqueeze(-1)  # [P, H]
     return _sum_per_token(weighted, sorted_tokens, num_tokens, hidden_states.dtype)
@@ -229,8 +242,9 @@ _COMPACTED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _dispatch_kept_pairs(original: Callable) -> Callable:
-    """``EpDispatchExpertsParallel._dispatch_tokens`` sending only the P kept pairs of a marked call
-    (as P tokens of one slot each); the all-to-all split sizes it reads are then P's."""
+    """``EpDispatchExpertsParallel._dispatch_tokens`` (transformers 5.19-5.22) sending only the P kept
+    pairs of a marked call (as P tokens of one slot each); the all-to-all split sizes it reads are
+    then P's."""
 
     @functools.wraps(original)
     def _dispatch_tokens(self, hidden_states, top_k_index, num_local_experts, ep_group, ep_size):
@@ -314,19 +328,86 @@ def _router_output_keeps_the_mark(original: Callable) -> Callable:
     return transform_output_post_forward
 
 
+def _all_to_all_kept_pairs(original: Callable) -> Callable:
+    """``AllToAllEP.__call__`` (transformers 5.23+) on the P kept pairs of a marked call, as P tokens
+    of one slot each: its TP slicing splits the pairs (each is dispatched once by its TP group), its
+    split sizes are P's, and it returns the weighted pair outputs [P, H], gathered over TP; they are
+    summed per token here (:func:`_sum_per_token`)."""
+
+    @functools.wraps(original)
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        slots = kept_slots(top_k_index)
+        if slots is None or slots.total == top_k_index.numel():  # unmarked, or every slot kept: stock
+            return original(self, hidden_states, top_k_index, top_k_weights)
+        tokens, ids, weights, _ = _kept_pairs(top_k_index, top_k_weights, slots, hidden_states.device)
+        pair_outputs = original(self, hidden_states[tokens], ids.unsqueeze(-1), weights.unsqueeze(-1))  # [P, H]
+        return _sum_per_token(pair_outputs, tokens, hidden_states.shape[0], pair_outputs.dtype)
+
+    return __call__
+
+
+def _all_reduce_keeps_the_mark(original: Callable) -> Callable:
+    """``AllReduceEP.__call__`` (transformers 5.23+) carrying the call's mark to the index it rebuilds
+    for the local experts, so they compact to the P kept pairs (:func:`experts_forward`).
+
+    The rebuild (``torch.where(off_rank, E, top_k_index % E)``) happens inside the call, between no
+    two methods; the experts forward it then calls is the instance's ``experts_forward`` attribute,
+    so that is swapped, for this call only, for one that marks its [T, b] index argument (an
+    elementwise remap: the same slots are kept). The all-reduce keeps its [T, H] rows.
+    """
+
+    @functools.wraps(original)
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        slots = kept_slots(top_k_index)
+        if slots is None:
+            return original(self, hidden_states, top_k_index, top_k_weights)
+        experts_forward = self.experts_forward
+
+        def marked_experts_forward(local_states, local_index, *args, **kwargs):
+            if local_index.shape == top_k_index.shape:
+                mark_kept_slots(local_index, slots.host_budgets)
+            return experts_forward(local_states, local_index, *args, **kwargs)
+
+        self.experts_forward = marked_experts_forward
+        try:
+            return original(self, hidden_states, top_k_index, top_k_weights)
+        finally:
+            self.experts_forward = experts_forward
+
+    return __call__
+
+
+def _defined(name: str) -> type | None:
+    """The class ``name`` of transformers' expert parallelism, where this transformers defines it:
+    ``transformers.distributed.expert_parallel`` (5.22+) or ``.tensor_parallel`` (5.19-5.21), else
+    None. Read from each module's own namespace: from 5.22, ``tensor_parallel`` re-exports the moved
+    classes through a module ``__getattr__`` that warns (FutureWarning) at every access."""
+    for module_name in ("expert_parallel", "tensor_parallel"):
+        try:
+            module = importlib.import_module(f"transformers.distributed.{module_name}")
+        except ImportError:  # not this version's layout, or torch.distributed unavailable
+            continue
+        found = vars(module).get(name)
+        if isinstance(found, type):
+            return found
+    return None
+
+
 def install_expert_parallel(patches) -> None:
-    """Part of ``hf.apply``: transformers' expert-parallel styles follow κ (module docstring).
-    Nothing to do on a transformers without them (``torch.distributed`` unavailable)."""
-    try:
-        from transformers.distributed import tensor_parallel
-    except ImportError:
-        return
-    dispatch = getattr(tensor_parallel, "EpDispatchExpertsParallel", None)
-    if dispatch is not None:
+    """Part of ``hf.apply``: transformers' expert-parallel styles follow κ (module docstring). Chooses
+    by what the installed transformers defines; nothing to do on one without them."""
+    # 5.23+: the ep_dispatch_experts style calls an EPImplementation (AutoEP calls these two).
+    for name, factory in (("AllToAllEP", _all_to_all_kept_pairs), ("AllReduceEP", _all_reduce_keeps_the_mark)):
+        implementation = _defined(name)
+        if implementation is not None:
+            patches.wrap(implementation, "__call__", factory)
+    # 5.19-5.22: the style dispatches the tokens itself (from 5.23 it has no such methods).
+    dispatch = _defined("EpDispatchExpertsParallel")
+    if dispatch is not None and "_dispatch_tokens" in vars(dispatch):
         patches.wrap(dispatch, "_dispatch_tokens", _dispatch_kept_pairs)
         patches.wrap(dispatch, "_combine_tokens", _combine_kept_pairs)
         patches.wrap(dispatch, "transform_inputs_pre_forward", _tp_slice_keeps_the_mark)
-    router = getattr(tensor_parallel, "EpRouterParallel", None)
+    router = _defined("EpRouterParallel")  # the masked plan's router hook (5.19-5.22)
     if router is not None:
         patches.wrap(router, "transform_output_post_forward", _router_output_keeps_the_mark)
 

@@ -1,15 +1,22 @@
-"""transformers 5.19's expert parallelism follows κ, on 2 gloo processes (CPU, real DTensors).
+"""transformers' expert parallelism follows κ, on 2 gloo processes (CPU, real DTensors).
 
 ``tests/fixtures/hf/expert_parallel.py`` loads a tiny OLMoE (8 experts, top-2, schedule 1-3: b = 3)
-with ``from_pretrained(..., distributed_config=...)`` under both of transformers' expert-parallel
-plans, both on ``tp_size = ep_size = 2`` (what 5.19 accepts): the token dispatch
-(``ep_dispatch_experts``, the model's own plan; each rank dispatches its half of the batch) and the
-router masking (``ep_router`` + ``moe_tp_experts``). Each rank runs forward + backward twice on the same κ:
-elastic, and with the router's mark hidden so every one of the b slots is computed (the unkept ones
-at weight 0), which is what expert parallelism did before. Checked, per experts implementation:
+with ``from_pretrained(..., distributed_config=...)`` under two of transformers' expert-parallel
+plans, both on ``tp_size = ep_size = 2`` (what 5.19 accepts), by what the installed transformers has:
 
-- the rows the local experts multiply, summed over the ranks, are the Σκ kept pairs (all-slots:
-  T·b), counted at the GEMMs (``experts_support.ExpertRows``);
+- the token dispatch (``ep_dispatch_experts``, the model's own plan; each rank dispatches its
+  ``Shard(0)`` half of the batch): the style's own all-to-all on 5.19-5.22, ``AllToAllEP`` (the
+  ``"auto"`` implementation in training) from 5.23;
+- the masking: ``ep_router`` + ``moe_tp_experts`` on 5.19-5.22, ``AllReduceEP``
+  (``ep_implementation="all_reduce"``, which rebuilds the index for the local experts) from 5.23.
+
+Each rank runs forward + backward twice on the same κ: elastic, and with the router's mark hidden
+so every one of the b slots is computed (the unkept ones at weight 0), which is what expert
+parallelism did before. Checked, per experts implementation:
+
+- the rows each rank's experts multiply (counted at the GEMMs, ``experts_support.ExpertRows``) are
+  the kept pairs routed to that rank's experts, computed from the router's record (all-slots: the
+  T·b slots routed there); they sum to Σκ (all-slots: T·b);
 - loss and every local gradient agree with the all-slots pass to fp32 rounding (the same sums in
   another order: pairs per token instead of slots per token).
 """
@@ -36,6 +43,16 @@ WIDTH, LAYERS, RANKS = 3, 2, 2
 FP32 = {"rel": 1e-5, "abs": 1e-6}
 
 
+def _plans() -> tuple[str, str]:
+    """The fixture's dispatch and masking plans for the installed transformers: 5.23 moved the
+    dispatch into ``EPImplementation``s and replaced ``ep_router`` by ``AllReduceEP``."""
+    try:
+        from transformers.distributed import expert_parallel
+    except ImportError:
+        return "dispatch", "masked"
+    return ("dispatch", "all_reduce") if hasattr(expert_parallel, "AllReduceEP") else ("dispatch", "masked")
+
+
 def _tiny_olmoe(directory: Path) -> Path:
     import torch
     from transformers import OlmoeConfig, OlmoeForCausalLM
@@ -53,13 +70,15 @@ def _tiny_olmoe(directory: Path) -> Path:
     return directory
 
 
-@pytest.fixture(scope="module", params=["dispatch", "masked"])
+@pytest.fixture(scope="module", params=_plans())
 def runs(request, tmp_path_factory):
     plan = request.param
     output = tmp_path_factory.mktemp(f"expert_parallel_{plan}")
     model_dir = _tiny_olmoe(output / "model")
     drop = ("ELASTIC_MOE_", "MASTER_", "TORCHELASTIC_", "PET_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    keep = ("ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS",)  # a transformers outside the guard's range, as here
+    env = {k: v for k, v in os.environ.items()
+           if (k in keep or not k.startswith(drop)) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
@@ -86,13 +105,18 @@ def test_expert_parallel_experts_multiply_only_the_kept_pairs(runs, impl):
         assert routed[0] == routed[1]
         kept_pairs, slots = routed[0]["sum_kappa"], routed[0]["tokens"] * WIDTH
         assert routed[0]["tokens"] < kept_pairs < slots
-        if plan == "masked" and impl == "batched_mm":
-            # transformers' batched_mm under the masked plan multiplies every pair it is given, the
-            # other rank's included (clamped, weight 0: "pays the wasted GEMM compute"), so each
-            # rank multiplies all P kept pairs; before, all T·b slots.
+        # the pairs routed to each rank's experts (experts 4r..4r+3), from the router's record
+        kept_by_owner, slots_by_owner = routed[0]["kept_by_owner"], routed[0]["slots_by_owner"]
+        assert sum(kept_by_owner) == kept_pairs and sum(slots_by_owner) == slots
+        if plan != "dispatch" and impl == "batched_mm":
+            # transformers' batched_mm under masking multiplies every pair it is given, the other
+            # rank's included (clamped, weight 0: "pays the wasted GEMM compute"), so each rank
+            # multiplies all P kept pairs; before, all T·b slots.
             assert elastic_rows == [kept_pairs] * RANKS and all_slot_rows == [slots] * RANKS, layer
         else:
-            assert sum(elastic_rows) == kept_pairs and sum(all_slot_rows) == slots, layer
+            # each pair is multiplied once, by its expert's rank: the dispatch sends it there once
+            # (TP-sliced), the masking leaves the other rank's pairs out of the GEMMs
+            assert elastic_rows == kept_by_owner and all_slot_rows == slots_by_owner, layer
 
 
 @pytest.mark.parametrize("impl", IMPLS)
