@@ -13,7 +13,7 @@ MCORE_BRIDGE_DIR := .mcore-bridge
 PYTEST_ARGS ?=
 export TORCH_COMPILE_DISABLE := 1
 
-.PHONY: setup swift-hook demo lint format test test-fast test-mcore-low bench clean
+.PHONY: setup swift-hook demo docs lint format test test-fast test-mcore-low bench clean
 
 setup: $(VENV)/.installed
 
@@ -62,6 +62,11 @@ lint: setup
 	$(BIN)/ruff check elastic_moe_plugin
 	$(BIN)/ruff format --check elastic_moe_plugin
 	$(BIN)/mypy
+
+# Regenerate the docs' tables that are generated from code (the transformers families).
+docs: setup
+	$(BIN)/python -c "import pathlib; from elastic_moe_plugin.hf.family_table import with_tables; \
+	page = pathlib.Path('docs/transformers.md'); page.write_text(with_tables(page.read_text()))"
 
 # Rewrite the package in ruff's format and apply its safe fixes (what `make lint` then accepts).
 format: setup

@@ -93,6 +93,9 @@ class ElasticConfig:
             static top-k.
         top_p: the cumulative-probability threshold of ``mode="top_p"``, in (0, 1].
         top_p_max_experts: cap on experts per token in ``mode="top_p"`` (None: every expert).
+        allow_uncovered_routers: the transformers door refuses a MoE model whose routers it cannot
+            make elastic when the model is built (``False``, the default: never silently static);
+            ``True`` builds it and keeps it static top-k on purpose.
     """
 
     schedule: str = AUTO_SCHEDULE
@@ -106,6 +109,7 @@ class ElasticConfig:
     mode: Literal["elastic", "top_p"] = "elastic"
     top_p: float = 0.4
     top_p_max_experts: int | None = None
+    allow_uncovered_routers: bool = False
     _layer_set: frozenset[int] | None = field(init=False, repr=False, compare=False)
 
     _spellings: Mapping[str, Spelling] = field(init=False, repr=False, compare=False)

@@ -138,6 +138,8 @@ def _boolean_hint(name: str, spelling: Spelling, fixes: tuple[dict, ...]) -> str
         ("enabled", False): "to leave every router stock",
         ("allow_off_center", True): "to accept a schedule whose mean is not the model's top-k",
         ("allow_off_center", False): "to refuse one",
+        ("allow_uncovered_routers", True): "to keep a MoE model the plugin cannot make elastic static on purpose",
+        ("allow_uncovered_routers", False): "to refuse it when it is built",
     }
     return ", ".join(f"{spelling.setting(name, fix[name])} {meaning[(name, fix[name])]}" for fix in fixes)
 

@@ -21,7 +21,7 @@ AUTO_SCHEDULE = "auto"
 AUTO_HALF_WIDTH = 2
 #: the ``layers`` word for every MoE layer (as leaving it unset)
 ALL_LAYERS = "all"
-BOOLEAN_FIELDS = ("enabled", "allow_off_center")
+BOOLEAN_FIELDS = ("enabled", "allow_off_center", "allow_uncovered_routers")
 
 _LAYER_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 

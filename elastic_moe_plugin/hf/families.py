@@ -1,19 +1,13 @@
-"""The covered transformers MoE router families, and where their routers sit in a model.
-
-Every covered family routes at ``model.layers.<i>.mlp.gate`` with ``forward(hidden_states) ->
-(router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])``: a softmax in fp32, a top-k on
-the probabilities and, where the family does, a renormalisation. The block hands the router's
-``top_k_index`` and ``top_k_weights`` unchanged to ``mlp.experts``, an ``@use_experts_implementation``
-class named like the router with ``Experts`` for ``TopKRouter``. The table records the class
-names and the two ways the families differ (whether ``norm_topk_prob`` decides the gate, and
-whether the weights are cast back to the logits' dtype). Routers of another shape (sigmoid scores
-with a correction bias, top-k on the logits, jitter inside the router, hash routing: DeepSeek-V4,
-GPT-OSS, Granite-MoE, Phi-MoE, ...) are not covered; ``docs/transformers.md`` lists them.
+"""Where the covered transformers MoE routers are (:mod:`.family_table`), in the installed
+transformers and in a model: loading each family's classes, finding and tagging routers by their
+decoder-layer index, refusing a MoE model none of whose routers is covered, and reading a
+checkpoint's ``config.json`` before the model is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import re
@@ -24,91 +18,11 @@ import torch
 
 from elastic_moe_plugin.core.patching import unwrap
 from elastic_moe_plugin.core.router_state import ensure_state, state_of
+from elastic_moe_plugin.hf.family_table import FAMILIES, NOT_TOP_K, REFUSED, RouterFamily
 
-# "...layers.<i>.mlp.gate": the ModuleList index of the decoder layer is its layer_idx.
-_ROUTER_NAME = re.compile(r"(?:^|\.)(\d+)\.mlp\.gate$")
-
-
-@dataclasses.dataclass(frozen=True)
-class RouterFamily:
-    """One covered router class and the decoder layer that owns it.
-
-    Attributes:
-        name: a label, e.g. ``"olmoe"`` or ``"qwen3_omni_moe.talker"``.
-        module: the transformers model folder, ``transformers.models.<module>.modeling_<module>``.
-        router: the router class name (``mlp.gate``); the experts class (``mlp.experts``) is
-            :attr:`experts`.
-        decoder_layer: the decoder-layer class whose ``__init__(config, layer_idx)`` builds it.
-        reads_norm_topk_prob: the stock router renormalises iff ``router.norm_topk_prob``; False
-            means it always renormalises (Mixtral, MiniMax, Qwen3.5/VL text).
-        casts_weights: the stock router casts the top-k weights to the logits' dtype (False:
-            they stay fp32, as in Mixtral and MiniMax).
-        required: apply() fails if the installed transformers lacks it (OLMoE and Qwen3-MoE, the
-            paper's SFT backbones).
-    """
-
-    name: str
-    module: str
-    router: str
-    decoder_layer: str
-    reads_norm_topk_prob: bool = True
-    casts_weights: bool = True
-    required: bool = False
-
-    @property
-    def module_path(self) -> str:
-        return f"transformers.models.{self.module}.modeling_{self.module}"
-
-    @property
-    def experts(self) -> str:
-        """The experts class name: ``<Prefix>TopKRouter`` → ``<Prefix>Experts`` in every covered family
-        (``tests/hf/test_hf_families.py`` checks it against the blocks transformers builds)."""
-        return self.router.replace("TopKRouter", "Experts")
-
-
-FAMILIES: tuple[RouterFamily, ...] = (
-    RouterFamily("olmoe", "olmoe", "OlmoeTopKRouter", "OlmoeDecoderLayer", required=True),
-    RouterFamily("qwen3_moe", "qwen3_moe", "Qwen3MoeTopKRouter", "Qwen3MoeDecoderLayer", required=True),
-    RouterFamily("flex_olmo", "flex_olmo", "FlexOlmoTopKRouter", "FlexOlmoDecoderLayer"),
-    RouterFamily("qwen2_moe", "qwen2_moe", "Qwen2MoeTopKRouter", "Qwen2MoeDecoderLayer"),
-    RouterFamily("qwen3_next", "qwen3_next", "Qwen3NextTopKRouter", "Qwen3NextDecoderLayer"),
-    RouterFamily(
-        "qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeTopKRouter", "Qwen3_5MoeDecoderLayer", reads_norm_topk_prob=False
-    ),
-    RouterFamily(
-        "qwen3_vl_moe",
-        "qwen3_vl_moe",
-        "Qwen3VLMoeTextTopKRouter",
-        "Qwen3VLMoeTextDecoderLayer",
-        reads_norm_topk_prob=False,
-    ),
-    RouterFamily(
-        "qwen3_omni_moe.thinker",
-        "qwen3_omni_moe",
-        "Qwen3OmniMoeThinkerTextTopKRouter",
-        "Qwen3OmniMoeThinkerTextDecoderLayer",
-    ),
-    RouterFamily(
-        "qwen3_omni_moe.talker", "qwen3_omni_moe", "Qwen3OmniMoeTalkerTextTopKRouter", "Qwen3OmniMoeTalkerDecoderLayer"
-    ),
-    RouterFamily("qwen4_exp", "qwen4_exp", "Qwen4ExpTextTopKRouter", "Qwen4ExpTextDecoderLayer"),
-    RouterFamily(
-        "mixtral",
-        "mixtral",
-        "MixtralTopKRouter",
-        "MixtralDecoderLayer",
-        reads_norm_topk_prob=False,
-        casts_weights=False,
-    ),
-    RouterFamily(
-        "minimax",
-        "minimax",
-        "MiniMaxTopKRouter",
-        "MiniMaxDecoderLayer",
-        reads_norm_topk_prob=False,
-        casts_weights=False,
-    ),
-    RouterFamily("mellum", "mellum", "MellumTopKRouter", "MellumDecoderLayer"),
+# "...layers.<i>.<site>": the ModuleList index of the decoder layer is its layer_idx.
+_ROUTER_NAME = re.compile(
+    r"(?:^|\.)(\d+)\.(" + "|".join(sorted({re.escape(site) for f in FAMILIES for site in f.sites})) + r")$"
 )
 
 
@@ -151,26 +65,37 @@ def load_family(family: RouterFamily) -> LoadedFamily | str:
 
 
 def _experts_class(module: Any, family: RouterFamily) -> type | None:
-    """The experts class if it is transformers' dispatcher over the eager ``forward(hidden_states,
-    top_k_index, top_k_weights)`` (what ``@use_experts_implementation`` installs), else None."""
+    """The experts class if it is transformers' dispatcher over an eager ``forward(hidden_states,
+    top_k_index, top_k_weights)`` (what ``@use_experts_implementation`` installs; it also gives
+    every class an ``_apply_gate``), else None."""
     experts_cls = getattr(module, family.experts, None)
     dispatcher = unwrap(vars(experts_cls).get("forward")) if isinstance(experts_cls, type) else None
     eager = getattr(dispatcher, "__wrapped__", None)  # functools.wraps in use_experts_implementation
     if not callable(getattr(experts_cls, "_apply_gate", None)) or eager is None:
         return None
-    if list(inspect.signature(eager).parameters) != ["self", "hidden_states", "top_k_index", "top_k_weights"]:
+    # (hidden_states, top_k_index, top_k_weights), whatever the family names them (GPT-OSS:
+    # router_indices, routing_weights): the block passes them by position
+    if len(inspect.signature(eager).parameters) != 4:
         return None
     return experts_cls
 
 
 def covered_router_classes() -> dict[type, RouterFamily]:
-    """{router class: family} for every covered family importable from the installed transformers."""
-    classes = {}
+    """{router class: family} for every covered family importable from the installed transformers
+    (looked up once per transformers: each call after the first is a dictionary copy)."""
+    import transformers
+
+    return dict(_covered_router_classes(transformers.__version__))
+
+
+@functools.lru_cache(maxsize=2)
+def _covered_router_classes(version: str) -> tuple[tuple[type, RouterFamily], ...]:
+    found = []
     for family in FAMILIES:
         loaded = load_family(family)
         if not isinstance(loaded, str):
-            classes[loaded.router] = family
-    return classes
+            found.append((loaded.router, family))
+    return tuple(found)
 
 
 def covered_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFamily]]:
@@ -184,9 +109,16 @@ def covered_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFa
 
 
 def layer_index_from_name(name: str) -> int | None:
-    """The decoder-layer index in a router's qualified name (``...layers.<i>.mlp.gate``), or None."""
+    """The decoder-layer index in a router's qualified name (``...layers.<i>.<site>``, a site of
+    any covered family: ``mlp.gate``, ``mlp.router``, ``mixer.gate``, ...), or None."""
     match = _ROUTER_NAME.search(name)
     return int(match.group(1)) if match else None
+
+
+def router_site(name: str) -> str | None:
+    """The site part of a router's qualified name (``mlp.gate`` in ``model.layers.3.mlp.gate``), or None."""
+    match = _ROUTER_NAME.search(name)
+    return match.group(2) if match else None
 
 
 def set_layer_index(router: torch.nn.Module, index: int) -> None:
@@ -205,10 +137,51 @@ def router_layer_index(name: str, router: torch.nn.Module) -> int | None:
     return index if index is not None else layer_index_from_name(name)
 
 
+# ---------------------------------------------------------------------------------- uncovered models
+def model_folder(model_class: type) -> str | None:
+    """The transformers model folder a model class comes from (``modeling_<folder>``), or None."""
+    match = re.match(r"transformers\.models\.(\w+)\.modeling_\w+$", model_class.__module__)
+    return match.group(1) if match else None
+
+
+def routes_to_experts(config: Any) -> bool:
+    """Whether a config (a ``PretrainedConfig`` or its dict, nested configs included) routes to
+    more than one expert: an expert count above 1 under any of transformers' names."""
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if isinstance(config, dict):
+        counts = (value for key, value in config.items() if key in EXPERT_COUNT_KEYS)
+        return any(_positive_int(value) and value > 1 for value in counts) or any(
+            routes_to_experts(value) for value in config.values()
+        )
+    if isinstance(config, list):
+        return any(routes_to_experts(value) for value in config)
+    return False
+
+
+def uncovered_moe(model: torch.nn.Module) -> str | None:
+    """Why ``model``, a mixture-of-experts model, has no router this adapter can make elastic;
+    None when it has a covered router or routes to no experts. Names the family, its router
+    classes and the reason from :data:`REFUSED`."""
+    config = getattr(model, "config", None)
+    if config is None or model_folder(type(model)) in NOT_TOP_K or not routes_to_experts(config):
+        return None
+    classes = covered_router_classes()
+    if any(type(module) in classes for module in model.modules()):
+        return None
+    folder = model_folder(type(model))
+    routers = sorted(
+        {type(m).__name__ for m in model.modules() if re.search(r"(Router|Gate|Gating)$", type(m).__name__)}
+    )
+    reason = REFUSED.get(folder or "", "its routers are not among the covered families")
+    where = f" ({', '.join(routers)})" if routers else ""
+    return f"{type(model).__name__} is a {folder or 'transformers'} mixture-of-experts model{where}, and {reason}"
+
+
 # ---------------------------------------------------------------------------------- config.json
 #: config keys that hold a MoE's top-k, and its routed-expert count (transformers' names across families)
-TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k")
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "num_experts_per_token")
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 @dataclasses.dataclass(frozen=True)

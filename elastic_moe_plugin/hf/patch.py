@@ -5,7 +5,8 @@ Per covered family (``transformers.models.<family>.modeling_<family>``, see :mod
 - ``<Router>.forward``: in training, elastic layers run :func:`.routing.patched_forward`'s elastic path; in eval
   mode, for ``schedule="static"``, for ``enabled=False`` and in layers outside
   ``ElasticConfig.layers`` the original method runs, so results are bit-for-bit stock.
-- ``<DecoderLayer>.__init__``: runs the original, then tags ``self.mlp.gate`` with the 0-based
+- ``<DecoderLayer>.__init__``: runs the original, then tags its router (``self.mlp.gate``, or the
+  family's site: ``mlp.router``, ``mixer.gate``, ...) with the 0-based
   decoder-layer index (``layer_idx``; the router itself does not know it) and checks the config
   against the model (:class:`~elastic_moe_plugin.core.errors.ConfigError` at model build).
 - ``<Family>Experts.forward`` (transformers' implementation dispatcher): a call whose
@@ -64,10 +65,13 @@ from elastic_moe_plugin.hf.families import (
     covered_routers,
     layer_index_from_name,
     load_family,
+    router_site,
     set_layer_index,
+    uncovered_moe,
 )
 from elastic_moe_plugin.hf.records import router_sites
 from elastic_moe_plugin.hf.routing import dispatched_slots, patched_forward, realised_load_balancing_loss
+from elastic_moe_plugin.hf.rules import family_gate, family_rule
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
@@ -83,11 +87,11 @@ def transformers_version() -> Version | None:
     return VERSION_GUARD.imported_version()
 
 
-# exclusive maximum: ms-swift 4.6 caps transformers at <5.20
+# exclusive maximum: the newest release tested (5.25); ms-swift 4.6 caps its own door at <5.20
 VERSION_GUARD = VersionGuard(
     "transformers",
     Version("5.0"),
-    Version("5.20"),
+    Version("5.26"),
     "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS",
     UnsupportedTransformersError,
     extra="hf",
@@ -117,7 +121,11 @@ def _install(config: ElasticConfig, patches: AttributePatches) -> None:
             "forward",
             functools.partial(patched_forward, family=family, lifecycle=_PATCH, resolve_plan=resolve_plan),
         )
-        patches.wrap(loaded.decoder_layer, "__init__", functools.partial(_layer_init, router_cls=loaded.router))
+        patches.wrap(
+            loaded.decoder_layer,
+            "__init__",
+            functools.partial(_layer_init, router_cls=loaded.router, sites=family.sites),
+        )
         if loaded.experts is not None:
             patches.wrap(loaded.experts, "forward", experts_forward)
         elif family.required:
@@ -138,6 +146,9 @@ def _install(config: ElasticConfig, patches: AttributePatches) -> None:
         if callable(module.__dict__.get("load_balancing_loss_func")) and id(module) not in loss_patched:
             loss_patched.add(id(module))  # families sharing a modeling module share one loss function
             patches.wrap(module, "load_balancing_loss_func", _load_balancing_loss)
+    from transformers.modeling_utils import PreTrainedModel
+
+    patches.wrap(PreTrainedModel, "post_init", _refuse_uncovered_moe)  # never silently static
     install_expert_parallel(patches)  # transformers' expert-parallel styles dispatch only the kept pairs
     budget_rng.install(patches)  # κ's stream: the Trainer's rng_state files, the re-seed, TP tagging
 
@@ -148,15 +159,25 @@ _PATCH = PatchLifecycle("hf", _install, VERSION_GUARD, lambda: transformers_vers
 check_transformers_version = _PATCH.check_version
 
 
-def _layer_init(original: Callable, router_cls: type) -> Callable:
+def _site(layer: torch.nn.Module, site: str) -> Any:
+    """The module at ``site`` (``"mlp.gate"``) of ``layer``, or None where the layer has none."""
+    found: Any = layer
+    for part in site.split("."):
+        found = getattr(found, part, None)
+    return found
+
+
+def _layer_init(original: Callable, router_cls: type, sites: tuple[str, ...]) -> Callable:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        gate = getattr(getattr(self, "mlp", None), "gate", None)
-        if not isinstance(gate, router_cls):
-            return  # a dense layer (mlp_only_layers, decoder_sparse_step)
+        gate = next(
+            (router for router in map(functools.partial(_site, self), sites) if isinstance(router, router_cls)), None
+        )
+        if gate is None:
+            return  # a dense layer (mlp_only_layers, decoder_sparse_step, first_k_dense_replace)
         try:
             arguments = signature.bind(self, *args, **kwargs).arguments
         except TypeError:  # the original accepted it, so this cannot happen; stay harmless anyway
@@ -170,6 +191,30 @@ def _layer_init(original: Callable, router_cls: type) -> Callable:
             validate_router(gate, config, num_layers=num_layers)
 
     return __init__
+
+
+def _refuse_uncovered_moe(original: Callable) -> Callable:
+    """``PreTrainedModel.post_init`` (the last step of every model's ``__init__``), then: refuse a
+    mixture-of-experts model none of whose routers this adapter covers, while an enabled config is
+    active, unless the config allows it (it would train silently at static top-k)."""
+
+    @functools.wraps(original)
+    def post_init(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        config = _PATCH.config
+        if config is not None and config.enabled and not config.allow_uncovered_routers:
+            reason = uncovered_moe(self)
+            if reason is not None:
+                raise ConfigError(
+                    f"{reason}: elastic-moe cannot route it elastically, and it would train at static top-k. "
+                    f"Set {config.spell('allow_uncovered_routers', True)} to train it static on purpose, "
+                    f"or {config.spell('enabled', False)} (docs/transformers.md lists the covered families).",
+                    field="allow_uncovered_routers",
+                    fixes=({"allow_uncovered_routers": True}, {"enabled": False}),
+                )
+        return result
+
+    return post_init
 
 
 def _load_balancing_loss(original: Callable) -> Callable:
@@ -230,14 +275,15 @@ def patched(config: ElasticConfig | None = None, *, model: torch.nn.Module | Non
 
 
 # ---------------------------------------------------------------------------------- plans
+#: the rule kinds whose ranking is the full softmax, which top-p's budget reads
+TOP_P_RULES = frozenset({"softmax_topk"})
+
+
 def gate_for(router: torch.nn.Module, family: RouterFamily, config: ElasticConfig) -> str:
     """The weighing rule: ``config.gate`` unless ``"auto"``; then the family's own convention
-    (``norm_topk_prob`` True → ``"renormalized"``, False → ``"full_softmax"``)."""
-    if config.gate != "auto":
-        return config.gate
-    if family.reads_norm_topk_prob and not getattr(router, "norm_topk_prob", True):
-        return "full_softmax"
-    return "renormalized"
+    (:func:`.rules.family_gate`: e.g. ``norm_topk_prob`` True → ``"renormalized"``, False →
+    ``"full_softmax"``)."""
+    return config.gate if config.gate != "auto" else family_gate(router, family)
 
 
 def validate_router(router: Any, config: ElasticConfig, *, num_layers: int | None = None) -> BudgetSchedule:
@@ -273,8 +319,15 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
         return None
     gate = gate_for(router, family, config)
     warn_if_top1_gate_is_constant(schedule, gate, f"{family.name} routers")
+    if config.mode == "top_p" and family.rule not in TOP_P_RULES:
+        raise ConfigError(
+            f"mode='top_p' keeps each token's smallest top-ranked set whose softmax probability reaches top_p, "
+            f"but {family.name} routers rank by {family.rule.replace('_', ' ')} scores, not by that probability. "
+            f"Use mode='elastic' (a budget schedule) for this model."
+        )
     top_p = config.top_p if config.mode == "top_p" else None
     width = (config.top_p_max_experts or int(router.num_experts)) if top_p is not None else None
+    _check_group_reach(router, family, config, gate, width or schedule.high)
     return LayerPlan(
         schedule=schedule,
         gate=gate,
@@ -282,7 +335,34 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
         layer_index=layer_index,
         top_p=top_p,
         top_p_width=width,
-        cast_weights_to_logits=family.casts_weights,
+        cast_weights_to_logits=family.weights_dtype == "logits",
+    )
+
+
+def _check_group_reach(router: Any, family: RouterFamily, config: ElasticConfig, gate: str, width: int) -> None:
+    """Refuse a width b beyond what group-limited selection can reach (the kept groups' experts):
+    the widest tokens would be dealt experts of dropped groups.
+
+    Raises:
+        ConfigError: naming the groups, the reach and a schedule within it.
+    """
+    rule = family_rule(router, family, gate)
+    if not rule.num_groups or not rule.groups_kept:
+        return
+    reach = rule.groups_kept * (int(router.num_experts) // rule.num_groups)
+    if width <= reach:
+        return
+    k = int(router.top_k)
+    low = max(1, 2 * k - reach)
+    fixes = ({"schedule": f"{low}-{reach}"},) if config.mode != "top_p" else ({"top_p_max_experts": reach},)
+    fix = config.spell(*next(iter(fixes[0].items())))
+    raise ConfigError(
+        f"{family.name} routes inside topk_group={rule.groups_kept} of n_group={rule.num_groups} expert groups "
+        f"({reach} experts a token can reach), fewer than the {width} candidate slots of "
+        f"{config.spell('top_p_max_experts' if config.mode == 'top_p' else 'schedule')}: the widest tokens would "
+        f"be dealt experts of dropped groups. Use {fix}.",
+        field="top_p_max_experts" if config.mode == "top_p" else "schedule",
+        fixes=fixes,
     )
 
 
@@ -312,7 +392,7 @@ def tag_layers(model: torch.nn.Module) -> dict[str, int]:
 
     Models built after :func:`apply` are tagged at construction (from ``layer_idx``); this is the
     path for models built before. The index is the router's position in its ``layers``
-    ModuleList (``...layers.<i>.mlp.gate``), which is ``layer_idx`` in every covered family.
+    ModuleList (``...layers.<i>.<site>``, e.g. ``mlp.gate``), which is ``layer_idx`` in every covered family.
 
     Returns:
         {module name: layer index} of the tagged routers.
@@ -328,7 +408,8 @@ def tag_layers(model: torch.nn.Module) -> dict[str, int]:
         if index is None:
             raise ValueError(
                 f"cannot tell the decoder-layer index of router {name!r}: expected a module path ending in "
-                f"'<layers>.<i>.mlp.gate'. Call elastic_moe_plugin.hf.set_layer_index(router, <0-based index>)."
+                f"'<layers>.<i>.mlp.gate' (or another router site of its family). "
+                f"Call elastic_moe_plugin.hf.set_layer_index(router, <0-based index>)."
             )
         set_layer_index(router, index)
         tagged[name] = index
@@ -348,7 +429,8 @@ def validate_model(model: torch.nn.Module, config: ElasticConfig) -> None:
         return
     for name, router, _ in covered_routers(model):
         num_layers: Any = None
-        parent_name = name.rsplit(".mlp.gate", 1)[0].rpartition(".")[0]
+        site = router_site(name)
+        parent_name = name.removesuffix(f".{site}").rpartition(".")[0] if site else ""
         with contextlib.suppress(AttributeError):
             layers = model.get_submodule(parent_name) if parent_name else None
             num_layers = len(layers) if isinstance(layers, Sized) else None

@@ -2,18 +2,23 @@
 load-balancing loss on what was dispatched.
 
 One MoE layer in training (paper §3.2, Eq. 4-5; the routing core, :mod:`elastic_moe_plugin.core.routing`,
-does steps 3-4 under the family's :class:`~elastic_moe_plugin.core.routing.RoutingRule`)::
+does steps 3-4 under the family's :class:`~elastic_moe_plugin.core.routing.RoutingRule`, read by
+:mod:`.rules`)::
 
-    (1) z [T, E] = x W^T                                  (the stock router logits)
+    (1) z [T, E] = x W^T (+ bias)                         (the stock router logits, in the family's
+                                                           dtype: :data:`.rules.LOGITS`)
     (2) κ [T] ~ q on {a..b}                              (one draw of κ's counter-based stream,
                                                            on the host: the router's state,
                                                            core.router_state; a checkpoint's
                                                            recompute replays the latest draw)
-    (3) the top-b candidates by the rule's selection (softmax in fp32, sorted by rank)
-    (4) slot j (0-based) is kept iff j < κ_t; weights by the rule (docs/gates.md):
-            full_softmax  w = p_e                          (norm_topk_prob=False, OLMoE)
-            renormalized  w = p_e / Σ_kept p               (norm_topk_prob=True, Qwen3, Mixtral)
-    (5) return (z, w [T, b], ids [T, b]): real candidate ids, and weight exactly 0 in every slot
+    (3) the top-b candidates by the rule's selection (the family's scores, plus its selection
+        bias, inside its groups; or its logits), sorted by rank
+    (4) slot j (0-based) is kept iff j < κ_t; weights by the rule over the kept set
+        (docs/gates.md): the kept scores (``full_softmax``), or the family's renormalisation
+        (``renormalized``: p / Σ_kept p, s / (Σ_kept s + ε), softmax of the kept logits,
+        p / max(Σ_kept p, floor)), × the family's scaling factor
+    (5) return (z, w [T, b], ids [T, b]) in the family's order and dtypes: real candidate ids, and
+        weight exactly 0 in every slot
         beyond κ_t; ids is marked with κ on the host (:func:`mark_kept_slots`), so the patched
         experts compact the call to its Σκ kept pairs in every experts implementation, with
         shapes known on the host and no host sync (:mod:`.experts`). Top-p mode computes κ on
@@ -38,7 +43,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from elastic_moe_plugin.core.budget_stream import to_device
@@ -46,6 +50,9 @@ from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.router_state import STATE_ATTR, ElasticPath, RouterState, ensure_state
 from elastic_moe_plugin.core.routing import RoutingRule, balancing_scores, route, score
 from elastic_moe_plugin.hf import budget_rng
+from elastic_moe_plugin.hf.families import covered_router_classes
+from elastic_moe_plugin.hf.rules import family_rule, selection_bias
+from elastic_moe_plugin.hf.rules import router_logits as router_logits_of
 
 #: router_logits tensor → the slots dispatched for it: (candidate ids LongTensor [T, b], kept-slot
 #: mask BoolTensor [T, b]). Keyed by object identity (a tensor's == is elementwise) and weakly, so
@@ -54,16 +61,9 @@ _DISPATCHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 # ---------------------------------------------------------------------------------- the rule
-def routing_rule(plan: LayerPlan) -> RoutingRule:
-    """The routing rule of a covered (softmax → top-k) family under ``plan``: softmax scores in
-    fp32, top-b by probability, weights p (``full_softmax``) or p / Σ_kept p (``renormalized``),
-    cast to the logits' dtype unless the family keeps fp32 (Mixtral, MiniMax)."""
-    return RoutingRule(
-        score_function="softmax",
-        select_on="scores",
-        normalization="none" if plan.gate == "full_softmax" else "kept_sum",
-        weights_in_logits_dtype=plan.cast_weights_to_logits,
-    )
+def routing_rule(router: Any, family: Any, plan: LayerPlan) -> RoutingRule:
+    """The routing rule of ``router`` (a covered ``family``) under ``plan``'s gate (:func:`.rules.family_rule`)."""
+    return family_rule(router, family, plan.gate)
 
 
 # ---------------------------------------------------------------------------------- the forward
@@ -88,56 +88,60 @@ def patched_forward(
             return original(self, hidden_states)
         state = self.__dict__.get(STATE_ATTR)
         if state is None or state.generation != generation:
-            state = resolve_state(self, resolve_plan(self, family, config), generation)
+            state = resolve_state(self, family, resolve_plan(self, family, config), generation)
         if state.path is None:
             return original(self, hidden_states)
-        return _elastic_forward(self, state, state.path, hidden_states)
+        return _elastic_forward(self, family, state, state.path, hidden_states)
 
     return forward
 
 
-def resolve_state(router: torch.nn.Module, plan: LayerPlan | None, generation: Any) -> RouterState:
-    """The router's state with ``plan`` for ``generation``: its rule, the process's κ stream and
-    the router's token shard (:func:`.budget_rng.token_shard`)."""
+def resolve_state(router: Any, family: Any, plan: LayerPlan | None, generation: Any) -> RouterState:
+    """The router's state with ``plan`` for ``generation``: its family's rule, the process's κ
+    stream and the router's token shard (:func:`.budget_rng.token_shard`)."""
     state = ensure_state(router)
     if plan is None:
         return state.resolved(generation, None)
-    path = ElasticPath(plan, routing_rule(plan), budget_rng.STREAM, budget_rng.token_shard(router)[1])
+    rule = routing_rule(router, family, plan)
+    path = ElasticPath(plan, rule, budget_rng.STREAM, budget_rng.token_shard(router)[1])
     return state.resolved(generation, path)
 
 
 def elastic_routing(
-    router: torch.nn.Module, plan: LayerPlan, hidden_states: torch.Tensor, budgets: torch.Tensor | None = None
+    router: Any, plan: LayerPlan, hidden_states: torch.Tensor, budgets: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Elastic replacement of a covered router's ``forward`` for one training call under ``plan``
     (steps 1-6), for a caller that holds a plan (the patched forward resolves its own).
 
     Args:
+        router: a router of a covered family (:data:`~.families.FAMILIES`).
         hidden_states: ``[..., H]`` (the MoE block passes ``[T, H]``).
         budgets: ``LongTensor[T]`` to use instead of drawing from the schedule (tests).
 
     Returns:
-        ``router_logits [T, E]`` (the logits' dtype), ``top_k_weights [T, b]`` (the logits' dtype, or
-        fp32 where ``plan.cast_weights_to_logits`` is False), ``top_k_index LongTensor[T, b]``: the
-        stock contract with width b; slots j >= κ_t have weight exactly 0, and ``top_k_index``
-        carries κ on the host for the experts (:func:`mark_kept_slots`).
+        ``(router_logits [T, E], top_k_weights [T, b], top_k_index LongTensor[T, b])`` (ids first
+        where the family returns them first), in the family's dtypes: the stock contract with width
+        b; slots j >= κ_t have weight exactly 0, and ``top_k_index`` carries κ on the host for the
+        experts (:func:`mark_kept_slots`).
     """
+    family = covered_router_classes()[type(router)]
     state = ensure_state(router)
     if state.path is None or state.path.plan is not plan:
-        resolve_state(router, plan, state.generation)
+        resolve_state(router, family, plan, state.generation)
     assert state.path is not None  # resolved just now with a plan
-    return _elastic_forward(router, state, state.path, hidden_states, budgets)
+    return _elastic_forward(router, family, state, state.path, hidden_states, budgets)
 
 
 def _elastic_forward(
     router: Any,
+    family: Any,
     state: RouterState,
     path: ElasticPath,
     hidden_states: torch.Tensor,
     budgets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = path.plan
-    router_logits = F.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)  # (1) as stock
+    router_logits = router_logits_of(router, family, hidden_states)  # (1) as stock
     recompute = _in_backward()
     host_budgets = host_counts = probabilities = None
     if budgets is None and plan.top_p is None:  # (2) κ's own stream, on the host
@@ -149,10 +153,16 @@ def _elastic_forward(
         )
         budgets, host_budgets, host_counts = drawn.budgets, drawn.host_budgets, drawn.counts
     elif budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass
-        probabilities = score(router_logits, "softmax")  # p in fp32: the scores and top-p's κ
+        probabilities = score(router_logits, "softmax", path.rule.score_dtype or router_logits.dtype)
     # (3)-(4)
     routing = route(
-        router_logits, path.rule, plan.width, budgets=budgets, top_p=plan.top_p, probabilities=probabilities
+        router_logits,
+        path.rule,
+        plan.width,
+        budgets=budgets,
+        top_p=plan.top_p,
+        selection_bias=selection_bias(router, family),
+        probabilities=probabilities,
     )
     if host_budgets is None:
         # κ was computed on the device (top-p mode) or given (tests): the experts size their work
@@ -162,7 +172,10 @@ def _elastic_forward(
     state.remember(routing, count=not recompute, budget_counts=host_counts)
     _DISPATCHED[router_logits] = (routing.ids.detach(), routing.kept)
     mark_kept_slots(routing.ids, host_budgets)  # (5)
-    return router_logits, routing.weights, routing.ids
+    weights = routing.weights.to(hidden_states.dtype) if family.weights_dtype == "input" else routing.weights
+    if family.ids_first:
+        return routing.ids, weights, router_logits
+    return router_logits, weights, routing.ids
 
 
 def _in_backward() -> bool:

@@ -51,8 +51,9 @@ def _hf_targets():
     for family in hf.FAMILIES:
         loaded = load_family(family)
         if not isinstance(loaded, str):
-            points += [(loaded.router, "forward"), (loaded.decoder_layer, "__init__"),
-                       (loaded.module, "load_balancing_loss_func")]
+            points += [(loaded.router, "forward"), (loaded.decoder_layer, "__init__")]
+            if "load_balancing_loss_func" in vars(loaded.module):  # families without a Switch loss have none
+                points.append((loaded.module, "load_balancing_loss_func"))
             if loaded.experts is not None:
                 points.append((loaded.experts, "forward"))
     from transformers.trainer import Trainer

@@ -5,8 +5,11 @@
 - every test runs with one torch intra-op thread (restored afterwards).
 - ``tiny`` returns :class:`TinyModels`: ``tiny.config(family, **overrides)`` and
   ``tiny.model(family, experts_implementation=..., **overrides)`` build a 2-layer, 8-expert,
-  top-2, hidden-64 model of any covered family (:data:`elastic_moe_plugin.hf.FAMILIES`), and
-  ``tiny.inputs(family)`` the matching keyword arguments. Nothing is downloaded.
+  top-2, hidden-64 model of any covered family (:data:`elastic_moe_plugin.hf.FAMILIES`), in
+  training mode, where every decoder layer is a MoE layer, and ``tiny.inputs(family)`` the
+  matching keyword arguments (labels too for a ``*ForCausalLM``). :data:`FAMILY_MODELS` holds one
+  entry per covered family (the text model of a multimodal one; ``axk2.no_groups`` is AXK2 with
+  its router's grouping off). Nothing is downloaded.
 - ``expert_rows`` (``experts_support.ExpertRows``) counts the rows each experts module multiplies,
   read from the GEMMs that really run (``with expert_rows(model) as rows: ...``).
 
@@ -43,6 +46,21 @@ _SHARED = {"shared_expert_intermediate_size": 32}
 # Hybrid models: one linear-attention and one full-attention layer, tiny linear heads.
 _LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16}
 _HYBRID = {**_LINEAR, "layer_types": ["linear_attention", "full_attention"]}
+# Families that choose MoE layers per layer: every layer sparse (their defaults keep the first dense).
+_ALL_SPARSE = ["sparse"] * LAYERS
+# DeepSeek-style MoE: 8 routed experts and one shared. first_k_dense_replace=0 makes every layer MoE
+# in the families that read it (the others take mlp_layer_types, and keep it as an unused attribute).
+_DEEPSEEK = {"n_routed_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "n_shared_experts": 1,
+             "first_k_dense_replace": 0}
+# MLA expands its latent to one key/value per query head: no grouped keys (sdpa would repeat them).
+_MLA = {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "num_key_value_heads": 4}
+# Group-limited routers: 8 experts in 4 groups, the best 2 groups kept, so the grouping really selects.
+# The other DeepSeek-style routers run ungrouped (one group), as their checkpoints do.
+_GROUPED = {"n_group": 4, "topk_group": 2}
+_UNGROUPED = {"n_group": 1, "topk_group": 1}
+# DeepSeek sparse attention's indexer, tiny; its top-k below SEQ, so it really drops keys.
+_INDEXER = {"index_topk": 4, "index_head_dim": 16, "index_n_heads": 2}
 
 #: family name -> (config module.class, model module.class, config overrides, model input)
 FAMILY_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
@@ -67,6 +85,89 @@ FAMILY_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "minimax": ("minimax.MiniMaxConfig", "minimax.MiniMaxForCausalLM", {"num_local_experts": NUM_EXPERTS}, "ids"),
     "mellum": ("mellum.MellumConfig", "mellum.MellumForCausalLM",
                {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32}, "ids"),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe.HunYuanMoEV1Config", "hunyuan_v1_moe.HunYuanMoEV1ForCausalLM",
+                       {"num_experts": NUM_EXPERTS, "moe_topk": TOP_K, "head_dim": 16}, "ids"),
+    "deepseek_v3": ("deepseek_v3.DeepseekV3Config", "deepseek_v3.DeepseekV3ForCausalLM",
+                    {**_DEEPSEEK, **_MLA, **_GROUPED}, "ids"),
+    "deepseek_v32": ("deepseek_v32.DeepseekV32Config", "deepseek_v32.DeepseekV32ForCausalLM",
+                     {**_DEEPSEEK, **_MLA, **_GROUPED, **_INDEXER}, "ids"),
+    "glm4_moe": ("glm4_moe.Glm4MoeConfig", "glm4_moe.Glm4MoeForCausalLM",
+                 {**_DEEPSEEK, **_UNGROUPED, "head_dim": 16}, "ids"),
+    "glm4_moe_lite": ("glm4_moe_lite.Glm4MoeLiteConfig", "glm4_moe_lite.Glm4MoeLiteForCausalLM",
+                      {**_DEEPSEEK, **_MLA, **_UNGROUPED, "mlp_layer_types": _ALL_SPARSE}, "ids"),
+    # M-RoPE over half of head_dim 16: the (t, h, w) sections must add up to its 4 frequencies.
+    "glm4v_moe": ("glm4v_moe.Glm4vMoeTextConfig", "glm4v_moe.Glm4vMoeTextModel",
+                  {**_DEEPSEEK, **_UNGROUPED, "head_dim": 16,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                       "mrope_section": [2, 1, 1]}}, "ids"),
+    # GLM-5-Next: one KDA linear-attention and one DSA layer (NoPE: its validator wants no RoPE dims);
+    # the indexer pools keys by index_kpool, which must divide index_topk.
+    "glm5_next": ("glm5_next.Glm5NextTextConfig", "glm5_next.Glm5NextTextModel",
+                  {**_DEEPSEEK, **_MLA, **_UNGROUPED, **_INDEXER, "qk_rope_head_dim": 0, "index_kpool": 2,
+                   "linear_head_dim": 16, "linear_num_heads": 2, "mlp_layer_types": _ALL_SPARSE,
+                   "layer_types": ["linear_attention", "indexed_attention"]}, "ids"),
+    "glm_moe_dsa": ("glm_moe_dsa.GlmMoeDsaConfig", "glm_moe_dsa.GlmMoeDsaForCausalLM",
+                    {**_DEEPSEEK, **_MLA, **_UNGROUPED, **_INDEXER}, "ids"),
+    "dots1": ("dots1.Dots1Config", "dots1.Dots1ForCausalLM", {**_DEEPSEEK, **_UNGROUPED, "head_dim": 16}, "ids"),
+    "exaone_moe": ("exaone_moe.ExaoneMoeConfig", "exaone_moe.ExaoneMoeForCausalLM",
+                   {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32, **_UNGROUPED, "head_dim": 16,
+                    "first_k_dense_replace": 0}, "ids"),
+    "solar_open": ("solar_open.SolarOpenConfig", "solar_open.SolarOpenForCausalLM",
+                   {**_DEEPSEEK, **_UNGROUPED, "head_dim": 16}, "ids"),
+    # Kimi-Linear: one KDA linear-attention layer (its torch fallback runs on CPU) and one MLA layer.
+    "kimi_linear": ("kimi_linear.KimiLinearConfig", "kimi_linear.KimiLinearForCausalLM",
+                    {"num_local_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                     **_MLA, **_UNGROUPED, "mlp_layer_types": _ALL_SPARSE, "linear_head_dim": 16,
+                     "linear_num_heads": 2, "layer_types": ["linear_attention", "full_attention"]}, "ids"),
+    # MiMo-V2-Flash: head_dim is its query/key width, v_head_dim the value's.
+    "mimo_v2_flash": ("mimo_v2_flash.MiMoV2FlashConfig", "mimo_v2_flash.MiMoV2FlashForCausalLM",
+                      {**_DEEPSEEK, **_UNGROUPED, "head_dim": 16, "v_head_dim": 16, "mlp_layer_types": _ALL_SPARSE},
+                      "ids"),
+    # Nemotron-H: a layer is one block (Mamba, attention, MLP or MoE); two MoE blocks keep every
+    # layer MoE, and no Mamba block (it wants the mamba-ssm kernels for speed).
+    "nemotron_h": ("nemotron_h.NemotronHConfig", "nemotron_h.NemotronHForCausalLM",
+                   {**_DEEPSEEK, **_UNGROUPED, "head_dim": 16, "moe_shared_expert_intermediate_size": 32,
+                    "layers_block_type": ["moe", "moe"]}, "ids"),
+    "axk1": ("axk1.AXK1Config", "axk1.AXK1ForCausalLM", {**_DEEPSEEK, **_MLA, **_GROUPED}, "ids"),
+    "axk2": ("axk2.AXK2Config", "axk2.AXK2ForCausalLM", {**_DEEPSEEK, **_MLA, **_GROUPED, **_INDEXER}, "ids"),
+    # AXK2 ships with n_group=None (no grouping): its router's ungrouped path.
+    "axk2.no_groups": ("axk2.AXK2Config", "axk2.AXK2ForCausalLM",
+                       {**_DEEPSEEK, **_MLA, **_INDEXER, "n_group": None, "topk_group": None}, "ids"),
+    "hy_v4": ("hy_v4.HYV4Config", "hy_v4.HYV4ForCausalLM",
+              {**_DEEPSEEK, **_MLA, **_UNGROUPED, **_INDEXER, "mlp_layer_types": _ALL_SPARSE}, "ids"),
+    # DeepSeek-V2's default topk_method is "greedy" (no groups); V2.5-style group-limited routing here.
+    "deepseek_v2": ("deepseek_v2.DeepseekV2Config", "deepseek_v2.DeepseekV2ForCausalLM",
+                    {**_DEEPSEEK, **_MLA, **_GROUPED, "topk_method": "group_limited_greedy"}, "ids"),
+    "deepseek_ocr2": ("deepseek_ocr2.DeepseekOcr2TextConfig", "deepseek_ocr2.DeepseekOcr2TextModel",
+                      {**_DEEPSEEK, **_UNGROUPED, "head_dim": 16, "mlp_layer_types": _ALL_SPARSE}, "ids"),
+    "mistral4": ("mistral4.Mistral4Config", "mistral4.Mistral4ForCausalLM", {**_DEEPSEEK, **_MLA, **_GROUPED}, "ids"),
+    "gpt_oss": ("gpt_oss.GptOssConfig", "gpt_oss.GptOssForCausalLM",
+                {"num_local_experts": NUM_EXPERTS, "head_dim": 16}, "ids"),
+    "granitemoe": ("granitemoe.GraniteMoeConfig", "granitemoe.GraniteMoeForCausalLM",
+                   {"num_local_experts": NUM_EXPERTS}, "ids"),
+    "granitemoeshared": ("granitemoeshared.GraniteMoeSharedConfig", "granitemoeshared.GraniteMoeSharedForCausalLM",
+                         {"num_local_experts": NUM_EXPERTS, "shared_intermediate_size": 32}, "ids"),
+    # Granite-MoE-Hybrid: attention in both layers (no Mamba), each with its MoE.
+    "granitemoehybrid": ("granitemoehybrid.GraniteMoeHybridConfig", "granitemoehybrid.GraniteMoeHybridForCausalLM",
+                         {"num_local_experts": NUM_EXPERTS, "shared_intermediate_size": 32,
+                          "layer_types": ["attention", "attention"]}, "ids"),
+    "granitemoe_swa": ("granitemoe_swa.GraniteMoeSWAConfig", "granitemoe_swa.GraniteMoeSWAForCausalLM",
+                       {"num_local_experts": NUM_EXPERTS}, "ids"),
+    "aria": ("aria.AriaTextConfig", "aria.AriaTextForCausalLM",
+             {"moe_num_experts": NUM_EXPERTS, "moe_topk": TOP_K, "moe_num_shared_experts": 1, "head_dim": 16}, "ids"),
+    "cohere2_moe": ("cohere2_moe.Cohere2MoeConfig", "cohere2_moe.Cohere2MoeForCausalLM",
+                    {"num_experts": NUM_EXPERTS, "head_dim": 16, "mlp_layer_types": _ALL_SPARSE}, "ids"),
+    # ERNIE-4.5-MoE places MoE layers from moe_layer_start_index (1 by default) on.
+    "ernie4_5_moe": ("ernie4_5_moe.Ernie4_5_MoeConfig", "ernie4_5_moe.Ernie4_5_MoeForCausalLM",
+                     {"moe_num_experts": NUM_EXPERTS, "moe_k": TOP_K, "moe_intermediate_size": 32,
+                      "moe_num_shared_experts": 1, "moe_layer_start_index": 0}, "ids"),
+    # MiniMax-M3's text model: RoPE over half of head_dim (rotary_dim), every layer sparse.
+    "minimax_m3_vl": ("minimax_m3_vl.MiniMaxM3VLTextConfig", "minimax_m3_vl.MiniMaxM3VLForCausalLM",
+                      {"num_local_experts": NUM_EXPERTS, "head_dim": 16, "rotary_dim": 8,
+                       "shared_intermediate_size": 32, "mlp_layer_types": _ALL_SPARSE}, "ids"),
+    "laguna": ("laguna.LagunaConfig", "laguna.LagunaForCausalLM",
+               {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                "head_dim": 16, "mlp_layer_types": _ALL_SPARSE}, "ids"),
 }
 
 

@@ -75,20 +75,38 @@ def _all_patch_points():
         loaded = hf_families.load_family(family)
         if isinstance(loaded, str):
             continue
-        assert loaded.experts is not None, family.name  # every covered family's experts follow κ in 5.19
-        points += [(loaded.router, "forward"), (loaded.decoder_layer, "__init__"), (loaded.experts, "forward"),
-                   (loaded.module, "load_balancing_loss_func")]
+        assert loaded.experts is not None, family.name  # every covered family's experts follow κ
+        points += [(loaded.router, "forward"), (loaded.decoder_layer, "__init__"), (loaded.experts, "forward")]
+        if "load_balancing_loss_func" in vars(loaded.module):  # families without a Switch loss have none
+            points.append((loaded.module, "load_balancing_loss_func"))
     from transformers.distributed.mixin import DistributedMixin
-    from transformers.distributed.tensor_parallel import EpDispatchExpertsParallel, EpRouterParallel
+    from transformers.modeling_utils import PreTrainedModel
     from transformers.trainer import Trainer
 
-    # expert parallelism follows κ (hf.experts.install_expert_parallel)
-    points += [(EpDispatchExpertsParallel, "_dispatch_tokens"), (EpDispatchExpertsParallel, "_combine_tokens"),
-               (EpDispatchExpertsParallel, "transform_inputs_pre_forward"),
-               (EpRouterParallel, "transform_output_post_forward")]
-    # κ's stream: the Trainer's rng_state files, the re-seed, tensor-parallel tagging (hf.budget_rng)
-    return points + [(Trainer, "_save_rng_state"), (Trainer, "_load_rng_state"), (torch, "manual_seed"),
-                     (torch.random, "manual_seed"), (DistributedMixin, "maybe_distribute_model")]
+    points.append((PreTrainedModel, "post_init"))  # an uncovered MoE model is refused at build
+    return points + _expert_parallel_points() + [
+        # κ's stream: the Trainer's rng_state files, the re-seed, tensor-parallel tagging (hf.budget_rng)
+        (Trainer, "_save_rng_state"), (Trainer, "_load_rng_state"), (torch, "manual_seed"),
+        (torch.random, "manual_seed"), (DistributedMixin, "maybe_distribute_model")]
+
+
+def _expert_parallel_points():
+    """Where expert parallelism lives in the installed transformers: ``AllToAllEP``/``AllReduceEP``
+    (5.23+), else the ``ep_dispatch_experts`` style's own dispatch (5.19-5.22, moved to
+    ``expert_parallel`` in 5.22) and the masked plan's router hook."""
+    import importlib
+
+    try:
+        expert_parallel = vars(importlib.import_module("transformers.distributed.expert_parallel"))
+    except ImportError:
+        expert_parallel = {}
+    if "AllToAllEP" in expert_parallel:
+        return [(expert_parallel["AllToAllEP"], "__call__"), (expert_parallel["AllReduceEP"], "__call__")]
+    owner = expert_parallel if "EpDispatchExpertsParallel" in expert_parallel else vars(
+        importlib.import_module("transformers.distributed.tensor_parallel"))
+    dispatch, router = owner["EpDispatchExpertsParallel"], owner["EpRouterParallel"]
+    return [(dispatch, "_dispatch_tokens"), (dispatch, "_combine_tokens"), (dispatch, "transform_inputs_pre_forward"),
+            (router, "transform_output_post_forward")]
 
 
 # ------------------------------------------------------------------------------- patch checklist
@@ -131,11 +149,11 @@ def test_apply_is_idempotent_replaces_and_patched_restores():
     assert not hf.is_applied() and router_cls.__dict__["forward"] is original
 
 
-@pytest.mark.parametrize("found", ["5.20.0", "4.57.1"])
+@pytest.mark.parametrize("found", ["5.26.0", "4.57.1"])
 def test_version_guard_names_range_and_override(monkeypatch, found):
     monkeypatch.setattr(hf_patch, "transformers_version", lambda: Version(found))
     monkeypatch.delenv(hf.ALLOW_UNSUPPORTED_ENV, raising=False)
-    with pytest.raises(hf.UnsupportedTransformersError, match=rf"{found}.*>=5.0,<5.20.*{hf.ALLOW_UNSUPPORTED_ENV}=1"):
+    with pytest.raises(hf.UnsupportedTransformersError, match=rf"{found}.*>=5.0,<5.26.*{hf.ALLOW_UNSUPPORTED_ENV}=1"):
         hf.apply(ElasticConfig(schedule="1-3"))
     assert not hf.is_applied()
     monkeypatch.setenv(hf.ALLOW_UNSUPPORTED_ENV, "1")

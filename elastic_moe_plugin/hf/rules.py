@@ -1,0 +1,191 @@
+"""Each covered transformers family's router read into a :class:`~elastic_moe_plugin.core.routing.RoutingRule`.
+
+A family (:class:`~.families.RouterFamily`) names two readers, both data-driven:
+
+- how its router computes the logits z [T, E] (:data:`LOGITS`), reproduced op for op, so that
+  κ ≡ k gives the stock logits bit for bit;
+- how it turns z into kept experts and weights (:data:`RULES`), read from the router's own
+  attributes (``norm_topk_prob``, ``n_group``/``topk_group``, ``routed_scaling_factor``,
+  ``moe_norm_min``, ``expert_selection_fn``, ...) and from the family's row of the table.
+
+The rule kinds, with the families of each (``docs/transformers.md`` has the full table)::
+
+    softmax_topk      p = softmax(z) in fp32; top-k by p; w = p or p / Σ_kept p        OLMoE, Qwen3, Mixtral, ...
+    sigmoid_bias      s = sigmoid(z) in fp32; top-k by s + b (groups: sum of the top-2) DeepSeek-V3, GLM-4.5, Kimi,
+                      w = s or s / (Σ_kept s + ε), × routed_scaling_factor            Nemotron-H, MiniMax-M3, ...
+    softmax_groups    p = softmax(z) in z's dtype; group-limited top-k by p (masked   DeepSeek-V2, Mistral-4
+                      0.0); w = p (or p / (Σ_kept p + ε)), × routed_scaling_factor
+    logits_topk       top-k by z; w = softmax over the kept z (or sigmoid(z_kept),     GPT-OSS, Granite-MoE, Aria,
+                      Cohere2's sigmoid mode)                                          Cohere2-MoE
+    softmax_bias_floor p = softmax(z) in fp32; top-k by p + b; w = p / max(Σ_kept p,   ERNIE-4.5
+                      moe_norm_min)
+
+The plan's gate (``ElasticConfig.gate``, ``docs/gates.md``) picks between the family's own
+renormalisation (``renormalized``) and none (``full_softmax``: the kept scores as they are).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from elastic_moe_plugin.core.routing import Normalization, RoutingRule
+
+__all__ = ["LOGITS", "RULES", "family_gate", "family_rule", "router_logits", "selection_bias"]
+
+
+# ---------------------------------------------------------------------------------- logits
+def _flat(router: Any, hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return hidden_states.reshape(-1, weight.shape[-1])
+
+
+def _linear(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    return F.linear(_flat(router, hidden_states, router.weight), router.weight)
+
+
+def _linear_fp32(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    return F.linear(_flat(router, hidden_states, router.weight).float(), router.weight.float())
+
+
+def _linear_then_fp32(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(_flat(router, hidden_states, router.weight), router.weight).float()
+    cap = getattr(router, "router_logit_softcapping", None) or 0.0  # Laguna's optional tanh soft-cap
+    return torch.tanh(logits / cap) * cap if cap > 0.0 else logits
+
+
+def _linear_in_weight_dtype(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    weight = router.weight
+    return F.linear(_flat(router, hidden_states, weight).to(weight.dtype), weight)
+
+
+def _linear_with_bias(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    return F.linear(_flat(router, hidden_states, router.weight), router.weight, router.bias)
+
+
+def _linear_module_fp32_if_weights_are(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    # HunYuan's `wg` is built fp32; the input follows it only while it still is
+    flat = _flat(router, hidden_states, router.wg.weight)
+    return router.wg(flat.float() if router.wg.weight.dtype == torch.float32 else flat)
+
+
+#: how a family computes z [T, E] from hidden states [..., H], as its stock router does
+LOGITS: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
+    "linear": _linear,
+    "linear_fp32": _linear_fp32,
+    "linear_then_fp32": _linear_then_fp32,
+    "linear_in_weight_dtype": _linear_in_weight_dtype,
+    "linear_with_bias": _linear_with_bias,
+    "wg_fp32_if_built_so": _linear_module_fp32_if_weights_are,
+}
+
+
+def router_logits(router: Any, family: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """z [T, E] of ``router`` for ``hidden_states`` [..., H], computed as the family's stock forward does."""
+    return LOGITS[family.logits](router, hidden_states)
+
+
+def selection_bias(router: Any, family: Any) -> torch.Tensor | None:
+    """The selection-only bias [E] the family adds to its scores before ranking (DeepSeek's
+    ``e_score_correction_bias``, ERNIE's ``moe_statics.e_score_correction_bias`` [1, E]), read at
+    every call: balancing updates it in place between steps. None where the family has none."""
+    if family.bias is None:
+        return None
+    return operator.attrgetter(family.bias)(router).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------- gates
+def family_gate(router: Any, family: Any) -> str:
+    """The gate convention the family's stock router implements (``docs/gates.md``): whether it
+    renormalises over the kept set, read from the router where the family lets it choose."""
+    renormalizes = family.renormalizes
+    if renormalizes == "selection_fn":  # Cohere2: softmax over the kept logits, or sigmoid renormalised iff asked
+        renormalizes = "always" if router.expert_selection_fn == "softmax" else "norm_topk_prob"
+    if renormalizes == "norm_topk_prob":
+        return "renormalized" if getattr(router, "norm_topk_prob", True) else "full_softmax"
+    return "renormalized" if renormalizes == "always" else "full_softmax"
+
+
+# ---------------------------------------------------------------------------------- rules
+def _groups(router: Any, group_score_topk: int) -> dict[str, Any]:
+    """Group-limited selection where the router uses it (more than one group, and DeepSeek-V2's
+    ``topk_method="group_limited_greedy"`` where the router has that switch)."""
+    groups = getattr(router, "num_group", None)
+    if not groups or groups <= 1 or getattr(router, "topk_method", "group_limited_greedy") != "group_limited_greedy":
+        return {}
+    return {"num_groups": int(groups), "groups_kept": int(router.topk_group), "group_score_topk": group_score_topk}
+
+
+def _scaling(router: Any) -> float | None:
+    scale = getattr(router, "routed_scaling_factor", None)
+    return None if scale is None or scale == 1.0 else float(scale)
+
+
+def _softmax_topk(router: Any, family: Any, renormalize: bool) -> RoutingRule:
+    return RoutingRule(
+        normalization="kept_sum" if renormalize else "none",
+        renormalization_eps=family.renormalization_eps,
+        weights_in_logits_dtype=family.weights_dtype == "logits",
+    )
+
+
+def _sigmoid_bias(router: Any, family: Any, renormalize: bool) -> RoutingRule:
+    return RoutingRule(
+        score_function="sigmoid",
+        normalization="kept_sum" if renormalize else "none",
+        renormalization_eps=family.renormalization_eps,
+        scaling_factor=_scaling(router),
+        masked_group_value=family.masked_group_value,
+        weights_in_logits_dtype=family.weights_dtype == "logits",
+        **_groups(router, group_score_topk=2),
+    )
+
+
+def _softmax_groups(router: Any, family: Any, renormalize: bool) -> RoutingRule:
+    return RoutingRule(
+        normalization="kept_sum" if renormalize else "none",
+        renormalization_eps=family.renormalization_eps,
+        scaling_factor=_scaling(router),
+        masked_group_value=0.0,
+        score_dtype=None,  # softmax in the logits' dtype (fp32 in DeepSeek-V2, whose logits are fp32)
+        **_groups(router, group_score_topk=family.group_score_topk),
+    )
+
+
+def _logits_topk(router: Any, family: Any, renormalize: bool) -> RoutingRule:
+    if getattr(router, "expert_selection_fn", "softmax") == "sigmoid":  # Cohere2: sigmoid of the kept logits
+        normalization: Normalization = "kept_sum" if renormalize else "none"
+        return RoutingRule(score_function="sigmoid", select_on="logits", normalization=normalization, score_dtype=None)
+    return RoutingRule(
+        select_on="logits",
+        normalization="kept_softmax" if renormalize else "none",
+        score_dtype=torch.float32 if family.scores_in_fp32 else None,
+        weights_in_logits_dtype=family.weights_dtype == "logits",
+    )
+
+
+def _softmax_bias_floor(router: Any, family: Any, renormalize: bool) -> RoutingRule:
+    return RoutingRule(
+        normalization="kept_sum" if renormalize else "none",
+        renormalization_min=float(router.norm_min) if renormalize else None,
+        weights_in_logits_dtype=family.weights_dtype == "logits",
+    )
+
+
+#: rule kind → its reader (router, family, renormalise?) → RoutingRule
+RULES: dict[str, Callable[[Any, Any, bool], RoutingRule]] = {
+    "softmax_topk": _softmax_topk,
+    "sigmoid_bias": _sigmoid_bias,
+    "softmax_groups": _softmax_groups,
+    "logits_topk": _logits_topk,
+    "softmax_bias_floor": _softmax_bias_floor,
+}
+
+
+def family_rule(router: Any, family: Any, gate: str) -> RoutingRule:
+    """The routing rule of ``router`` (of ``family``) under the plan's ``gate``: the family's own
+    renormalisation for ``"renormalized"``, none for ``"full_softmax"``."""
+    return RULES[family.rule](router, family, gate != "full_softmax")
