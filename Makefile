@@ -10,6 +10,11 @@ MCORE_HIGH := 0.19.2
 MCORE_LOW_DIR := .mcore-$(MCORE_LOW)
 MCORE_BRIDGE := 1.6.5
 MCORE_BRIDGE_DIR := .mcore-bridge
+# The newest transformers the transformers door supports, in a folder of its own put first on
+# PYTHONPATH for a third test pass (ms-swift 4.6 caps the venv's transformers below 5.20). 5.25
+# asks for a newer huggingface-hub and for kernels than the venv has: they go in the same folder.
+TRANSFORMERS_HIGH := 5.25.0
+TRANSFORMERS_HIGH_DIR := .transformers-$(TRANSFORMERS_HIGH)
 PYTEST_ARGS ?=
 export TORCH_COMPILE_DISABLE := 1
 
@@ -46,6 +51,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# the installed package cannot be found (it finds the venv's first now).
 	rm -rf $(MCORE_BRIDGE_DIR)
 	$(BIN)/pip install -q --no-deps --target $(MCORE_BRIDGE_DIR) mcore-bridge==$(MCORE_BRIDGE)
+	rm -rf $(TRANSFORMERS_HIGH_DIR)
+	$(BIN)/pip install -q --no-deps --target $(TRANSFORMERS_HIGH_DIR) transformers==$(TRANSFORMERS_HIGH) \
+		"huggingface-hub==2.4.0" "kernels==0.19.1"
 	touch $@
 
 # An editable install gets no elastic-moe-swift.pth (the wheel's start-up hook that makes
@@ -73,13 +81,15 @@ format: setup
 	$(BIN)/ruff check --fix elastic_moe_plugin
 	$(BIN)/ruff format elastic_moe_plugin
 
-# Full suite against megatron-core 0.19.2, then the Megatron tests again against 0.16.1. Each pass
+# Full suite against megatron-core 0.19.2 and transformers 5.19, then the Megatron tests again against
+# 0.16.1, then the transformers tests against 5.25 (the newest release the transformers door supports). Each pass
 # prints its slowest tests. Serial on purpose: pytest-xdist (-n 2 --dist loadfile) took 553 s against
 # 494 s serial for the first pass on the 2-core CI machine (the multi-process tests oversubscribe it).
 DURATIONS ?= 25
 test: setup
 	$(BIN)/python -m pytest --durations=$(DURATIONS) $(PYTEST_ARGS)
 	PYTHONPATH=$(MCORE_LOW_DIR) $(BIN)/python -m pytest -m megatron --durations=$(DURATIONS) $(PYTEST_ARGS)
+	PYTHONPATH=$(TRANSFORMERS_HIGH_DIR) $(BIN)/python -m pytest -m "hf and not swift" --durations=$(DURATIONS) $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" -x -q $(PYTEST_ARGS)

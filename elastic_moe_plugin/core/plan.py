@@ -64,10 +64,12 @@ class LayerPlan:
 def warn_if_top1_gate_is_constant(schedule: BudgetSchedule, gate: str, where: str) -> None:
     """Warn once per process when κ = 1 can be drawn under a renormalised gate.
 
-    A renormalised top-1 weight is exactly 1, so those tokens pass no task gradient to the router
-    through the gate (``docs/gates.md``, "renormalised top-1").
+    A renormalised top-1 weight is exactly 1 (softmax, and sigmoid renormalised whatever κ, as
+    transformers' DeepSeek-V3-style routers do), so those tokens pass no task gradient to the router
+    through the gate (``docs/gates.md``, "renormalised top-1"). ``sigmoid_auto`` weighs a single
+    kept expert by its own score, which keeps the gradient: no warning.
     """
-    if schedule.low != 1 or gate not in ("renormalized", "sigmoid_auto") or "low1" in _warned:
+    if schedule.low != 1 or gate != "renormalized" or "low1" in _warned:
         return
     _warned.add("low1")
     logger.warning(

@@ -94,8 +94,24 @@ def _covered_router_classes(version: str) -> tuple[tuple[type, RouterFamily], ..
     for family in FAMILIES:
         loaded = load_family(family)
         if not isinstance(loaded, str):
-            found.append((loaded.router, family))
+            found.append((loaded.router, installed_family(family, loaded)))
     return tuple(found)
+
+
+def installed_family(family: RouterFamily, loaded: LoadedFamily) -> RouterFamily:
+    """``family`` with what only the installed transformers can tell: the order its router returns."""
+    return dataclasses.replace(family, ids_first=_logits_last(loaded))
+
+
+def _logits_last(loaded: LoadedFamily) -> bool:
+    """Whether the router returns ``(ids, weights, logits)``: the family's ``router_logits`` output
+    recorder (``_can_record_outputs``, what transformers reads the logits with) says index 2."""
+    for owner in vars(loaded.module).values():
+        recorders = getattr(owner, "_can_record_outputs", None) if isinstance(owner, type) else None
+        recorder = recorders.get("router_logits") if isinstance(recorders, dict) else None
+        if getattr(recorder, "target_class", None) is loaded.router:
+            return getattr(recorder, "index", 0) == 2
+    return False
 
 
 def covered_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFamily]]:

@@ -45,7 +45,10 @@ class RouterFamily:
         weights_dtype: the dtype of the returned weights: the logits' (``"logits"``), the fp32
             scores' (``"scores"``: Mixtral, DeepSeek-V3), or the hidden states' (``"input"``: ERNIE,
             Granite-MoE, Cohere2, Laguna).
-        ids_first: the router returns ``(ids, weights, logits)`` (Granite-MoE, Aria).
+        ids_first: the router returns ``(ids, weights, logits)``. Not set in the table: read from the
+            installed transformers where the family's output recorder says where the logits are
+            (Granite-MoE and Aria return ids first in 5.19, logits first from 5.25;
+            :func:`.families.covered_router_classes`).
         required: apply() fails if the installed transformers lacks it (OLMoE and Qwen3-MoE, the
             paper's SFT backbones).
     """
@@ -114,7 +117,6 @@ _GRANITE: dict[str, Any] = {
     "logits": "linear_then_fp32",
     "sites": ("block_sparse_moe.router",),
     "weights_dtype": "input",
-    "ids_first": True,
 }
 
 FAMILIES: tuple[RouterFamily, ...] = (
@@ -220,7 +222,7 @@ FAMILIES: tuple[RouterFamily, ...] = (
     _top_k_on_logits("granitemoe", "GraniteMoe", **_GRANITE),
     _top_k_on_logits("granitemoeshared", "GraniteMoeShared", **_GRANITE),
     _top_k_on_logits("granitemoehybrid", "GraniteMoeHybrid", **_GRANITE),
-    _top_k_on_logits("granitemoe_swa", "GraniteMoeSWA", **{**_GRANITE, "ids_first": False}),
+    _top_k_on_logits("granitemoe_swa", "GraniteMoeSWA", **_GRANITE),
     RouterFamily(
         "aria",
         "aria",
@@ -231,7 +233,6 @@ FAMILIES: tuple[RouterFamily, ...] = (
         experts_class="AriaExperts",
         renormalizes="always",
         scores_in_fp32=False,
-        ids_first=True,
     ),
     _top_k_on_logits(
         "cohere2_moe", "Cohere2Moe", sites=("mlp.gate",), renormalizes="selection_fn", weights_dtype="input"

@@ -63,6 +63,7 @@ from elastic_moe_plugin.hf.families import (
     RouterFamily,
     covered_router_classes,
     covered_routers,
+    installed_family,
     layer_index_from_name,
     load_family,
     router_site,
@@ -116,6 +117,7 @@ def _install(config: ElasticConfig, patches: AttributePatches) -> None:
                 )
             logger.debug("elastic-moe: skipping %s: %s", family.name, loaded)
             continue
+        family = installed_family(family, loaded)
         patches.wrap(
             loaded.router,
             "forward",

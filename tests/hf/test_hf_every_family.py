@@ -233,3 +233,18 @@ def test_a_schedule_wider_than_the_kept_groups_reach_is_refused_with_a_schedule_
     hf.apply(wide.replace(**refused.value.fixes[0]), model=model)
     model(**tiny.inputs("deepseek_v3"))
     assert max(int(record.budgets.max()) for record in hf.routing_records(model).values()) <= 4
+
+
+@pytest.mark.parametrize("family_name,norm,warned", [("deepseek_v3", True, True), ("deepseek_v3", False, False),
+                                                     ("olmoe", False, False), ("qwen3_moe", True, True)])
+def test_a_schedule_reaching_one_warns_only_where_the_gate_renormalises(tiny, caplog, monkeypatch, family_name, norm,
+                                                                        warned):
+    """A renormalised κ = 1 weight is exactly 1 for sigmoid gates as for softmax (docs/gates.md,
+    'Sigmoid gates and top-1'); an unnormalised one keeps its gradient."""
+    from elastic_moe_plugin.core import plan as core_plan
+
+    monkeypatch.setattr(core_plan, "_warned", set())
+    model = tiny.model(family_name, norm_topk_prob=norm)
+    with caplog.at_level("WARNING", logger="elastic_moe_plugin"):
+        hf.apply(ElasticConfig(schedule="1-3"), model=model)
+    assert ("tokens drawn with κ=1 get gate weight 1" in caplog.text) is warned

@@ -37,8 +37,10 @@ CONFORMANCE = [
 
 
 def _unpack(family, output):
-    """(logits, weights, ids) of a router's output, in whichever order the family returns them."""
-    return (output[2], output[1], output[0]) if family.ids_first else tuple(output)
+    """(logits, weights, ids) of a router's output, in whichever order the family returns them: the
+    logits are the [T, E] float tensor (ids are int64, weights [T, k])."""
+    logits_last = not output[0].is_floating_point()
+    return (output[2], output[1], output[0]) if logits_last else tuple(output)
 
 
 def _by_expert(ids, weights):
