@@ -36,6 +36,9 @@ class LayerPlan:
         top_p_width: candidate slots in ``mode="top_p"`` (every expert, or the cap).
         cast_weights_to_logits: return gate weights in the logits' dtype (False: keep fp32, as
             Mixtral and MiniMax do in transformers).
+        rule: the router family's routing rule as the plan line names it (transformers: the
+            family and its rule kind, ``"deepseek_v3 sigmoid_bias"``); None where the framework has
+            one router (Megatron's rule is its ``TransformerConfig``).
     """
 
     schedule: BudgetSchedule
@@ -45,6 +48,7 @@ class LayerPlan:
     top_p: float | None = None
     top_p_width: int | None = None
     cast_weights_to_logits: bool = True
+    rule: str | None = None
 
     #: b: candidate slots per token, the schedule's high budget (or the top-p width); a field, not
     #: a property, because routers read it at every forward
@@ -107,17 +111,18 @@ def describe_plans(
         framework: shown first, e.g. ``"transformers"`` or ``"megatron-core"``.
         note: appended after the layers (:data:`RESOLVED_FROM_MODEL`).
 
-    Example: ``elastic-moe plan (transformers, 16 MoE layers): elastic layers 3-7: 6-10 around k=8
-    (σ=1.5), renormalized gate, iid sampling; static top-8 layers 0-2, 8-15``.
+    Example: ``elastic-moe plan (transformers, 16 MoE layers): elastic 6-10 around k=8 (σ=1.5), olmoe
+    softmax_topk rule, full_softmax gate, iid sampling: layers 3-7; static top-8: layers 0-2, 8-15``.
     """
     groups: dict[str, list[int]] = {}
     for layer, plan in plans.items():
+        rule = f"{plan.rule} rule, " if plan is not None and plan.rule else ""
         if plan is None:
             key = f"static top-{topk[layer]}"
         elif plan.top_p is not None:
-            key = f"elastic top-p {plan.top_p:g} (at most {plan.top_p_width} experts), {plan.gate} gate"
+            key = f"elastic top-p {plan.top_p:g} (at most {plan.top_p_width} experts), {rule}{plan.gate} gate"
         else:
-            key = f"elastic {plan.schedule.describe()}, {plan.gate} gate, {plan.sampling} sampling"
+            key = f"elastic {plan.schedule.describe()}, {rule}{plan.gate} gate, {plan.sampling} sampling"
         groups.setdefault(key, []).append(layer)
     parts = [
         f"{key}: layers {_ranges(layers)}"

@@ -338,6 +338,7 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
         top_p=top_p,
         top_p_width=width,
         cast_weights_to_logits=family.weights_dtype == "logits",
+        rule=f"{family.name} {family.rule}",
     )
 
 

@@ -29,6 +29,13 @@ pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 
 IMPLS = ("eager", "grouped_mm", "batched_mm")
 FAMILY_NAMES = tuple(family.name for family in hf.FAMILIES)
+INSTALLED = {family.name for family in hf.covered_router_classes().values()}
+
+
+def _installed(family_name: str) -> None:
+    """Skip a family the installed transformers does not ship (the table spans 5.19 to 5.25)."""
+    if family_name not in INSTALLED:
+        pytest.skip(f"transformers {transformers.__version__} has no {family_name}")
 CONFORMANCE = [
     pytest.param(family.name, norm, id=f"{family.name}-norm{norm}" if norm is not None else family.name)
     for family in hf.FAMILIES
@@ -68,6 +75,8 @@ def _routers(model, *, with_names: bool = False):
 
 def test_every_family_block_holds_the_experts_class_the_table_names(tiny):
     for family in hf.FAMILIES:
+        if family.name not in INSTALLED:
+            continue
         model = tiny.model(family.name)
         loaded = hf_families.load_family(family)
         for name, _, _, _ in _routers(model, with_names=True):
@@ -76,14 +85,15 @@ def test_every_family_block_holds_the_experts_class_the_table_names(tiny):
 
 
 def test_every_family_in_the_table_is_installed_and_tested(tiny):
-    installed = {family.name for family in hf.covered_router_classes().values()}
-    assert installed == set(FAMILY_NAMES), "the installed transformers ships every covered family"
-    assert set(FAMILY_NAMES) <= set(tiny.families)
+    assert INSTALLED <= set(FAMILY_NAMES)
+    assert len(INSTALLED) >= 43, sorted(INSTALLED)  # 5.19 ships 43 of the table's families, 5.25 all of them
+    assert set(FAMILY_NAMES) <= set(tiny.families), "every family of the table has a tiny model"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family_name,norm", CONFORMANCE)
 def test_router_at_kappa_equal_k_reproduces_the_stock_router(tiny, family_name, norm, dtype):
+    _installed(family_name)
     overrides = {} if norm is None else {"norm_topk_prob": norm}
     model = tiny.model(family_name, **overrides)
     _, router, family = _routers(model)[0]
@@ -117,6 +127,7 @@ def test_router_at_kappa_equal_k_reproduces_the_stock_router(tiny, family_name, 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family_name", FAMILY_NAMES)
 def test_family_trains_elastically_with_every_experts_implementation(tiny, hand_aux, expert_rows, family_name, impl):
+    _installed(family_name)
     hf.apply(ElasticConfig(schedule="1-3"))
     model = tiny.model(family_name, experts_implementation=impl)
     routers = _routers(model)

@@ -26,8 +26,8 @@ def test_plan_line_names_elastic_and_static_layers(tiny, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="elastic_moe_plugin"):
         line = hf.log_plan(model)
         hf.log_plan(model)  # once per run
-    assert line == ("elastic-moe plan (transformers, 4 MoE layers): elastic 1-3 around k=2 (σ=1.5), full_softmax gate, "
-                    "iid sampling: layers 1-2; static top-2: layers 0, 3")
+    assert line == ("elastic-moe plan (transformers, 4 MoE layers): elastic 1-3 around k=2 (σ=1.5), olmoe softmax_topk "
+                    "rule, full_softmax gate, iid sampling: layers 1-2; static top-2: layers 0, 3")
     assert [record.getMessage() for record in caplog.records].count(line) == 1
 
 

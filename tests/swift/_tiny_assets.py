@@ -9,6 +9,9 @@
   ``qwen3_moe_k2``; ``norm_topk_prob=True``) checkpoints from transformers configs (2 layers, 8
   experts, hidden 64), ``save_pretrained``; a Qwen3-MoE routing to top-8 of 16 experts
   (``qwen3_moe_top8``, the paper's k) and a dense Qwen3 (``qwen3_dense``, no router at all);
+  the other two routing styles of the transformers door, top-2 of 8 in every layer: DeepSeek-V3
+  (``deepseek_v3``: sigmoid, correction bias, 4 groups, MLA) and GPT-OSS (``gpt_oss``: top-k on the
+  logits at ``mlp.router``), with the special tokens of swift's ``deepseek_v2_5`` / ``gpt_oss`` templates;
 - ``train.jsonl``: 64 rows of ``{"messages": [user, assistant]}``, about 300 tokens each.
 
 Used by tests/swift/conftest.py and by scripts/gpu_check.sh.
@@ -54,6 +57,22 @@ MODELS: dict[str, tuple[str, str, str, str, dict[str, Any]]] = {
                        {"num_experts": 16, "num_experts_per_tok": 8, "moe_intermediate_size": 16, "head_dim": 16,
                         "norm_topk_prob": True}),  # top-8: the default schedule resolves to 6-10
     "qwen3_dense": ("qwen3", "qwen3", "qwen3.Qwen3Config", "qwen3.Qwen3ForCausalLM", {"head_dim": 16}),  # no router
+    # DeepSeek-V3 style (sigmoid scores, selection on scores + e_score_correction_bias, top-2 of 4
+    # groups, renormalised, × routed_scaling_factor): every layer MoE (first_k_dense_replace=0), MLA
+    # with small ranks; DeepseekV3Attention wants as many key/value heads as query heads
+    "deepseek_v3": ("deepseek_v3", "deepseek_v2_5", "deepseek_v3.DeepseekV3Config",
+                    "deepseek_v3.DeepseekV3ForCausalLM",
+                    {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                     "n_group": 4, "topk_group": 2, "first_k_dense_replace": 0, "norm_topk_prob": True,
+                     "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+                     "qk_rope_head_dim": 8, "v_head_dim": 16}),
+    # GPT-OSS style (``mlp.router``: top-k on the biased logits, softmax over the kept): the config's
+    # alternating sliding/full attention (window 128 < --max_length 512, so both kinds are used) and
+    # plain RoPE instead of its default YaRN, which assumes 4096 original positions
+    "gpt_oss": ("gpt_oss", "gpt_oss", "gpt_oss.GptOssConfig", "gpt_oss.GptOssForCausalLM",
+                {"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 128,
+                 "layer_types": ["sliding_attention", "full_attention"],
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}),
 }
 BATCH_SIZE = 8
 DATASET_ROWS = 64

@@ -2,9 +2,10 @@
 
 - ``tiny_assets`` (session, built by ``_tiny_assets.py``): a byte-level BPE tokenizer trained here
   with ``tokenizers`` (saved as a ``PreTrainedTokenizerFast`` with a chat template and the special
-  tokens swift's ``olmoe`` and ``qwen3`` templates write), tiny random OLMoE (top-2) and
-  Qwen3-MoE (top-4) checkpoints (2 layers, 8 experts, hidden 64) saved with ``save_pretrained``,
-  and a local jsonl of ``messages``. Nothing is downloaded.
+  tokens swift's ``olmoe``, ``qwen3``, ``deepseek_v2_5`` and ``gpt_oss`` templates write), tiny
+  random OLMoE (top-2), Qwen3-MoE (top-4), DeepSeek-V3 and GPT-OSS (top-2) checkpoints (2 layers,
+  8 experts, hidden 64) saved with ``save_pretrained``, and a local jsonl of ``messages``. Nothing
+  is downloaded.
 - ``swift_runs`` (session): the subprocess runs the tests need (:data:`RUNS`: ``swift sft`` runs, the
   ``swift infer`` / ``swift export`` runs on their checkpoints, and the plugin probes of
   ``_plugin_probe.py``), launched together the first time any test asks for one, so their slow
@@ -366,6 +367,10 @@ RUNS = {
     "auto_top4": _auto_run("qwen3_moe"),
     "auto_top8": _makefile_venv_run("qwen3_moe_top8"),  # typed in the Makefile's venv
     "dense_refused": _auto_run("qwen3_dense"),
+    # the transformers door's other routing styles, no settings either (test_swift_sft.py): DeepSeek-V3
+    # (sigmoid + correction bias + groups) and GPT-OSS (top-k on the logits, at mlp.router), top-2
+    "auto_deepseek_v3": _auto_run("deepseek_v3"),
+    "auto_gpt_oss": _auto_run("gpt_oss"),
     # inference and export on those checkpoints need no training schedule, and no plugin
     "infer_top2": _checkpoint_run("auto_top2", "infer"),
     "infer_top4": _checkpoint_run("auto_top4", "infer", plugin=True),
@@ -376,6 +381,8 @@ RUNS = {
     "no_plugin_infer_top2": _checkpoint_run("auto_top2", "infer", environment="no_plugin"),
     "no_plugin_infer_top4": _checkpoint_run("auto_top4", "infer", environment="no_plugin"),
     "no_plugin_infer_top8": _checkpoint_run("auto_top8", "infer", environment="no_plugin"),
+    "infer_deepseek_v3": _checkpoint_run("auto_deepseek_v3", "infer"),
+    "infer_gpt_oss": _checkpoint_run("auto_gpt_oss", "infer"),
 }
 _NEEDS_ASSETS = {name for name in RUNS if not name.startswith("probe_")}
 

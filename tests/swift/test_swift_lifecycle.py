@@ -28,8 +28,8 @@ from elastic_moe_plugin.swift import plugin_path
 pytestmark = [pytest.mark.swift, pytest.mark.slow]
 
 #: run -> (top-k, the schedule resolved from the model, gate)
-AUTO_RUNS = {"auto_top2": (2, "1-3", "full_softmax"), "auto_top4": (4, "2-6", "renormalized"),
-             "auto_top8": (8, "6-10", "renormalized")}
+AUTO_RUNS = {"auto_top2": (2, "1-3", "olmoe", "full_softmax"), "auto_top4": (4, "2-6", "qwen3_moe", "renormalized"),
+             "auto_top8": (8, "6-10", "qwen3_moe", "renormalized")}
 RESOLVED = "schedule resolved from the model (auto: k-2..k+2 around its top-k, within its experts)"
 
 
@@ -51,11 +51,11 @@ def test_no_settings_train_elastically_with_the_schedule_of_the_model(swift_runs
     result = swift_runs.result(run)
     _assert_ok(result)
     assert not [key for key in result.env if key.startswith("ELASTIC_MOE_")]
-    topk, schedule, gate = AUTO_RUNS[run]
+    topk, schedule, family, gate = AUTO_RUNS[run]
     low, high = map(int, schedule.split("-"))
     assert "elastic-moe: plugin elastic_moe: passing it to ms-swift as --external_plugins" in result.output
-    plan = (f"elastic-moe plan (transformers, 2 MoE layers): elastic {schedule} around k={topk} (σ=1.5), {gate} gate, "
-            f"iid sampling: layers 0-1; static: none; {RESOLVED}")
+    plan = (f"elastic-moe plan (transformers, 2 MoE layers): elastic {schedule} around k={topk} (σ=1.5), "
+            f"{family} softmax_topk rule, {gate} gate, iid sampling: layers 0-1; static: none; {RESOLVED}")
     assert result.output.count(plan) == 1, result.describe()
     # the settings were checked against the model's config.json at start-up, before the model was built
     loaded = result.output.index("[INFO:elastic_moe] rank 0/1: plugin loaded")

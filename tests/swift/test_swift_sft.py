@@ -11,10 +11,19 @@ the schedule's pmf q, so the logged mean over N tokens has standard error σ_q /
 routes at least ``tiny_assets.min_tokens_per_step`` (8 rows, > 2000 tokens) per layer, so the 5%
 tolerance is more than 4 standard errors per layer (:func:`_assert_tolerance_is_safe` checks this
 from the numbers). ``sampling=balanced`` makes the per-step mean exact.
+
+The transformers door's other two routing styles, trained with ``swift sft --plugin elastic_moe`` and
+no settings (``conftest.RUNS``: ``auto_deepseek_v3``, ``auto_gpt_oss``; 2 steps, one checkpoint):
+a tiny DeepSeek-V3 (``DeepseekV3TopkRouter``: sigmoid, correction bias, 2 of 4 groups, ×2.5) and
+a tiny GPT-OSS (``GptOssTopKRouter`` at ``mlp.router``: top-k on the logits, softmax over the kept),
+both top-2 of 8 in every layer. Checked: the plan line (the layers, the family's gate), κ drawn over
+the whole 1-3 schedule in both layers, finite losses, TensorBoard, and ``swift infer`` on each
+checkpoint (``infer_deepseek_v3``, ``infer_gpt_oss``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -22,6 +31,7 @@ import pytest
 import yaml
 
 from elastic_moe_plugin.core.config import ElasticConfig
+from elastic_moe_plugin.core.plan import RESOLVED_FROM_MODEL
 
 pytestmark = [pytest.mark.swift, pytest.mark.slow]
 
@@ -36,6 +46,18 @@ TRAINING_RUNS = {
     "qwen3_moe_balanced": ("qwen3_moe", 4, "2-6", "balanced"),
     "qwen3_moe_yaml_iid": ("qwen3_moe", 4, "2-6", "iid"),
 }
+#: run -> (model, swift --model_type, swift --template, the family's own gate, whether the model returns
+#: an aux loss): both families renormalise over the kept experts (DeepSeek-V3: norm_topk_prob=True;
+#: GPT-OSS: softmax over the kept logits, always), and DeepseekV3ForCausalLM has no load-balancing loss
+#: (its correction bias balances), so swift logs no aux_loss for it
+FAMILY_RUNS = {
+    "auto_deepseek_v3": ("deepseek_v3", "deepseek_v3", "deepseek_v2_5", "sigmoid_bias", "renormalized", False),
+    "auto_gpt_oss": ("gpt_oss", "gpt_oss", "gpt_oss", "logits_topk", "renormalized", True),
+}
+FAMILY_TOPK = 2
+#: the schedule no settings resolve for top-2 of 8 (k-2..k+2, within the experts); DeepSeek-V3's
+#: group limit keeps 2 groups of 2 experts, 4 candidates, so κ=3 fits in it
+FAMILY_SCHEDULE = "1-3"
 
 
 def _schedule(schedule: str, topk: int):
@@ -68,7 +90,7 @@ def _check_training_run(result, tiny_assets, model: str, topk: int, schedule_tex
     sampling_text = f"{sampling} sampling"
     gate = "full_softmax" if model == "olmoe" else "renormalized"
     plan = (f"elastic-moe plan (transformers, 2 MoE layers): elastic {schedule_text} around k={topk} (σ=1.5), "
-            f"{gate} gate, {sampling_text}: layers 0-1; static: none")
+            f"{model} softmax_topk rule, {gate} gate, {sampling_text}: layers 0-1; static: none")
     assert result.output.count(plan) == 1, result.describe()
     rows = result.training_rows()
     assert [row.get("global_step/max_steps") for row in rows] == ["1/3", "2/3", "3/3"], result.describe()
@@ -141,13 +163,10 @@ def test_swift_sft_yaml_env_block_selects_the_schedule(swift_runs, tiny_assets):
     assert "elastic_moe/layer_0/kappa_frac_1" not in rows[0]
 
 
-@pytest.mark.swift_runs("olmoe_iid")
-def test_tensorboard_events_carry_the_routing_metrics(swift_runs):
-    """The callback runs before TensorBoardCallback, so the event file has the same values."""
+def _assert_tensorboard_matches_the_log(result) -> None:
+    """The run's TensorBoard event file has the routing metrics, with the values of ``logging.jsonl``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    result = swift_runs.result("olmoe_iid")
-    assert result.returncode == 0, result.describe()
     runs_dir = result.output_dir / "runs"
     event_files = sorted(runs_dir.rglob("events.out.tfevents.*"))
     assert event_files, f"no TensorBoard event file under {runs_dir}"
@@ -158,9 +177,89 @@ def test_tensorboard_events_carry_the_routing_metrics(swift_runs):
             "train/elastic_moe/layer_0/tokens_per_expert_max_over_mean"} <= tags, sorted(tags)
     logged = {event.step: event.value for event in accumulator.Scalars("train/elastic_moe/mean_kappa")}
     jsonl = {step: row["elastic_moe/mean_kappa"] for step, row in enumerate(result.training_rows(), start=1)}
-    assert sorted(logged) == [1, 2, 3]
+    assert sorted(logged) == sorted(jsonl) and jsonl
     for step, value in jsonl.items():
         assert logged[step] == pytest.approx(value, rel=1e-6)
+
+
+@pytest.mark.swift_runs("olmoe_iid")
+def test_tensorboard_events_carry_the_routing_metrics(swift_runs):
+    """The callback runs before TensorBoardCallback, so the event file has the same values."""
+    result = swift_runs.result("olmoe_iid")
+    assert result.returncode == 0, result.describe()
+    assert len(result.training_rows()) == 3
+    _assert_tensorboard_matches_the_log(result)
+
+
+def _family_runs(names):
+    """One parameter per run, marked so that every selected run starts with the first one asked for."""
+    return [pytest.param(name, marks=pytest.mark.swift_runs(name), id=name) for name in names]
+
+
+@pytest.mark.parametrize("run", _family_runs(FAMILY_RUNS))
+def test_swift_sft_trains_deepseek_v3_and_gpt_oss_elastically(swift_runs, tiny_assets, run):
+    """``swift sft --plugin elastic_moe`` with no settings on a tiny DeepSeek-V3 / GPT-OSS: the plan
+    line names both layers and the family's own gate, κ is drawn over the whole 1-3 schedule in both
+    layers, the loss is finite, and TensorBoard gets the same metrics."""
+    result = swift_runs.result(run)
+    model, model_type, template, rule, gate, has_aux_loss = FAMILY_RUNS[run]
+    assert result.returncode == 0, result.describe()
+    assert not [key for key in result.env if key.startswith("ELASTIC_MOE_")]
+    flags = dict(zip(result.argv, result.argv[1:]))
+    assert (flags["--model_type"], flags["--template"], flags["--plugin"]) == (model_type, template, "elastic_moe")
+    assert "elastic-moe: plugin elastic_moe: passing it to ms-swift as --external_plugins" in result.output
+    checked = f"checked against {tiny_assets.model_dir(model)} (top-{FAMILY_TOPK} of {NUM_EXPERTS} experts)"
+    assert checked in result.output, result.describe()
+    # the plan line names the family's routing rule and its own gate (no ELASTIC_MOE_GATE was set)
+    plan = (f"elastic-moe plan (transformers, 2 MoE layers): elastic {FAMILY_SCHEDULE} around k={FAMILY_TOPK} "
+            f"(σ=1.5), {model} {rule} rule, {gate} gate, iid sampling: layers 0-1; static: none; {RESOLVED_FROM_MODEL}")
+    assert result.output.count(plan) == 1, result.describe()
+    assert f"with a renormalised gate ({model} routers)" in result.output, result.describe()
+
+    schedule = _schedule(FAMILY_SCHEDULE, FAMILY_TOPK)
+    standard_error = _assert_tolerance_is_safe(schedule, tiny_assets.min_tokens_per_step)
+    rows = result.training_rows()
+    assert [row["global_step/max_steps"] for row in rows] == ["1/2", "2/2"], result.describe()
+    for row in rows:
+        assert math.isfinite(row["loss"]) and row["loss"] > 0 and math.isfinite(row["grad_norm"]), row
+        assert ("aux_loss" in row) == has_aux_loss, sorted(row)
+        if has_aux_loss:  # E·Σ f_i P_i with Σ f_i = mean κ: about k for a near-uniform router
+            assert 0.5 * FAMILY_TOPK < row["aux_loss"] < 2 * FAMILY_TOPK, row["aux_loss"]
+        means = [row[f"elastic_moe/layer_{layer}/mean_kappa"] for layer in LAYERS]
+        assert row["elastic_moe/mean_kappa"] == pytest.approx(sum(means) / len(means), abs=1e-6)
+        for layer, mean in zip(LAYERS, means):
+            prefix = f"elastic_moe/layer_{layer}/"
+            assert abs(mean - FAMILY_TOPK) <= TOLERANCE * FAMILY_TOPK, (layer, mean, standard_error)
+            fractions = {b: row[f"{prefix}kappa_frac_{b}"] for b in schedule.budgets}
+            assert f"{prefix}kappa_frac_{schedule.high + 1}" not in row
+            assert sum(fractions.values()) == pytest.approx(1.0, abs=1e-6)
+            assert sum(b * share for b, share in fractions.items()) == pytest.approx(mean, abs=1e-6)
+            for budget, q in zip(schedule.budgets, schedule.pmf):  # every budget drawn, at its pmf
+                assert abs(fractions[budget] - q) < 0.06, (layer, budget, fractions[budget], q)
+            assert row[f"{prefix}topk_set_changed_frac"] == pytest.approx(1 - fractions[FAMILY_TOPK], abs=1e-6)
+            # renormalised over the kept experts (DeepSeek-V3's ×routed_scaling_factor is not part of it)
+            assert row[f"{prefix}retained_weight_sum_mean"] == pytest.approx(1.0, abs=1e-5)
+            assert 1.0 <= row[f"{prefix}tokens_per_expert_max_over_mean"] < NUM_EXPERTS
+    _assert_tensorboard_matches_the_log(result)
+
+
+#: infer run -> the training run whose checkpoint it reads
+FAMILY_INFER_RUNS = {"infer_deepseek_v3": "auto_deepseek_v3", "infer_gpt_oss": "auto_gpt_oss"}
+
+
+@pytest.mark.parametrize("run", _family_runs(FAMILY_INFER_RUNS))
+def test_swift_infer_runs_on_the_deepseek_v3_and_gpt_oss_checkpoints(swift_runs, run):
+    """``swift infer`` (transformers backend, 2 rows of the dataset, 4 new tokens) on the checkpoint
+    of each run above, with no settings: the checkpoint's args.json names the model type and
+    template, and asks for no plugin."""
+    result = swift_runs.result(run)
+    assert result.returncode == 0, result.describe()
+    assert "checkpoint-2" in result.argv[result.argv.index("--model") + 1]
+    rows = [json.loads(line) for line in result.result_file.read_text().splitlines() if line.strip()]
+    assert len(rows) == 2 and all(isinstance(row["response"], str) for row in rows), rows
+    assert any(row["response"] for row in rows), rows  # generated something (random weights: anything)
+    assert "Traceback" not in result.output
+    assert "Successfully imported external_plugins" not in result.output and "elastic_moe" not in result.output
 
 
 @pytest.mark.swift_runs("bad_schedule")
