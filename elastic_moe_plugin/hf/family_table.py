@@ -138,6 +138,7 @@ FAMILIES: tuple[RouterFamily, ...] = (
     _softmax("mixtral", "Mixtral", renormalizes="always", weights_dtype="scores"),
     _softmax("minimax", "MiniMax", renormalizes="always", weights_dtype="scores"),
     _softmax("mellum", "Mellum"),
+    _softmax("lara_mini", "LaraMini", logits="linear_fp32", weights_dtype="input"),  # 5.25+
     RouterFamily(
         "hunyuan_v1_moe",
         "hunyuan_v1_moe",
@@ -163,6 +164,31 @@ FAMILIES: tuple[RouterFamily, ...] = (
     _deepseek("axk1", "AXK1"),
     _deepseek("axk2", "AXK2", masked_group_value=0.0),
     _deepseek("hy_v4", "HYV4"),
+    # transformers 5.25 and later
+    _deepseek("bailing_hybrid", "BailingHybrid"),
+    _deepseek("dots3_note", "Dots3NoteText", experts_class="Dots3NoteExperts"),
+    _deepseek("hy_v4_vl", "HYV4VL"),
+    _deepseek("minicpm5_moe", "MiniCPM5Moe", logits="linear_fp32_without_autocast"),
+    RouterFamily(  # DeepSeek-V3's math, sorted, scaling applied by the block to the experts' output
+        "beam",
+        "beam",
+        "BeamTopKRouter",
+        "BeamDecoderLayer",
+        rule="sigmoid_bias",
+        logits="linear_fp32",
+        bias="e_score_correction_bias",
+        renormalization_eps=SIGMOID_EPS,
+        weights_dtype="scores",
+    ),
+    RouterFamily(  # sigmoid without a bias or an epsilon
+        "flint",
+        "flint",
+        "FlintTopKRouter",
+        "FlintDecoderLayer",
+        rule="sigmoid_bias",
+        logits="linear_fp32_without_autocast",
+        weights_dtype="scores",
+    ),
     # MiniMax-M3 / Laguna: sigmoid + bias, always renormalised without eps, scaling on the experts' output
     RouterFamily(
         "minimax_m3_vl",
@@ -209,6 +235,28 @@ FAMILIES: tuple[RouterFamily, ...] = (
         group_score_topk=1,
         weights_dtype="scores",
     ),
+    RouterFamily(  # 5.25+: Mistral-4's router in fp32, always renormalised
+        "mistral_large4",
+        "mistral_large4",
+        "MistralLarge4TextTopkRouter",
+        "MistralLarge4TextDecoderLayer",
+        rule="softmax_groups",
+        logits="linear_fp32",
+        renormalizes="always",
+        renormalization_eps=SIGMOID_EPS,
+        weights_dtype="scores",
+    ),
+    RouterFamily(  # 5.25+: DeepSeek-V2's router
+        "unlimited_ocr",
+        "unlimited_ocr",
+        "UnlimitedOcrTextTopkRouter",
+        "UnlimitedOcrTextDecoderLayer",
+        rule="softmax_groups",
+        logits="linear_fp32",
+        renormalizes="never",
+        group_score_topk=1,
+        weights_dtype="scores",
+    ),
     RouterFamily(
         "mistral4",
         "mistral4",
@@ -244,7 +292,7 @@ FAMILIES: tuple[RouterFamily, ...] = (
         "Ernie4_5_MoeTopKRouter",
         "Ernie4_5_MoeDecoderLayer",
         rule="softmax_bias_floor",
-        logits="linear_fp32",
+        logits="linear_fp32_without_autocast",
         bias="moe_statics.e_score_correction_bias",
         renormalizes="always",
         weights_dtype="input",
@@ -270,8 +318,8 @@ REFUSED: dict[str, str] = {
     "gemma4": "not yet covered: the router sits on the decoder layer, normalises its input, returns probabilities "
     "and scales the weights per expert",
     "diffusion_gemma": "not yet covered: the router is Gemma-4's (see gemma4)",
-    "jamba": "not yet covered: the routing is a method of the block (`route_tokens_to_experts`), the router a "
-    "plain Linear",
+    "jamba": "not yet covered: in 5.19 the routing is a method of the block (`route_tokens_to_experts`) and "
+    "the router a plain Linear; from 5.25 its router sits in two decoder-layer classes",
     "hy_v3": "not yet covered: its router takes the correction bias as a forward argument",
     "minimax_m2": "not yet covered: its router takes the correction bias as a forward argument",
     "afmoe": "not yet covered: its router takes the expert bias as a forward argument",
@@ -282,6 +330,17 @@ REFUSED: dict[str, str] = {
     "inkling": "not yet covered: its weights normalise the kept routed experts together with the shared experts",
     "openai_privacy_filter": "an encoder whose layers have no layer index, and whose block multiplies by the "
     "static top-k",
+    "ergo": "not yet covered (5.25): its router's logits come from a Linear submodule and its weights round-trip "
+    "through the hidden dtype; its experts normalise each expert's output and are not transformers' experts "
+    "dispatcher",
+    "inkling2": "not yet covered (5.25): its routers sit in two decoder-layer classes (sliding and full attention) "
+    "and score with the config's `scoring_func`",
+    "inkling2_loop": "not yet covered (5.25): its looped layers run each router several times per forward",
+    "kolibri1": "not yet covered (5.25): it ranks the logits plus the correction bias and weighs the sigmoid of the "
+    "kept logits",
+    "kolibri1_1": "not yet covered (5.25): its router is Kolibri-1's (see kolibri1)",
+    "muse_spark": "not yet covered (5.25): its router scales the logits by `output_multiplier` before the sigmoid, "
+    "and its experts normalise each expert's output",
     "ernie4_5_vl_moe": "not yet covered: two routers (text and vision experts) in one decoder layer, while "
     "plans and records hold one router per layer",
 }
@@ -296,6 +355,9 @@ TEXT_MODEL_FOLDERS: dict[str, str] = {
     "step3p5": "step3p7",
     "inkling_mm_model": "inkling",
     "inkling_text": "inkling",
+    "param2moe": "glm4_moe",  # 5.25: configs built with another folder's classes
+    "sarvam_moe": "glm4_moe",
+    "sarvam_mla": "deepseek_v3",
 }
 
 

@@ -51,6 +51,13 @@ def _linear_fp32(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return F.linear(_flat(router, hidden_states, router.weight).float(), router.weight.float())
 
 
+def _linear_fp32_without_autocast(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    # ERNIE-4.5, Flint, MiniCPM5-MoE switch autocast off around their fp32 router: under a bf16
+    # autocast the same linear would otherwise run in bf16
+    with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+        return _linear_fp32(router, hidden_states)
+
+
 def _linear_then_fp32(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     logits = F.linear(_flat(router, hidden_states, router.weight), router.weight).float()
     cap = getattr(router, "router_logit_softcapping", None) or 0.0  # Laguna's optional tanh soft-cap
@@ -76,6 +83,7 @@ def _linear_module_fp32_if_weights_are(router: Any, hidden_states: torch.Tensor)
 LOGITS: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "linear": _linear,
     "linear_fp32": _linear_fp32,
+    "linear_fp32_without_autocast": _linear_fp32_without_autocast,
     "linear_then_fp32": _linear_then_fp32,
     "linear_in_weight_dtype": _linear_in_weight_dtype,
     "linear_with_bias": _linear_with_bias,

@@ -35,6 +35,7 @@ from elastic_moe_plugin.hf import family_table
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 
 FAMILY_NAMES = tuple(family.name for family in hf.FAMILIES)
+INSTALLED = {family.name for family in hf.covered_router_classes().values()}
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "transformers.md"
 
 
@@ -94,6 +95,8 @@ def _pmf(low: int, high: int, center: int, sigma: float) -> dict[int, float]:
 
 @pytest.mark.parametrize("family_name", FAMILY_NAMES)
 def test_covered_family_is_elastic_in_training_and_stock_otherwise(tiny, family_name):
+    if family_name not in INSTALLED:
+        pytest.skip(f"transformers {transformers.__version__} has no {family_name}")
     model = tiny.model(family_name)
     inputs = tiny.inputs(family_name)
     with torch.no_grad():
