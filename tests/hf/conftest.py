@@ -168,6 +168,51 @@ FAMILY_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "laguna": ("laguna.LagunaConfig", "laguna.LagunaForCausalLM",
                {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                 "head_dim": 16, "mlp_layer_types": _ALL_SPARSE}, "ids"),
+    # Families below exist only in newer transformers (5.25): resolved lazily, so harmless on older ones.
+    # Bailing-Hybrid: one KDA linear-attention and one MLA layer (head_dim sizes the KDA heads); its
+    # router is always group-limited.
+    "bailing_hybrid": ("bailing_hybrid.BailingHybridConfig", "bailing_hybrid.BailingHybridForCausalLM",
+                       {**_DEEPSEEK, **_MLA, **_GROUPED, "num_local_experts": NUM_EXPERTS, "head_dim": 16,
+                        "mlp_layer_types": _ALL_SPARSE, "layer_types": ["linear_attention", "full_attention"]},
+                       "ids"),
+    # dots3-note's text model: one DSA (MLA + indexer) layer and one sliding-window MLA layer, whose
+    # own sizes come from the swa_* keys.
+    "dots3_note": ("dots3_note.Dots3NoteTextConfig", "dots3_note.Dots3NoteForCausalLM",
+                   {**_DEEPSEEK, **_MLA, **_UNGROUPED, **_INDEXER, "head_dim": 24,
+                    "shared_experts_intermediate_size": 32, "mlp_layer_types": _ALL_SPARSE,
+                    "layer_types": ["indexed_attention", "sliding_attention"], "sliding_window": 4,
+                    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 16,
+                    "swa_kv_lora_rank": 16, "swa_head_dim": 24, "swa_qk_nope_head_dim": 16, "swa_v_head_dim": 16},
+                   "ids"),
+    # Hy-V4-VL's text model: M-RoPE sections over half of qk_rope_head_dim 8.
+    "hy_v4_vl": ("hy_v4_vl.HYV4VLTextConfig", "hy_v4_vl.HYV4VLTextModel",
+                 {**_DEEPSEEK, **_MLA, **_UNGROUPED, **_INDEXER, "mlp_layer_types": _ALL_SPARSE,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},
+                 "ids"),
+    "minicpm5_moe": ("minicpm5_moe.MiniCPM5MoeConfig", "minicpm5_moe.MiniCPM5MoeForCausalLM",
+                     {**_DEEPSEEK, **_UNGROUPED, "head_dim": 16, "mlp_layer_types": _ALL_SPARSE}, "ids"),
+    # Beam: one sliding-window (RoPE) and one full-attention (NoPE) layer; group-limited router.
+    "beam": ("beam.BeamConfig", "beam.BeamForCausalLM",
+             {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32, **_GROUPED, "head_dim": 16,
+              "mlp_layer_types": _ALL_SPARSE, "layer_types": ["sliding_attention", "full_attention"],
+              "sliding_window": 4}, "ids"),
+    # Flint: mlp_only_layers=[] makes both layers sparse; one full and one sliding-window layer.
+    "flint": ("flint.FlintConfig", "flint.FlintForCausalLM",
+              {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+               "head_dim": 16, "mlp_only_layers": [], "layer_types": ["full_attention", "sliding_attention"],
+               "sliding_window": 4}, "ids"),
+    # Lara-Mini: one gated-delta-net linear-attention and one full-attention layer.
+    "lara_mini": ("lara_mini.LaraMiniConfig", "lara_mini.LaraMiniForCausalLM",
+                  {**_QWEN, **_SHARED, **_HYBRID}, "ids"),
+    # Mistral-Large-4's text model: MLA without a query LoRA, DSA indexer, group-limited router.
+    "mistral_large4": ("mistral_large4.MistralLarge4TextConfig", "mistral_large4.MistralLarge4TextModel",
+                       {**_DEEPSEEK, **{k: v for k, v in _MLA.items() if k != "q_lora_rank"}, **_GROUPED,
+                        **_INDEXER, "mlp_layer_types": _ALL_SPARSE}, "ids"),
+    # Unlimited-OCR's text model: DeepSeek-V2-style (multi-head attention, softmax router), its
+    # group-limited greedy routing here.
+    "unlimited_ocr": ("unlimited_ocr.UnlimitedOcrTextConfig", "unlimited_ocr.UnlimitedOcrTextModel",
+                      {**_DEEPSEEK, **_GROUPED, "topk_method": "group_limited_greedy",
+                       "mlp_layer_types": _ALL_SPARSE, "sliding_window": 4}, "ids"),
 }
 
 
