@@ -149,8 +149,8 @@ def test_rehearsal_of_an_ms_swift_recipe_trains_and_logs_routing_metrics(rehears
         _check_replacements(output, ["args.attn_impl: flash_attn -> sdpa  (flash attention is GPU-only)",
                                      "args.deepspeed: zero2 -> removed  (DeepSpeed ZeRO needs CUDA; plain data parallelism here)"])
         assert "--optim adamw_torch_fused" in output and "--router_aux_loss_coef 0.01" in output
-        plan = "elastic-moe plan (transformers, 4 MoE layers): elastic 6-10 around k=8 (σ=1.5), olmoe softmax_topk rule, "
-                "full_softmax gate"
+        plan = ("elastic-moe plan (transformers, 4 MoE layers): elastic 6-10 around k=8 (σ=1.5), olmoe softmax_topk rule, "
+                "full_softmax gate")
     assert plan in output, result.describe()
     rows = _swift_rows(work)
     assert len(rows) == STEPS, rows
