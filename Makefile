@@ -89,7 +89,7 @@ DURATIONS ?= 25
 test: setup
 	$(BIN)/python -m pytest --durations=$(DURATIONS) $(PYTEST_ARGS)
 	PYTHONPATH=$(MCORE_LOW_DIR) $(BIN)/python -m pytest -m megatron --durations=$(DURATIONS) $(PYTEST_ARGS)
-	PYTHONPATH=$(TRANSFORMERS_HIGH_DIR) $(BIN)/python -m pytest -m "hf and not swift" --durations=$(DURATIONS) $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR)/$(TRANSFORMERS_HIGH_DIR) $(BIN)/python -m pytest -m "hf and not swift" --durations=$(DURATIONS) $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" -x -q $(PYTEST_ARGS)
