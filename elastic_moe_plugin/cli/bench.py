@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 SCENARIOS = ("router", "layer", "gpt", "hf", "kappa", "calls", "e2e")  # elastic_moe_plugin.tools.bench.SCENARIOS
-LAUNCHERS = ("swift_sft", "megatron_sft", "megatron_lm")  # elastic_moe_plugin.tools.bench.e2e.LAUNCHERS
+# the same as elastic_moe_plugin.tools.bench.e2e.LAUNCHERS (tests/tools/test_bench_e2e.py checks it)
+LAUNCHERS = ("swift_sft", "swift_sft_deepseek_v3", "megatron_sft", "megatron_lm")
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -27,11 +28,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         choices=SCENARIOS,
         default=None,
         help="run only these scenarios (default: all but e2e). router, layer (dropless and "
-        "drop-and-pad), gpt: Megatron-core; hf: transformers' OLMoE- and Qwen3-MoE-shaped blocks "
+        "drop-and-pad), gpt: Megatron-core; hf: transformers' OLMoE-, Qwen3-MoE- and DeepSeek-V3-shaped blocks "
         "under every experts implementation; kappa: the κ draw per router call for 1-1024 token "
         "shards, before and after the counter-based stream; calls: one router call per door, stock, "
-        "static and elastic, in µs and in package calls; e2e: training steps/s of swift sft, "
-        "megatron sft and Megatron-LM's trainer on tiny models, static against elastic 6-10, "
+        "static and elastic, in µs and in package calls; e2e: training steps/s of swift sft (OLMoE and "
+        "DeepSeek-V3), megatron sft and Megatron-LM's trainer on tiny models, static against elastic 6-10, "
         "in rounds of child processes (minutes)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's default)")
@@ -63,7 +64,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=LAUNCHERS,
         default=list(LAUNCHERS),
-        help="which launchers (default: all three)",
+        help="which launchers (default: all four)",
     )
     e2e.add_argument(
         "--hidden",

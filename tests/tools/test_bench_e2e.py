@@ -1,10 +1,11 @@
-"""`elastic-moe bench --only e2e --quick`: one row per launcher (swift sft, megatron sft, Megatron-LM's
-trainer), each column filled, from real runs of the three trainers on tiny models.
+"""`elastic-moe bench --only e2e --quick`: one row per launcher (swift sft on OLMoE and on DeepSeek-V3,
+megatron sft, Megatron-LM's trainer), each column filled, from real runs of the three trainers on tiny
+models.
 
 Nothing about time is asserted (the --quick runs overlap; speed is measured, not tested): only that
 every launcher ran static and elastic (swift sft in two runs, the Megatron launchers interleaved in
 one), that the figures are there and well-formed, and the exact ones: swift sft's static run logs a
-mean κ of exactly 8 (the interleaved runs log κ only in their elastic blocks), an elastic 6-10 run's
+mean κ of exactly 8, on either model (the interleaved runs log κ only in their elastic blocks), an elastic 6-10 run's
 lies in [6, 10], a run's peak RSS is that of a process that imported torch, and a step's sync count
 is a positive count (every trainer reads its loss on the host).
 """
@@ -21,7 +22,8 @@ import pytest
 
 from elastic_moe_plugin.cli import main
 
-LABELS = {"swift_sft": "swift sft", "megatron_sft": "megatron sft", "megatron_lm": "Megatron-LM"}
+LABELS = {"swift_sft": "swift sft", "swift_sft_deepseek_v3": "swift sft DSv3", "megatron_sft": "megatron sft",
+          "megatron_lm": "Megatron-LM"}
 INTERLEAVED = {"megatron_sft", "megatron_lm"}  # one run per round, static and elastic blocks of 2 steps
 _MISSING = [name for name in ("swift", "mcore_bridge", "megatron.training", "transformers")
             if importlib.util.find_spec(name.split(".")[0]) is None or importlib.util.find_spec(name) is None]
@@ -90,10 +92,37 @@ def test_the_table_has_every_row_and_column(report, capsys):
     for column in e2e.COLUMNS:
         assert column in header
     for label in LABELS.values():
-        lines = [line for line in table if line.startswith(label + " ")]
+        # "swift sft DSv3" starts with "swift sft ": a row's label is followed by its schedule
+        lines = [line for line in table if line.startswith(label + " ") and
+                 line.split()[len(label.split())] in ("static", "6-10")]
         assert [line.split()[len(label.split())] for line in lines] == ["static", "6-10"], table
         for line in lines:
             assert len(line.split()) >= len(label.split()) + 6  # schedule, steps/s, x, peak, syncs, κ
+
+
+def test_the_cli_offers_every_launcher_of_the_bench():
+    from elastic_moe_plugin.cli import bench as cli_bench
+    from elastic_moe_plugin.tools.bench import e2e
+
+    assert cli_bench.LAUNCHERS == e2e.LAUNCHERS == tuple(LABELS)
+
+
+def test_the_deepseek_v3_row_runs_swift_sft_on_deepseek_v3_with_its_template_and_no_aux_loss(tmp_path):
+    from elastic_moe_plugin.tools.bench import e2e, e2e_swift
+
+    (launcher,) = e2e._launchers(e2e.E2EOptions(launchers=("swift_sft_deepseek_v3",), hidden=64))
+    assert (launcher.key, launcher.label) == ("swift_sft_deepseek_v3", "swift sft DSv3")
+    assert launcher.model["hidden_size"] == launcher.model["moe_intermediate_size"] == 64  # --hidden sets both
+    assert "DeepSeek-V3" in launcher.describe() and "8 groups (top 4)" in launcher.describe()
+    launcher.model_dir, launcher.dataset = tmp_path / "model", tmp_path / "train.jsonl"
+    argv = launcher.command("6-10", 4, tmp_path / "run", sync_step=2).argv
+    assert argv[argv.index("--model_type") + 1] == "deepseek_v3"
+    assert argv[argv.index("--template") + 1] == "deepseek_v2_5"
+    assert "--router_aux_loss_coef" not in argv  # DeepSeek-V3 has no aux loss; the OLMoE row keeps 0.01
+    olmoe = e2e_swift.SwiftSft()
+    olmoe.model_dir, olmoe.dataset = launcher.model_dir, launcher.dataset
+    argv = olmoe.command("6-10", 4, tmp_path / "run", sync_step=2).argv
+    assert argv[argv.index("--model_type") + 1] == "olmoe" and "--router_aux_loss_coef" in argv
 
 
 def test_bad_options_are_refused_before_anything_runs(capsys):

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+BLOCKS = ("olmoe-block", "qwen3_moe-block", "deepseek_v3-block")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def _entries(report):
 def test_every_block_and_implementation_is_reported(report):
     assert report["transformers"] and "megatron_core" not in report
     entries = _entries(report)
-    assert set(entries) == {(block, impl) for block in ("olmoe-block", "qwen3_moe-block") for impl in IMPLEMENTATIONS}
+    assert set(entries) == {(block, impl) for block in BLOCKS for impl in IMPLEMENTATIONS}
     for entry in entries.values():
         assert set(entry["variants"]) == {"stock", "iid", "balanced"}
         for variant in entry["variants"].values():
@@ -55,7 +56,7 @@ def test_rows_multiplied_equal_sum_of_budgets_in_every_implementation(report):
     for (block, impl), entry in _entries(report).items():
         stock, iid, balanced = (entry["variants"][name] for name in ("stock", "iid", "balanced"))
         tokens = int(entry["shape"].split("T=")[1].split()[0])
-        assert stock["expected_pairs"] == tokens * 8  # both blocks are top-8
+        assert stock["expected_pairs"] == tokens * 8  # every block is top-8
         assert stock["realised_pairs"] == stock["dispatched_pairs"] == stock["expected_pairs"], (block, impl)
         for variant in (iid, balanced):
             # the GEMMs multiplied exactly the kept rows, not the b = 10 slots the router hands over
@@ -70,7 +71,29 @@ def test_syncs_added_per_implementation(report):
     # reads it; eager's loop syncs once per expert it hits, and the bench's tokens hit every expert in
     # stock and elastic alike (before issue 25: eager (1, 1), batched_mm (1, 0)).
     added = {"eager": (0, 0), "grouped_mm": (0, 0), "batched_mm": (0, 0)}
-    for (block, impl), entry in _entries(report).items():
+    for (_block, impl), entry in _entries(report).items():
         assert (entry["ratios"]["iid"]["syncs_added"], entry["ratios"]["balanced"]["syncs_added"]) == added[impl]
-    for block in ("olmoe-block", "qwen3_moe-block"):
+    for block in BLOCKS:
         assert _entries(report)[(block, "grouped_mm")]["variants"]["iid"]["syncs_per_forward"] == 0
+
+
+@pytest.mark.parametrize("shapes", ["FULL_SHAPES", "QUICK_SHAPES"])
+def test_the_deepseek_v3_block_is_transformers_own_with_its_routing_and_shared_expert(shapes):
+    """The DeepSeek-V3 row builds ``DeepseekV3MoE`` (router, experts and one shared expert of the
+    routed experts' width, whose time the block's includes) from ``moe_intermediate_size`` and
+    ``n_routed_experts``, with V3's groups and scaling; the schedule's widest κ fits in the experts
+    of a token's eligible groups."""
+    from elastic_moe_plugin.core.schedule import parse_range
+    from elastic_moe_plugin.tools.bench import hf as bench_hf
+
+    (shape,) = [shape for shape in getattr(bench_hf, shapes) if shape.family == "deepseek_v3"]
+    size = shape.sizes["eager"]
+    block = bench_hf.build_block(shape, "eager")
+    assert type(block).__name__ == "DeepseekV3MoE" and block.training
+    gate, experts, shared = block.gate, block.experts, block.shared_experts
+    assert (gate.num_experts, gate.top_k, gate.num_group, gate.topk_group) == (shape.experts, shape.topk, 8, 4)
+    assert gate.routed_scaling_factor == 2.5 and gate.norm_topk_prob
+    assert gate.e_score_correction_bias.abs().sum() > 0  # drawn, as a trained model's: selection differs from weights
+    assert (experts.num_experts, experts.hidden_dim, experts.intermediate_dim) == (shape.experts, size.hidden, size.ffn)
+    assert shared.gate_proj.weight.shape == (size.ffn, size.hidden)  # n_shared_experts = 1
+    assert parse_range(shape.schedule)[1] <= gate.topk_group * shape.experts // gate.num_group

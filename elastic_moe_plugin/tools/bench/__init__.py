@@ -3,15 +3,15 @@
 - :mod:`.measure`: the measuring core (interleaved median-of-rounds timing, peak live bytes,
   host syncs, pairs) that every scenario goes through;
 - :mod:`.megatron`: Megatron-core scenarios (``router``, ``layer`` with its drop-and-pad case, ``gpt``);
-- :mod:`.hf`: transformers scenarios (``hf``): an OLMoE- and a Qwen3-MoE-shaped sparse MoE block
-  per experts implementation, with the rows the expert GEMMs multiply;
+- :mod:`.hf`: transformers scenarios (``hf``): an OLMoE-, a Qwen3-MoE- and a DeepSeek-V3-shaped
+  sparse MoE block per experts implementation, with the rows the expert GEMMs multiply;
 - :mod:`.kappa`: the κ draw itself (``kappa``), time and memory per router call as the number of
   token shards grows, the draw before the counter-based stream against the one now;
 - :mod:`.calls`: one router call (``calls``), stock against patched, per door: µs per call and
   the package's calls and modules in one elastic call;
-- :mod:`.e2e`: training end to end (``e2e``), one row per launcher (``swift sft``, ``megatron sft``,
-  Megatron-LM's trainer), each a child process per run, static against elastic in alternating rounds
-  (:mod:`.e2e_swift`, :mod:`.e2e_megatron`). It runs only when ``only`` names it.
+- :mod:`.e2e`: training end to end (``e2e``), one row per launcher (``swift sft`` on OLMoE and on
+  DeepSeek-V3, ``megatron sft``, Megatron-LM's trainer), each a child process per run, static
+  against elastic in alternating rounds (:mod:`.e2e_swift`, :mod:`.e2e_megatron`). It runs only when ``only`` names it.
 
 :func:`run_suite` runs what ``only`` names; :func:`format_results` prints the Megatron table (its
 format unchanged), then the transformers table, the κ draw's and the end-to-end table;

@@ -5,6 +5,9 @@ number of steps on a tiny model of the launcher's family (built offline here):
 
 - ``swift_sft``: ``swift sft`` (ms-swift's transformers trainer) on an OLMoE-shaped model, static
   top-8 against elastic ``6-10`` (:mod:`.e2e_swift`);
+- ``swift_sft_deepseek_v3``: the same on a tiny DeepSeek-V3 (64 routed experts in 8 groups, top-4
+  groups eligible, top-8, × 2.5, one shared expert), static top-8 against elastic ``6-10``
+  (:mod:`.e2e_swift`);
 - ``megatron_sft``: ``megatron sft`` (Megatron-SWIFT with mcore-bridge, under the CPU runtime's
   start-up bootstrap) on a Qwen3-MoE of 16 experts, top-8, static against ``6-10``
   (:mod:`.e2e_megatron`);
@@ -47,8 +50,8 @@ The ratio of a round is its elastic steps/s over its static steps/s (an interlea
 median of its block pairs' ratios, :mod:`.e2e_interleaved`); the row gives the median of the rounds'
 ratios and their spread (min-max). An interleaved round's two rows share the one process's peak RSS.
 ``--quick`` (CI) runs one round of a few steps (interleaved: blocks of 2; separate: the two runs of
-a launcher side by side), so its times say nothing; it shows that every launcher runs and reports
-every column.
+a launcher side by side; the DeepSeek-V3 row on a 2-layer model of width 64), so its times say
+nothing; it shows that every launcher runs and reports every column.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ from elastic_moe_plugin.tools.bench.e2e_child import Command, RunReading
 from elastic_moe_plugin.tools.bench.e2e_interleaved import InterleavedReading
 
 #: ``--launchers`` choices, in the order the rows are printed
-LAUNCHERS = ("swift_sft", "megatron_sft", "megatron_lm")
+LAUNCHERS = ("swift_sft", "swift_sft_deepseek_v3", "megatron_sft", "megatron_lm")
 DEFAULT_ROUNDS = 3
 QUICK_STEPS, QUICK_WARMUP = 4, 2
 
@@ -77,7 +80,7 @@ QUICK_STEPS, QUICK_WARMUP = 4, 2
 @dataclass(frozen=True)
 class E2EOptions:
     """What ``--only e2e`` runs: ``steps`` and ``warmup`` per run (None: each launcher's default),
-    ``hidden``: ``swift sft``'s hidden size H (and its experts' width, H as well; None: 256),
+    ``hidden``: the ``swift sft`` rows' hidden size H (and their experts' width, H as well; None: 256),
     ``separate``: the Megatron launchers too in a static and an elastic run per round (their
     default is one interleaved run per round, :mod:`.e2e_interleaved`)."""
 
@@ -334,11 +337,14 @@ def _run_plan(launcher: Launcher, options: E2EOptions, quick: bool) -> tuple[int
     return steps, warmup, None
 
 
-def _launchers(options: E2EOptions) -> list[Launcher]:
+def _launchers(options: E2EOptions, quick: bool = False) -> list[Launcher]:
+    """The launchers of ``options``, in :data:`LAUNCHERS`' order (``quick``: the DeepSeek-V3 row on its
+    smaller model, :data:`.e2e_swift.DEEPSEEK_V3_QUICK`)."""
     from elastic_moe_plugin.tools.bench import e2e_megatron, e2e_swift
 
     make: dict[str, Callable[[], Launcher]] = {
         "swift_sft": lambda: e2e_swift.SwiftSft(hidden=options.hidden),
+        "swift_sft_deepseek_v3": lambda: e2e_swift.SwiftSft(hidden=options.hidden, family="deepseek_v3", quick=quick),
         "megatron_sft": e2e_megatron.MegatronSft,
         "megatron_lm": e2e_megatron.MegatronLM,
     }
@@ -353,7 +359,7 @@ def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None 
     rounds = 1 if quick else options.rounds
     work = options.work or Path(tempfile.mkdtemp(prefix="elastic_moe_bench_e2e_"))
     results = []
-    launchers = _launchers(options)
+    launchers = _launchers(options, quick)
     plans = [_run_plan(launcher, options, quick) for launcher in launchers]  # every launcher's check, first
     for launcher, (steps, warmup, block) in zip(launchers, plans, strict=True):
         started = time.perf_counter()
@@ -406,7 +412,7 @@ COLUMNS = ("launcher", "schedule", "steps/s", "x static", "min-max x", "peak RSS
 
 def format_table(results: list[E2EResult]) -> str:
     """One row per launcher and schedule; the ratio columns on the elastic row."""
-    widths = (13, 8, 8, 8, 13, 12, 10, 7)
+    widths = (14, 8, 8, 8, 13, 12, 10, 7)
     header = " ".join(
         f"{name:{width}s}" if i < 2 else f"{name:>{width}s}"
         for i, (name, width) in enumerate(zip(COLUMNS, widths, strict=True))
@@ -421,7 +427,7 @@ def format_table(results: list[E2EResult]) -> str:
         for schedule, column in ((result.static, summary["static"]), (result.elastic, summary["elastic"])):
             elastic = schedule == result.elastic
             cells = [
-                f"{result.label:13s}",
+                f"{result.label:14s}",
                 f"{schedule:8s}",
                 f"{column['median_steps_per_second']:8.4f}",
                 f"{summary['ratio_median']:8.3f}" if elastic else f"{'1':>8s}",

@@ -2,9 +2,14 @@
 experts implementation.
 
 The block is transformers' own class, built from its config with random weights (N(0, 0.02)):
-``OlmoeSparseMoeBlock`` (OLMoE-shaped: E=64, k=8, ``norm_topk_prob=False``) and
-``Qwen3MoeSparseMoeBlock`` (Qwen3-MoE-shaped: E=128, k=8, ``norm_topk_prob=True``), in the full run
-at the width of OLMoE-1B-7B (H=2048, F=1024) and Qwen3-30B-A3B (H=2048, F=768) where stock
+``OlmoeSparseMoeBlock`` (OLMoE-shaped: E=64, k=8, ``norm_topk_prob=False``),
+``Qwen3MoeSparseMoeBlock`` (Qwen3-MoE-shaped: E=128, k=8, ``norm_topk_prob=True``) and
+``DeepseekV3MoE`` (DeepSeek-V3's routing: E=64 routed experts in ``n_group=8`` groups of which
+each token's ``topk_group=4`` are eligible, k=8, sigmoid scores selected with
+``e_score_correction_bias`` (drawn N(0, 0.02), as a trained model's is not zero), renormalised,
+× ``routed_scaling_factor=2.5``; with its one shared expert of the routed experts' width, which runs
+in every variant and whose time the block's includes). In the full run they are at the width of
+OLMoE-1B-7B (H=2048, F=1024; DeepSeek-V3's block too) and Qwen3-30B-A3B (H=2048, F=768) where stock
 transformers can train at that width on a CPU (:func:`_sizes`). One block object serves every
 variant, so weights and inputs are identical; what changes is the patch:
 
@@ -14,9 +19,9 @@ variant, so weights and inputs are identical; what changes is the patch:
 Each variant runs forward + backward of ``(block(x) * g).sum()`` in training mode, under one
 experts implementation (``eager``, ``grouped_mm``, ``batched_mm``). Timing, memory and syncs are
 :mod:`.measure`'s. Pairs: expected T·k against the **rows multiplied** by the expert GEMMs in one
-forward, read from the GEMMs that run (:class:`ExpertGemmRows`); ``dispatched_pairs`` is Σκ from
-the routing record of the same forward, so ``realised == dispatched`` says the experts multiplied
-exactly the kept rows.
+forward, read from the GEMMs that run (:class:`ExpertGemmRows`: the routed experts only, not the
+shared expert); ``dispatched_pairs`` is Σκ from the routing record of the same forward, so
+``realised == dispatched`` says the experts multiplied exactly the kept rows.
 
 The shape line of each table section gives the size measured.
 """
@@ -65,14 +70,42 @@ class BlockShape:
         return f"E={self.experts} k={self.topk} {self.schedule} T={size.tokens} H={size.hidden} F={size.ffn}"
 
 
-#: family -> (config class, block class, the config field of the expert FFN width, norm_topk_prob)
-_BLOCKS: dict[str, tuple[str, str, str, bool]] = {
-    "olmoe": ("olmoe.OlmoeConfig", "olmoe.modeling_olmoe.OlmoeSparseMoeBlock", "intermediate_size", False),
-    "qwen3_moe": (
-        "qwen3_moe.Qwen3MoeConfig",
-        "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """How to build a family's sparse MoE block: its config and block classes (under
+    ``transformers.models``), the config fields of the expert count and the expert FFN width, its
+    ``norm_topk_prob``, and any other config fields its routing needs."""
+
+    config: str
+    block: str
+    ffn_field: str
+    norm_topk_prob: bool
+    experts_field: str = "num_experts"
+    extra: tuple[tuple[str, Any], ...] = ()
+
+
+#: DeepSeek-V3's routing: 8 groups of which each token's top 4 are eligible (a 6-10 schedule's widest
+#: κ = 10 fits in the 4·E/8 experts of its groups), sigmoid scores renormalised, × 2.5, one shared
+#: expert of the routed experts' width in the block
+DEEPSEEK_V3_ROUTING: tuple[tuple[str, Any], ...] = (
+    ("n_group", 8),
+    ("topk_group", 4),
+    ("routed_scaling_factor", 2.5),
+    ("n_shared_experts", 1),
+)
+
+_BLOCKS: dict[str, _Block] = {
+    "olmoe": _Block("olmoe.OlmoeConfig", "olmoe.modeling_olmoe.OlmoeSparseMoeBlock", "intermediate_size", False),
+    "qwen3_moe": _Block(
+        "qwen3_moe.Qwen3MoeConfig", "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock", "moe_intermediate_size", True
+    ),
+    "deepseek_v3": _Block(
+        "deepseek_v3.DeepseekV3Config",
+        "deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE",
         "moe_intermediate_size",
         True,
+        experts_field="n_routed_experts",
+        extra=DEEPSEEK_V3_ROUTING,
     ),
 }
 
@@ -95,9 +128,10 @@ def _sizes(hidden: int, ffn: int) -> dict[str, Size]:
     }
 
 
-FULL_SHAPES = (  # the widths of OLMoE-1B-7B and Qwen3-30B-A3B
+FULL_SHAPES = (  # the widths of OLMoE-1B-7B and Qwen3-30B-A3B; DeepSeek-V3's routing at OLMoE's width
     BlockShape("olmoe", experts=64, topk=8, schedule="6-10", sizes=_sizes(2048, 1024)),
     BlockShape("qwen3_moe", experts=128, topk=8, schedule="6-10", sizes=_sizes(2048, 768)),
+    BlockShape("deepseek_v3", experts=64, topk=8, schedule="6-10", sizes=_sizes(2048, 1024)),
 )
 _QUICK = {"grouped_mm": Size(128, 64, 128), "batched_mm": Size(128, 64, 32), "eager": Size(128, 64, 128)}
 QUICK_SHAPES = (
@@ -109,6 +143,7 @@ QUICK_SHAPES = (
         schedule="6-10",
         sizes={name: dataclasses.replace(size, ffn=48) for name, size in _QUICK.items()},
     ),
+    BlockShape("deepseek_v3", experts=64, topk=8, schedule="6-10", sizes=_QUICK),
 )
 
 
@@ -204,22 +239,25 @@ def _resolve(dotted: str) -> Any:
 
 def build_block(shape: BlockShape, implementation: str) -> torch.nn.Module:
     """transformers' sparse MoE block of ``shape.family`` in training mode, random N(0, 0.02) weights."""
-    config_path, block_path, ffn_field, norm = _BLOCKS[shape.family]
+    spec = _BLOCKS[shape.family]
     size = shape.sizes[implementation]
-    config = _resolve(config_path)(
+    config = _resolve(spec.config)(
         hidden_size=size.hidden,
-        num_experts=shape.experts,
         num_experts_per_tok=shape.topk,
-        norm_topk_prob=norm,
-        **{ffn_field: size.ffn},
+        norm_topk_prob=spec.norm_topk_prob,
+        **{spec.experts_field: shape.experts, spec.ffn_field: size.ffn},
+        **dict(spec.extra),
     )
     config._experts_implementation = implementation
     torch.manual_seed(0)
-    block = _resolve(block_path)(config)
+    block = _resolve(spec.block)(config)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # the experts are torch.empty until a checkpoint loads
         for parameter in block.parameters():
             parameter.normal_(0.0, 0.02, generator=generator)
+        for name, buffer in block.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a trained model's is not zero: selection ≠ weights
+                buffer.normal_(0.0, 0.02, generator=generator)
     return block.train()
 
 
@@ -301,7 +339,7 @@ def measure_block(shape: BlockShape, implementation: str, warmup: int, repeats: 
 
 
 def run_suite(quick: bool, threads: int) -> list[ExpertsScenarioResult]:
-    """Both blocks under every experts implementation."""
+    """Every block under every experts implementation."""
     import os
 
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
@@ -314,6 +352,7 @@ def run_suite(quick: bool, threads: int) -> list[ExpertsScenarioResult]:
 
 
 __all__ = [
+    "DEEPSEEK_V3_ROUTING",
     "FULL_SHAPES",
     "IMPLEMENTATIONS",
     "QUICK_SHAPES",
