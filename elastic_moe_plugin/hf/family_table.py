@@ -107,6 +107,23 @@ def _deepseek(name: str, prefix: str, **fields: Any) -> RouterFamily:
     return RouterFamily(name, name, f"{prefix}TopkRouter", layer, **{**defaults, **fields})
 
 
+def _deepseek_v2(name: str, prefix: str) -> RouterFamily:
+    """A DeepSeek-V2-style family (softmax of fp32 logits, group-limited by each group's max with
+    dropped groups at 0.0, never renormalised, × ``routed_scaling_factor``): ``<prefix>TopkRouter``
+    in ``<prefix>DecoderLayer``."""
+    return RouterFamily(
+        name,
+        name,
+        f"{prefix}TopkRouter",
+        f"{prefix}DecoderLayer",
+        rule="softmax_groups",
+        logits="linear_fp32",
+        renormalizes="never",
+        group_score_topk=1,
+        weights_dtype="scores",
+    )
+
+
 def _top_k_on_logits(name: str, prefix: str, **fields: Any) -> RouterFamily:
     """A family that ranks by the logits and softmaxes the kept ones (GPT-OSS style)."""
     defaults: dict[str, Any] = {"rule": "logits_topk", "renormalizes": "always", "sites": ("mlp.router",)}
@@ -213,28 +230,8 @@ FAMILIES: tuple[RouterFamily, ...] = (
         weights_dtype="input",
     ),
     # group-limited softmax in the logits' dtype, dropped groups masked with 0.0
-    RouterFamily(
-        "deepseek_v2",
-        "deepseek_v2",
-        "DeepseekV2TopkRouter",
-        "DeepseekV2DecoderLayer",
-        rule="softmax_groups",
-        logits="linear_fp32",
-        renormalizes="never",
-        group_score_topk=1,
-        weights_dtype="scores",
-    ),
-    RouterFamily(
-        "deepseek_ocr2",
-        "deepseek_ocr2",
-        "DeepseekOcr2TextTopkRouter",
-        "DeepseekOcr2TextDecoderLayer",
-        rule="softmax_groups",
-        logits="linear_fp32",
-        renormalizes="never",
-        group_score_topk=1,
-        weights_dtype="scores",
-    ),
+    _deepseek_v2("deepseek_v2", "DeepseekV2"),
+    _deepseek_v2("deepseek_ocr2", "DeepseekOcr2Text"),
     RouterFamily(  # 5.25+: Mistral-4's router in fp32, always renormalised
         "mistral_large4",
         "mistral_large4",
@@ -246,17 +243,7 @@ FAMILIES: tuple[RouterFamily, ...] = (
         renormalization_eps=SIGMOID_EPS,
         weights_dtype="scores",
     ),
-    RouterFamily(  # 5.25+: DeepSeek-V2's router
-        "unlimited_ocr",
-        "unlimited_ocr",
-        "UnlimitedOcrTextTopkRouter",
-        "UnlimitedOcrTextDecoderLayer",
-        rule="softmax_groups",
-        logits="linear_fp32",
-        renormalizes="never",
-        group_score_topk=1,
-        weights_dtype="scores",
-    ),
+    _deepseek_v2("unlimited_ocr", "UnlimitedOcrText"),  # 5.25+
     RouterFamily(
         "mistral4",
         "mistral4",

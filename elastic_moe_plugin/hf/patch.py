@@ -325,7 +325,9 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
         raise ConfigError(
             f"mode='top_p' keeps each token's smallest top-ranked set whose softmax probability reaches top_p, "
             f"but {family.name} routers rank by {family.rule.replace('_', ' ')} scores, not by that probability. "
-            f"Use mode='elastic' (a budget schedule) for this model."
+            f"Use {config.spell('mode', 'elastic')} (a budget schedule) for this model.",
+            field="mode",
+            fixes=({"mode": "elastic"},),
         )
     top_p = config.top_p if config.mode == "top_p" else None
     width = (config.top_p_max_experts or int(router.num_experts)) if top_p is not None else None
