@@ -61,6 +61,9 @@ from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.core.schedule import BudgetSchedule, symmetric_range
 from elastic_moe_plugin.core.spelling import CLI_PREFIX, ENV_PREFIX, NONE_WORDS, PYTHON, Spelling
 
+#: what a resolved schedule is kept under: (num_experts, topk, num_layers, moe_layers) of ``resolve``
+_ShapeKey = tuple[int | None, int, int | None, tuple[int, ...] | None]
+
 
 # ---------------------------------------------------------------------------------- the config
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class ElasticConfig:
     _explicit: frozenset[str] = field(init=False, repr=False, compare=False)
     # resolve()'s schedules by (num_experts, topk, num_layers): the config never changes, and the
     # metrics of every logging step resolve it again (the checks cost more than the log's reads)
-    _resolved: dict[tuple[int | None, int, int | None], BudgetSchedule] = field(init=False, repr=False, compare=False)
+    _resolved: dict[_ShapeKey, BudgetSchedule] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         build = _BUILD.get()
@@ -161,25 +164,35 @@ class ElasticConfig:
             spec = self.auto_range(center, num_experts) or "static"
         return BudgetSchedule.parse(spec, center, self.sigma, allow_off_center=self.allow_off_center)
 
-    def resolve(self, *, num_experts: int | None, topk: int, num_layers: int | None = None) -> BudgetSchedule:
+    def resolve(
+        self,
+        *,
+        num_experts: int | None,
+        topk: int,
+        num_layers: int | None = None,
+        moe_layers: tuple[int, ...] | None = None,
+    ) -> BudgetSchedule:
         """Check this config against a model and return its schedule (the point mass at the
         model's top-k in ``mode="top_p"``, whose per-token budgets come from the probabilities).
         The config is immutable, so a shape that passed is not checked again: the schedule is
         kept per ``(num_experts, topk, num_layers)``.
 
         ``num_experts`` / ``num_layers`` None: not known (``elastic-moe schedule`` without ``--experts``);
-        the checks that need them are left out.
+        the checks that need them are left out. ``moe_layers``: the 0-based layer numbers that hold a
+        router where only some do (a hybrid pattern's ``E`` layers); ``layers`` must select one of them.
 
         Raises:
             ConfigError: if the center is not the model's top-k, the schedule is not centred on it or
                 reaches past ``num_experts``, ``"auto"`` finds no elastic range (top-1, top-E),
-                ``top_p_max_experts`` exceeds the experts, or a selected layer index is >= ``num_layers``.
+                ``top_p_max_experts`` exceeds the experts, a selected layer index is >= ``num_layers``,
+                or ``layers`` selects none of ``moe_layers``.
                 ``error.fixes`` lists the changes the message suggests, each accepted by this model.
         """
-        key = (num_experts, topk, num_layers)
+        key = (num_experts, topk, num_layers, moe_layers)
         schedule = self._resolved.get(key)
         if schedule is None:
-            schedule = self._resolved[key] = self._checks().checked_schedule(ModelShape(topk, num_experts, num_layers))
+            shape = ModelShape(topk, num_experts, num_layers, moe_layers)
+            schedule = self._resolved[key] = self._checks().checked_schedule(shape)
         return schedule
 
     @property

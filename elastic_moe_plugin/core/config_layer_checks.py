@@ -95,19 +95,52 @@ class LayerChecks(Refusals):
 
     def _check_layers_within(self, model: ModelShape) -> None:
         """Refuse a ``layers`` selection that names a layer past the model's decoder layers (another
-        model's range, or a 1-based index): no router there would route elastically."""
+        model's range, or a 1-based index), or that selects none of its MoE layers (a hybrid pattern's
+        attention or MLP layers only): no router there would route elastically."""
         num_layers, selected = model.num_layers, self.config.layer_set
         if num_layers is None or not selected:
             return
+        self._check_layers_past_the_model(num_layers, selected, model)
+        self._check_layers_hold_a_router(selected, model)
+
+    def _check_layers_hold_a_router(self, selected: frozenset[int], model: ModelShape) -> None:
+        """Refuse a selection that holds none of ``model.moe_layers``; the fixes are the MoE layers
+        inside the selection's span, then every MoE layer."""
+        moe_layers = model.moe_layers
+        if moe_layers is None or selected & set(moe_layers):
+            return
+        span = [layer for layer in moe_layers if min(selected) <= layer <= max(selected)]
+        near = span or sorted(moe_layers, key=lambda layer: (min(abs(layer - s) for s in selected), layer))[:1]
+        candidates = ([{"layers": layers_text(near)}] if near else []) + [{"layers": None}]
+        numbers = ", ".join(str(layer) for layer in moe_layers) or "none"
+        near_what = "the MoE layers within that range" if span else "the nearest MoE layer"
+        raise self._refuse(
+            "layers",
+            lambda fixes: (
+                f"{self.spell('layers')} selects layer(s) {sorted(selected)}, none of which is an MoE layer: "
+                f"the model's MoE layers are {numbers} (0-based layer numbers; in a hybrid pattern every "
+                f"symbol is a layer, and only 'E' layers route). "
+                + self._use(fixes, near_what if fixes and fixes[0]["layers"] is not None else "")
+            ),
+            candidates,
+            model,
+        )
+
+    def _check_layers_past_the_model(self, num_layers: int, selected: frozenset[int], model: ModelShape) -> None:
         outside = sorted(i for i in selected if i >= num_layers)
         if outside:
             inside = sorted(i for i in selected if i < num_layers)
             candidates = ([{"layers": layers_text(inside)}] if inside else []) + [{"layers": None}]
+            moe = (
+                ""
+                if model.moe_layers is None
+                else f"; its MoE layers are {', '.join(str(layer) for layer in model.moe_layers) or 'none'}"
+            )
             raise self._refuse(
                 "layers",
                 lambda fixes: (
                     f"{self.spell('layers')} selects layer(s) {outside}, but the model has {num_layers} decoder "
-                    f"layers (0-based indices 0..{num_layers - 1}). Narrow the range"
+                    f"layers (0-based indices 0..{num_layers - 1}{moe}). Narrow the range"
                     + "".join(f", e.g. {self._spell_fix(fix)}" for fix in fixes if fix["layers"] is not None)
                     + "".join(
                         f", or {self._verb(fix)} {self._spell_fix(fix)} for every MoE layer"

@@ -25,12 +25,14 @@ from elastic_moe_plugin.core.spelling import PYTHON, Spelling
 
 
 class ModelShape(NamedTuple):
-    """What a config is checked against: a router's top-k, its routed experts and the model's
-    decoder layers (``None``: not known)."""
+    """What a config is checked against: a router's top-k, its routed experts, the model's decoder
+    layers and, where only some of them route (a hybrid pattern), the 0-based layer numbers of its
+    MoE layers (``None``: not known, or every layer may hold a router)."""
 
     topk: int
     num_experts: int | None = None
     num_layers: int | None = None
+    moe_layers: tuple[int, ...] | None = None
 
     def describe(self) -> str:
         experts = f" of {self.num_experts} experts" if self.num_experts is not None else ""

@@ -100,8 +100,23 @@ def _ranges(indices: list[int]) -> str:
 RESOLVED_FROM_MODEL = "schedule resolved from the model (auto: k-2..k+2 around its top-k, within its experts)"
 
 
+def _layers(layers: list[int], moe_index: Mapping[int, int] | None) -> str:
+    """``"layers 3-7"``; where a layer's number is not its MoE index (a hybrid pattern, a
+    ``moe_layer_freq``), both: ``"layers 3, 5 (MoE layers 1-2)"``."""
+    text = f"layers {_ranges(layers)}"
+    if moe_index and any(moe_index.get(layer, layer) != layer for layer in layers):
+        text = f"layers {', '.join(str(layer) for layer in sorted(layers))}"
+        known = [moe_index[layer] for layer in layers if layer in moe_index]
+        text += f" (MoE layers {_ranges(known)})" if known else ""
+    return text
+
+
 def describe_plans(
-    plans: Mapping[int, LayerPlan | None], topk: Mapping[int, int], framework: str, note: str | None = None
+    plans: Mapping[int, LayerPlan | None],
+    topk: Mapping[int, int],
+    framework: str,
+    note: str | None = None,
+    moe_index: Mapping[int, int] | None = None,
 ) -> str:
     """The start-up line of a run: which MoE layers route elastically, with what, and which stay static.
 
@@ -110,6 +125,8 @@ def describe_plans(
         topk: {layer index: the layer's top-k} (the static layers' k, and the elastic layers' centre).
         framework: shown first, e.g. ``"transformers"`` or ``"megatron-core"``.
         note: appended after the layers (:data:`RESOLVED_FROM_MODEL`).
+        moe_index: {layer index: its MoE index (rank among the model's MoE layers)}, where they differ
+            (a Megatron ``HybridModel``: in ``*E*E*E*E`` layer 3 is MoE layer 1); the line then shows both.
 
     Example: ``elastic-moe plan (transformers, 16 MoE layers): elastic 6-10 around k=8 (σ=1.5), olmoe
     softmax_topk rule, full_softmax gate, iid sampling: layers 3-7; static top-8: layers 0-2, 8-15``.
@@ -125,7 +142,7 @@ def describe_plans(
             key = f"elastic {plan.schedule.describe()}, {rule}{plan.gate} gate, {plan.sampling} sampling"
         groups.setdefault(key, []).append(layer)
     parts = [
-        f"{key}: layers {_ranges(layers)}"
+        f"{key}: {_layers(layers, moe_index)}"
         for key, layers in sorted(groups.items(), key=lambda item: (item[0].startswith("static"), min(item[1])))
     ]
     if not any(key.startswith("static") for key in groups):
@@ -149,16 +166,22 @@ def log_plan_once(line: str) -> bool:
 _logged_plans: set[str] = set()
 
 
-def log_plan(plans: Mapping[int, LayerPlan | None], topk: Mapping[int, int], framework: str, config=None) -> str | None:
+def log_plan(
+    plans: Mapping[int, LayerPlan | None],
+    topk: Mapping[int, int],
+    framework: str,
+    config=None,
+    moe_index: Mapping[int, int] | None = None,
+) -> str | None:
     """Log (rank 0, once per process and line) and return :func:`describe_plans` of ``plans``
     (an adapter's ``model_plans``, :func:`elastic_moe_plugin.core.records.model_plans`); None when
     there are no plans (no active, enabled config). ``config``: the active ``ElasticConfig``; the line
-    says when its schedule was resolved from the model."""
+    says when its schedule was resolved from the model. ``moe_index``: as :func:`describe_plans`."""
     if not plans:
         return None
     elastic = any(plan is not None and plan.top_p is None for plan in plans.values())
     note = RESOLVED_FROM_MODEL if config is not None and config.schedule_from_model and elastic else None
-    line = describe_plans(plans, topk, framework, note)
+    line = describe_plans(plans, topk, framework, note, moe_index)
     log_plan_once(line)
     return line
 

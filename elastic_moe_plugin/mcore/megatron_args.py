@@ -7,8 +7,9 @@ decide are raised here, at once, with the rules the router applies when it is bu
 (:func:`elastic_moe_plugin.mcore.options.check_model_options`: one rule, two call sites):
 
 - the schedule and its centre against ``--moe-router-topk`` and ``--num-experts``, the layer
-  range against ``--num-layers`` (:class:`~elastic_moe_plugin.core.errors.ConfigError`, every fix
-  validated against that model);
+  range against ``--num-layers``, or against ``--hybrid-layer-pattern``, where it must also select
+  one of the pattern's MoE (``E``) layers (:class:`~elastic_moe_plugin.core.errors.ConfigError`,
+  every fix validated against that model);
 - ``--moe-router-fusion``, ``--moe-enable-routing-replay``, ``--moe-router-load-balancing-type
   sinkhorn`` / ``quantile_balancing``, ``--transformer-impl inference_optimized``, a CUDA graph
   capturing the dispatcher's preprocess, group-limited routing too narrow for the schedule
@@ -29,6 +30,7 @@ import types
 from collections.abc import Sequence
 
 from elastic_moe_plugin.core.config import ElasticConfig, ModelShape
+from elastic_moe_plugin.mcore import hybrid_pattern
 from elastic_moe_plugin.mcore.options import MEGATRON_LM_FLAGS, check_model_options
 
 #: flags that make the command line's model options not final: the check leaves them to model build
@@ -38,8 +40,9 @@ UNDECIDED_BY = (
     "--heterogeneous-layers-config-path",
     "--heterogeneous-layers-config-encoded-json",
 )
-#: flags that derive the layer count from something else (the range check is left out)
-LAYERS_DERIVED_BY = ("--hybrid-layer-pattern",)
+#: flags that spell the decoder as a hybrid pattern: the layers and which of them are MoE come from it
+#: (:mod:`.hybrid_pattern`), and ``--num-layers`` is ignored, as Megatron-LM ignores it
+LAYERS_DERIVED_BY = ("--hybrid-layer-pattern", "--hybrid-override-pattern")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--num-experts", dest="num_moe_experts", type=int, default=None)
     add("--moe-router-topk", dest="moe_router_topk", type=int, default=2)
     add("--num-layers", dest="num_layers", type=int, default=None)
+    add("--hybrid-layer-pattern", dest="hybrid_layer_pattern", default=None)
+    add("--hybrid-override-pattern", dest="hybrid_override_pattern", default=None)
     add("--moe-router-load-balancing-type", dest="moe_router_load_balancing_type", nargs="+", default="aux_loss")
     add("--moe-router-score-function", dest="moe_router_score_function", default="softmax")
     add("--moe-router-fusion", dest="moe_router_fusion", action="store_true")
@@ -81,8 +86,11 @@ def megatron_options(megatron_args: Sequence[str]) -> types.SimpleNamespace | No
     balancing = known.moe_router_load_balancing_type
     if isinstance(balancing, list) and len(balancing) == 1:  # as Megatron-LM's validate_args reduces it
         known.moe_router_load_balancing_type = balancing[0]
+    known.moe_layers = None
     if any(flag in words for flag in LAYERS_DERIVED_BY):
-        known.num_layers = None
+        layers = hybrid_pattern.parse(hybrid_pattern.pattern_of(known) or "")
+        known.num_layers = None if layers is None else layers.num_layers
+        known.moe_layers = None if layers is None else layers.moe_layers
     if known.cuda_graph_modules is None:  # megatron-core 0.19 migrates --cuda-graph-scope into the modules
         known.cuda_graph_modules = known.cuda_graph_scope or []
     return types.SimpleNamespace(**vars(known))
@@ -93,7 +101,7 @@ def model_shape(megatron_args: Sequence[str]) -> ModelShape | None:
     options = megatron_options(megatron_args)
     if options is None:
         return None
-    return ModelShape(options.moe_router_topk, options.num_moe_experts, options.num_layers)
+    return ModelShape(options.moe_router_topk, options.num_moe_experts, options.num_layers, options.moe_layers)
 
 
 def check_megatron_args(config: ElasticConfig, megatron_args: Sequence[str]) -> None:
@@ -106,6 +114,13 @@ def check_megatron_args(config: ElasticConfig, megatron_args: Sequence[str]) -> 
     options = megatron_options(megatron_args)
     if options is None or not config.enabled:
         return
+    if options.moe_layers is not None:  # a hybrid pattern: `layers` must select one of its MoE layers
+        config.resolve(
+            num_experts=options.num_moe_experts,
+            topk=options.moe_router_topk,
+            num_layers=options.num_layers,
+            moe_layers=options.moe_layers,
+        )
     check_model_options(
         options,
         config,

@@ -41,10 +41,10 @@ from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError, UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
 from elastic_moe_plugin.core.plan import LayerPlan, warn_if_top1_gate_is_constant
-from elastic_moe_plugin.mcore import budget_rng, dispatch
+from elastic_moe_plugin.mcore import budget_rng, dispatch, hybrid_pattern
 from elastic_moe_plugin.mcore.options import check_model_options
 from elastic_moe_plugin.mcore.options import top_p_width as _top_p_width
-from elastic_moe_plugin.mcore.records import is_mtp_router, router_sites
+from elastic_moe_plugin.mcore.records import is_mtp_router, model_chunks, router_sites
 from elastic_moe_plugin.mcore.routing import patched_routing
 
 logger = logging.getLogger("elastic_moe_plugin.mcore")
@@ -237,7 +237,25 @@ def model_plans(model) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
     return core_records.model_plans(router_sites(model), config, lambda site: resolve_plan(site.router, config))
 
 
+def moe_indices(model) -> dict[int, int]:
+    """{0-based layer number: MoE index} of the model's MoE layers, all pipeline stages: the ``E``
+    layers of a ``HybridModel``'s pattern, else every ``moe_layer_freq``-th decoder layer
+    (:func:`.hybrid_pattern.moe_layer_numbers`); empty without a router."""
+    sites = router_sites(model)
+    if not sites:
+        return {}
+    model_config = sites[0].router.config
+    pattern = hybrid_pattern.pattern_of_modules(module for chunk in model_chunks(model) for module in chunk.modules())
+    numbers = hybrid_pattern.moe_layer_numbers(
+        int(model_config.num_layers), getattr(model_config, "moe_layer_freq", 1), pattern
+    )
+    return {layer: index for index, layer in enumerate(numbers)}
+
+
 def log_plan(model) -> str | None:
     """Log (rank 0, once) and return the start-up plan line for a module or model chunks; None
-    without an active, enabled config."""
-    return core_plan.log_plan(*model_plans(model), "megatron-core", _PATCH.active_config())
+    without an active, enabled config. Where a layer's number is not its MoE index (a
+    ``HybridModel``), the line shows both (:func:`moe_indices`)."""
+    plans, topk = model_plans(model)
+    moe_index = moe_indices(model) if plans else None
+    return core_plan.log_plan(plans, topk, "megatron-core", _PATCH.active_config(), moe_index)

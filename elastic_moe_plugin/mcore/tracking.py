@@ -59,7 +59,7 @@ from elastic_moe_plugin.core import metrics
 from elastic_moe_plugin.core import records as core_records
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.schedule import BudgetSchedule
-from elastic_moe_plugin.mcore import patch
+from elastic_moe_plugin.mcore import hybrid_pattern, patch
 from elastic_moe_plugin.mcore.patch import log_plan, model_plans
 from elastic_moe_plugin.mcore.records import model_chunks, router_sites, static_layers
 
@@ -182,14 +182,15 @@ def _device(records, histograms) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def num_elastic_moe_layers(model_config, elastic: ElasticConfig | None, local_layers: Iterable[int]) -> int:
-    """Divisor of Megatron's layer mean: elastic MoE layers of the whole model (all pipeline stages)."""
-    num_layers = int(model_config.num_layers)
+def num_elastic_moe_layers(
+    model_config, elastic: ElasticConfig | None, local_layers: Iterable[int], pattern: str | None = None
+) -> int:
+    """Divisor of Megatron's layer mean: elastic MoE layers of the whole model (all pipeline stages).
+
+    The MoE layers are the ``E`` symbols of a hybrid ``pattern`` (:mod:`.hybrid_pattern`: every
+    symbol is a layer, so ``*E*E*E*E`` has 4 of 8), else every ``moe_layer_freq``-th layer."""
     frequency = getattr(model_config, "moe_layer_freq", 1)
-    if isinstance(frequency, int):
-        moe_layers = {i for i in range(num_layers) if i % frequency == 0}
-    else:
-        moe_layers = {i for i, is_moe in enumerate(frequency) if is_moe}
+    moe_layers = set(hybrid_pattern.moe_layer_numbers(int(model_config.num_layers), frequency, pattern))
     if elastic is not None and elastic.layer_set is not None:
         moe_layers &= set(elastic.layer_set)
     return len(moe_layers) or len(set(local_layers)) or 1
@@ -318,7 +319,8 @@ def log_routing_metrics(
     if writer is None and wandb_writer is None:
         writer, wandb_writer = _megatron_lm_writers()
     records, histograms = _records_and_histograms(sites)
-    divisor = num_elastic_moe_layers(model_config, elastic, set(records) | set(histograms))
+    pattern = hybrid_pattern.pattern_of_modules(module for chunk in chunks for module in chunk.modules())
+    divisor = num_elastic_moe_layers(model_config, elastic, set(records) | set(histograms), pattern)
     with_capacity = getattr(model_config, "moe_expert_capacity_factor", None) is not None
     names = [TRACKER_PREFIX + name for name in metrics.metric_names(schedule, num_experts, with_capacity)]
     device = _device(records, histograms)

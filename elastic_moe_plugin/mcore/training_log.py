@@ -58,7 +58,7 @@ from elastic_moe_plugin.core import metrics
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch
 from elastic_moe_plugin.core.schedule import BudgetSchedule
-from elastic_moe_plugin.mcore import patch, tracking
+from elastic_moe_plugin.mcore import hybrid_pattern, patch, tracking
 
 logger = logging.getLogger("elastic_moe_plugin.mcore.training_log")
 
@@ -210,7 +210,8 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
     }
     names = [tracking.TRACKER_PREFIX + name for name in reported]
     num_layers = int(megatron_args.num_layers)
-    divisor = tracking.num_elastic_moe_layers(megatron_args, config, per_layer)  # one rule for both hooks
+    pattern = hybrid_pattern.pattern_of(megatron_args)  # a HybridModel: its E layers, not every layer
+    divisor = tracking.num_elastic_moe_layers(megatron_args, config, per_layer, pattern)  # one rule for both hooks
     writer = _Capture(get_tensorboard_writer())
     device = torch.cuda.current_device()
     with megatron_tracker.isolated():

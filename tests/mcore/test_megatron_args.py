@@ -201,8 +201,9 @@ def test_no_num_experts_is_not_decided_either():
 
 
 def test_the_flags_give_the_model_the_config_is_checked_against():
-    assert model_shape(MEGATRON_ARGS) == (2, 4, 2)
-    assert model_shape([*MEGATRON_ARGS, "--hybrid-layer-pattern", "M*M*"]).num_layers is None
+    assert model_shape(MEGATRON_ARGS) == (2, 4, 2, None)
+    # a hybrid pattern decides the layers (--num-layers is ignored, as Megatron-LM ignores it)
+    assert model_shape([*MEGATRON_ARGS, "--hybrid-layer-pattern", "M*|M*E"]) == (2, 4, 5, (4,))
     assert _check(MEGATRON_ARGS).config.resolve(num_experts=4, topk=2).spec() == "1-3"  # the default, from the flags
 
 
