@@ -20,16 +20,20 @@ Every rank runs this module. It
    there;
 2. builds the :class:`~elastic_moe_plugin.core.config.ElasticConfig` from defaults < YAML
    (``--elastic-moe-config`` / ``ELASTIC_MOE_CONFIG``) < ``ELASTIC_MOE_*`` < the flags, checked against
-   the model Megatron's flags describe (``--moe-router-topk``, ``--num-experts``, ``--num-layers``),
-   and refuses every other option those flags already decide (``--moe-router-fusion``, sinkhorn or
-   quantile balancing, ...: :mod:`elastic_moe_plugin.mcore.megatron_args`), all before Megatron
-   initialises anything, with or without ``--cpu``;
+   the model Megatron's flags describe (``--moe-router-topk``, ``--num-experts``, ``--num-layers`` or
+   ``--hybrid-layer-pattern``), and refuses every other option those flags already decide (a CUDA
+   graph that captures the router, sinkhorn or quantile balancing, ...:
+   :mod:`elastic_moe_plugin.mcore.megatron_args`), all before Megatron initialises anything, with or
+   without ``--cpu``;
 3. with ``--cpu``, switches the opt-in CPU runtime on before anything imports megatron
    (:func:`enable_cpu_runtime`): ``elastic_moe_plugin.cpu_runtime.enable(training=True)`` (the CUDA
    runtime calls of megatron-core and of Megatron-LM's training loop answered on the CPU, the
    triton-only module megatron-core imports, a sequence-parallel torch norm), the Python 3.11 shims
    of ``megatron.training`` where needed (``cpu_runtime.megatron_training``), and torch.compile off
-   unless ``TORCH_COMPILE_DISABLE`` is set. It refuses when CUDA is available;
+   unless ``TORCH_COMPILE_DISABLE`` is set. It refuses when CUDA is available. A hybrid model
+   (``--hybrid-layer-pattern``) without ``--spec`` gets the CPU runtime's local stack spec,
+   ``--spec elastic_moe_plugin.cpu_runtime.hybrid hybrid_stack_spec`` (:func:`cpu_megatron_args`; Megatron's
+   default hybrid spec is Transformer Engine's); a ``--spec`` of the user's is left alone;
 4. runs the script in this process (:func:`elastic_moe_plugin.mcore.megatron_lm.run`): the script's
    folder first on ``sys.path``, :func:`elastic_moe_plugin.mcore.apply`, the routing metrics in
    Megatron-LM's log unless ``--elastic-moe-log-metrics false``, then the script as ``__main__``.
@@ -67,8 +71,13 @@ CPU_HELP = (
     "CPU runtime (elastic_moe_plugin.cpu_runtime); refused when CUDA is available. Megatron-LM then needs "
     "--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
     "--no-persist-layer-norm --clip-grad 0, --disable-bias-linear for MoE at TP = EP = 1, and with TP > 1 "
-    "CUDA_DEVICE_MAX_CONNECTIONS=1 and --sequence-parallel (README, 'Megatron-LM on the CPU')."
+    "CUDA_DEVICE_MAX_CONNECTIONS=1 and --sequence-parallel (README, 'Megatron-LM on the CPU'). With "
+    "--hybrid-layer-pattern and no --spec, --spec elastic_moe_plugin.cpu_runtime.hybrid hybrid_stack_spec is "
+    "added (local attention, MLP and MoE layers; no Mamba without mamba_ssm)."
 )
+SPEC_FLAG = "--spec"
+#: Megatron-LM's ``--spec MODULE NAME`` (nargs="*") for the CPU runtime's local hybrid stack spec
+CPU_HYBRID_SPEC = (SPEC_FLAG, "elastic_moe_plugin.cpu_runtime.hybrid", "hybrid_stack_spec")
 _BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -194,6 +203,29 @@ def enable_cpu_runtime() -> None:
     megatron_training.enable()
 
 
+def _has_flag(megatron_args: Sequence[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(f"{flag}=") for arg in megatron_args)
+
+
+def cpu_megatron_args(megatron_args: Sequence[str]) -> list[str]:
+    """Megatron's arguments for a ``--cpu`` run: a hybrid model (``--hybrid-layer-pattern`` or the
+    deprecated ``--hybrid-override-pattern``) without ``--spec`` gets :data:`CPU_HYBRID_SPEC` appended,
+    since Megatron-LM's default hybrid stack spec is built of Transformer Engine modules; anything
+    else is returned unchanged (a copy)."""
+    megatron_args = list(megatron_args)
+    hybrid = any(_has_flag(megatron_args, flag) for flag in megatron_args_module.LAYERS_DERIVED_BY)
+    if not hybrid or _has_flag(megatron_args, SPEC_FLAG):
+        return megatron_args
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"elastic-moe: {CPU_FLAG}: a hybrid model without {SPEC_FLAG}: added {' '.join(CPU_HYBRID_SPEC)} "
+            "(the CPU runtime's local stack spec; Megatron's default is Transformer Engine's)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return [*megatron_args, *CPU_HYBRID_SPEC]
+
+
 def _fail(message: str) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return 2
@@ -229,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        mcore_megatron_lm.run(launch.config, launch.script, launch.megatron_args, launch.log_metrics)
+        megatron_args = cpu_megatron_args(launch.megatron_args)
+        mcore_megatron_lm.run(launch.config, launch.script, megatron_args, launch.log_metrics)
     except MegatronCPUError as error:
         # what the CPU runtime refuses (CUDA visible, a flag no CPU run can do without, a GPU-only
         # kernel launched) is said in full by its message, on every rank
@@ -237,7 +270,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["CPU_FLAG", "Launch", "enable_cpu_runtime", "main", "parse_argv", "split_argv"]
+__all__ = [
+    "CPU_FLAG",
+    "CPU_HYBRID_SPEC",
+    "Launch",
+    "cpu_megatron_args",
+    "enable_cpu_runtime",
+    "main",
+    "parse_argv",
+    "split_argv",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

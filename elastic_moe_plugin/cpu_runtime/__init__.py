@@ -18,6 +18,12 @@ What it redirects, by concern (each module lists its redirections and says why):
   stubbed), Megatron's import-time alias of ``torch.cuda._lazy_call``, 0.16.1's missing
   ``te_general_gemm`` sentinel, a torch norm usable with sequence parallelism (so TP > 1 MoE
   training runs), and one warning that the emulation always triggers.
+- :mod:`.hybrid` (megatron-core 0.19's ``HybridModel``): ``HybridStack``'s final norm, built with
+  Transformer Engine's ``TENorm`` whatever the spec says, as the torch norm; and the local stack spec
+  ``hybrid.hybrid_stack_spec`` (attention, MLP and MoE layers of local modules; Mamba only where
+  ``mamba_ssm`` imports), which ``--cpu`` passes as ``--spec`` to a ``--hybrid-layer-pattern`` run.
+- :mod:`.fused_router`: Transformer Engine's fused router functions (what ``moe_router_fusion``
+  calls), computed by megatron-core's own unfused ones, so a fused router runs where TE is absent.
 - :mod:`.training_loop` (``training=True``): ``initialize_megatron(allow_no_cuda=True)``,
   ``get_device_arch_version``, and the checkpoint writer's results queue started by fork.
 - :mod:`.megatron_training`: not CUDA, and a switch of its own: the megatron-core wheel's
@@ -59,11 +65,12 @@ Caller-side notes: ``GPTModel`` (both versions) builds its default causal mask w
 and ``add_bias_linear=True`` the expert MLP's in-place bias add fails in autograd on any device, so
 use ``add_bias_linear=False``.
 
-Not covered: fused permute/router (need Transformer Engine), grouped GEMM, CUDA graphs, the flex
+Not covered: fused permute (needs Transformer Engine), grouped GEMM, CUDA graphs, the flex
 dispatcher (DeepEP/HybridEP/NCCL-EP), paged stash, fp8/fp4, FSDP, NCCL-specific options (SHARP,
 high priority streams), and pipeline parallelism in Megatron-LM's training loop (untested there).
-Use ``use_cpu_initialization=True``, the local specs (``get_gpt_layer_local_spec``) and
-``SequentialMLP`` experts. Verified against megatron-core 0.16.1 and 0.19.2.
+Use ``use_cpu_initialization=True``, the local specs (``get_gpt_layer_local_spec``; for a
+``HybridModel``, :data:`.hybrid.hybrid_stack_spec`) and ``SequentialMLP`` experts. Verified against
+megatron-core 0.16.1 and 0.19.2.
 """
 
 from __future__ import annotations

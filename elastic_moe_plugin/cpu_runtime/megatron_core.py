@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from elastic_moe_plugin.core.patching import AttributePatches
+from elastic_moe_plugin.cpu_runtime import fused_router, hybrid
 from elastic_moe_plugin.cpu_runtime.errors import MegatronCPUError
 
 PAGED_STASH_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
@@ -193,6 +194,8 @@ def install(patches: AttributePatches) -> None:
     _install_paged_stash_stand_in(patches)
     for module_name, fixup in _MODULE_FIXUPS.items():
         patches.when_imported(module_name, functools.partial(fixup, patches))
+    hybrid.install(patches)  # HybridStack's final norm (megatron-core 0.19's HybridModel)
+    fused_router.install(patches)  # Transformer Engine's fused router functions, unfused
     log_filter = _DropEmulatedRngWarning()
     logging.getLogger(_RNG_LOGGER_NAME).addFilter(log_filter)
     patches.on_restore(lambda: logging.getLogger(_RNG_LOGGER_NAME).removeFilter(log_filter))
