@@ -172,15 +172,18 @@ def log_plan(
     framework: str,
     config=None,
     moe_index: Mapping[int, int] | None = None,
+    note: str | None = None,
 ) -> str | None:
     """Log (rank 0, once per process and line) and return :func:`describe_plans` of ``plans``
     (an adapter's ``model_plans``, :func:`elastic_moe_plugin.core.records.model_plans`); None when
     there are no plans (no active, enabled config). ``config``: the active ``ElasticConfig``; the line
-    says when its schedule was resolved from the model. ``moe_index``: as :func:`describe_plans`."""
+    says when its schedule was resolved from the model. ``moe_index``: as :func:`describe_plans`.
+    ``note``: the adapter's own note, after that one."""
     if not plans:
         return None
     elastic = any(plan is not None and plan.top_p is None for plan in plans.values())
-    note = RESOLVED_FROM_MODEL if config is not None and config.schedule_from_model and elastic else None
+    resolved = RESOLVED_FROM_MODEL if config is not None and config.schedule_from_model and elastic else None
+    note = "; ".join(part for part in (resolved, note) if part) or None
     line = describe_plans(plans, topk, framework, note, moe_index)
     log_plan_once(line)
     return line

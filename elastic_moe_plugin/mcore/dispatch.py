@@ -68,7 +68,7 @@ import torch
 
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch, is_patched
-from elastic_moe_plugin.mcore.routing import BALANCED_ATTR, TOTAL_ATTR, elastic_width
+from elastic_moe_plugin.mcore.routing import BALANCED_ATTR, TOTAL_ATTR, elastic_width, unread_arguments
 
 #: ``ELASTIC_MOE_DEBUG=1`` checks the tag's host Σκ against the device's count (one read per layer)
 DEBUG_ENV = "ELASTIC_MOE_DEBUG"
@@ -122,15 +122,30 @@ def _check_host_total(routing_map: torch.Tensor, total: int) -> None:
     )
 
 
+def _refuse_unread_arguments(stock: Callable, args: tuple, kwargs: dict) -> None:
+    """An elastic map's ``setup_metadata`` does not run stock's body and reads ``routing_map`` and
+    ``probs`` only: a further argument a newer Megatron passes, not at its default, raises, naming
+    it, instead of being dropped (:func:`.routing.unread_arguments`)."""
+    if not args and not kwargs:
+        return
+    unread, _ = unread_arguments(stock, 3, args, kwargs)  # self, routing_map, probs
+    if unread:
+        raise UnsupportedMegatronError(
+            f"{stock.__qualname__} was called with {', '.join(unread)} (not at its default), which the elastic "
+            f"indices of elastic_moe_plugin.mcore.dispatch do not read; use the alltoall dispatcher, or keep "
+            f"these layers stock."
+        )
+
+
 # ------------------------------------------------------------------------------------- patches
 def _alltoall_preprocess(original: Callable) -> Callable:
     @functools.wraps(original)
-    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
+    def preprocess(self, routing_map: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         width = elastic_width(routing_map)
         if width is None or self.drop_and_pad:
             # Drop-and-pad: stock's capacity from T·k is the router's (routing.elastic_routing).
-            return original(self, routing_map)
-        tokens_per_expert = original(self, routing_map)
+            return original(self, routing_map, *args, **kwargs)
+        tokens_per_expert = original(self, routing_map, *args, **kwargs)
         if self.config.moe_expert_capacity_factor is None and not getattr(
             self.config, "moe_router_padding_for_quantization", False
         ):
@@ -153,16 +168,16 @@ def _flex_dispatch_preprocess(original: Callable) -> Callable:
     """Hand the map's tag to the manager: ``_initialize_metadata`` builds a new (untagged) map."""
 
     @functools.wraps(original)
-    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, *args: Any, **kwargs: Any):
         manager = getattr(self, "_comm_manager", None)
         if manager is None:
-            return original(self, hidden_states, routing_map, probs)
+            return original(self, hidden_states, routing_map, *args, **kwargs)
         width = elastic_width(routing_map)
         manager.__dict__[MANAGER_TAG_ATTR] = (
             False if width is None else (width, bool(getattr(routing_map, BALANCED_ATTR, False)))
         )
         try:
-            return original(self, hidden_states, routing_map, probs)
+            return original(self, hidden_states, routing_map, *args, **kwargs)
         finally:
             manager.__dict__.pop(MANAGER_TAG_ATTR, None)
 
@@ -173,19 +188,20 @@ def _indexed_setup_metadata(original: Callable) -> Callable:
     """DeepEP / NCCL-EP: indices from the map, width = (TP fold) · b."""
 
     @functools.wraps(original)
-    def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor):
+    def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor, *args: Any, **kwargs: Any):
         tag = _map_tag(self, routing_map)
         stock_topk = self.__dict__.get("_elastic_stock_topk")
         if tag is None:
             if stock_topk is None or stock_topk == self.router_topk:
-                return original(self, routing_map, probs)
+                return original(self, routing_map, probs, *args, **kwargs)
             # A stock map (eval, static layer) after elastic steps raised router_topk: stock width,
             # else every token would get (b - k)·TP phantom zero-weight experts.
             raised, self.router_topk = self.router_topk, stock_topk
             try:
-                return original(self, routing_map, probs)
+                return original(self, routing_map, probs, *args, **kwargs)
             finally:
                 self.router_topk = raised
+        _refuse_unread_arguments(original, args, kwargs)  # the elastic indices replace stock's whole body
         width = tag[0]
         num_tokens = routing_map.shape[0]
         if stock_topk is None:

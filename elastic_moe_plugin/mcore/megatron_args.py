@@ -10,10 +10,12 @@ decide are raised here, at once, with the rules the router applies when it is bu
   range against ``--num-layers``, or against ``--hybrid-layer-pattern``, where it must also select
   one of the pattern's MoE (``E``) layers (:class:`~elastic_moe_plugin.core.errors.ConfigError`,
   every fix validated against that model);
-- ``--moe-router-fusion``, ``--moe-enable-routing-replay``, ``--moe-router-load-balancing-type
-  sinkhorn`` / ``quantile_balancing``, ``--transformer-impl inference_optimized``, a CUDA graph
-  capturing the dispatcher's preprocess, group-limited routing too narrow for the schedule
-  (:class:`~elastic_moe_plugin.core.errors.UnsupportedMegatronError`).
+- options that fix the top-k (``--moe-enable-routing-replay``, ``--moe-router-load-balancing-type
+  sinkhorn`` / ``quantile_balancing``, ``--transformer-impl inference_optimized``,
+  ``--batch-invariant-mode``, ``--moe-apply-probs-on-input``), a CUDA graph that captures the
+  router (:mod:`.graph_options`), group-limited routing too narrow for the schedule
+  (:class:`~elastic_moe_plugin.core.errors.UnsupportedMegatronError`). ``--moe-router-fusion`` is
+  accepted: static layers and evaluation keep the fused top-k.
 
 The flags are read by a parser of these flags alone, with Megatron-LM's names, types and defaults
 (``tests/mcore/test_megatron_args.py`` compares them with ``TransformerConfig`` and Megatron-LM's own
@@ -68,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--cuda-graph-impl", dest="cuda_graph_impl", default="none")
     add("--cuda-graph-modules", dest="cuda_graph_modules", nargs="+", default=None)
     add("--cuda-graph-scope", dest="cuda_graph_scope", nargs="+", default=None)
+    add("--inference-cuda-graph-scope", dest="inference_cuda_graph_scope", default=None)
+    add("--enable-cuda-graph", dest="enable_cuda_graph", action="store_true")  # deprecated: local
+    add("--external-cuda-graph", dest="external_cuda_graph", action="store_true")  # deprecated: transformer_engine
+    add("--is-hybrid-model", dest="is_hybrid_model", action="store_true")
+    add("--batch-invariant-mode", dest="batch_invariant_mode", action="store_true")
+    add("--moe-apply-probs-on-input", dest="moe_apply_probs_on_input", action="store_true")
     return parser
 
 

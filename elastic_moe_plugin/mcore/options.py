@@ -22,6 +22,14 @@ from typing import Any
 
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
+from elastic_moe_plugin.mcore.graph_options import (
+    ROUTER_SCOPES,
+    captures_moe_preprocess,
+    describe_capture,
+    graph_setting,
+    router_capture,
+    spell_fix,
+)
 
 
 # ---------------------------------------------------------------------------------- spelling
@@ -66,48 +74,6 @@ def _model_num_layers(config) -> int | None:
 def top_p_width(model_config, config: ElasticConfig) -> int:
     """Candidate slots of ``mode="top_p"``: every expert, or ``top_p_max_experts``."""
     return config.top_p_max_experts or model_config.num_moe_experts
-
-
-def _cuda_graph_scopes(model_config) -> set[str] | None:
-    """The per-layer CUDA-graph scope names, None without CUDA graphs; an empty set captures the
-    whole layer (as the deprecated ``"full"`` does), and so does ``full_iteration`` (0.19: an impl;
-    0.16: a scope).
-
-    megatron-core 0.19 names the scope list ``cuda_graph_modules`` (``cuda_graph_scope`` is migrated
-    into it); 0.16 names it ``cuda_graph_scope``. Entries are enums or, set by hand, strings.
-    """
-    impl = getattr(model_config, "cuda_graph_impl", "none")
-    if impl in (None, "none"):
-        return None
-    if impl == "full_iteration":
-        return set()
-    scopes = getattr(model_config, "cuda_graph_modules", None)
-    if scopes is None:
-        scopes = getattr(model_config, "cuda_graph_scope", None)
-    if isinstance(scopes, str):
-        scopes = scopes.split(",")
-    names = {getattr(scope, "name", scope) for scope in scopes or ()} - {"full"}
-    return set() if "full_iteration" in names else names
-
-
-def _captures_router(model_config) -> bool:
-    """Whether a CUDA graph captures ``TopKRouter.forward``: the scopes ``moe_router``, ``moe`` (the
-    whole MoE layer, drop-and-pad only), ``moe_preprocess`` (Megatron requires ``moe_router`` with
-    it), a whole layer, or the whole iteration. ``attn``, ``mlp`` (dense layers) and ``mamba`` do not."""
-    names = _cuda_graph_scopes(model_config)
-    return names is not None and (not names or bool(names & {"moe_router", "moe", "moe_preprocess"}))
-
-
-def _captures_moe_preprocess(model_config) -> bool:
-    """Whether a per-layer CUDA graph captures ``MoELayer.preprocess`` (the dispatcher's sizing)."""
-    names = _cuda_graph_scopes(model_config)
-    if names is None:
-        return False
-    if not names:
-        return True
-    if getattr(model_config, "cuda_graph_impl", None) == "local" and "moe_router" in names:
-        names.add("moe_preprocess")  # Megatron's local implementation captures both together
-    return "moe_preprocess" in names
 
 
 # ---------------------------------------------------------------------------------- the rules
@@ -184,18 +150,6 @@ def _balancing_picks_experts_message(c: Checked) -> str:
     )
 
 
-def _router_fusion(c: Checked) -> bool:
-    """``moe_router_fusion``: Transformer Engine's fused top-k takes one scalar k for the whole batch."""
-    return bool(getattr(c.model, "moe_router_fusion", False))
-
-
-def _router_fusion_message(c: Checked) -> str:
-    return (
-        f"{c.spell('moe_router_fusion', True)} (Transformer Engine's fused top-k takes one scalar k): "
-        f"{c.options.turn_off('moe_router_fusion')} for elastic training"
-    )
-
-
 def _routing_replay(c: Checked) -> bool:
     """``moe_enable_routing_replay``: the replayed [T, topk] buffers were recorded with one fixed k."""
     return bool(getattr(c.model, "moe_enable_routing_replay", False))
@@ -235,20 +189,22 @@ def _inference_optimized_message(c: Checked) -> str:
 
 
 def _graph_captures_router(c: Checked) -> bool:
-    """A budget schedule under a CUDA graph that captures the router: κ is drawn on the host and
-    copied in at every forward, so a replay would reuse the κ of the capture. (``mode="top_p"``
-    draws nothing on the host; its graph limit is :func:`_graph_captures_top_p_sizing`.)"""
-    return not c.top_p and _captures_router(c.model)
+    """A budget schedule under a CUDA graph that captures the router's training forward
+    (:mod:`.graph_options`): κ is drawn on the host and copied in at every forward, so a replay
+    would reuse the κ of the capture. (``mode="top_p"`` draws nothing on the host; its graph limit
+    is :func:`_graph_captures_top_p_sizing`.)"""
+    return not c.top_p and router_capture(graph_setting(c.model)) is not None
 
 
 def _graph_captures_router_message(c: Checked) -> str:
+    setting, flags = graph_setting(c.model), c.options.flags
+    dropped = [name for name in setting.scopes if name in ROUTER_SCOPES]
+    drop = f"drop {', '.join(repr(name) for name in dropped)}: " if dropped else ""
     return (
-        "a CUDA graph that captures the router (scope 'moe_router' or 'moe' in cuda_graph_modules, "
-        "cuda_graph_scope before megatron-core 0.19; 'moe_preprocess', which needs 'moe_router'; a "
-        "whole-layer scope; or cuda_graph_impl='full_iteration'): κ is drawn on the host and copied "
-        "in at every forward, so a graph replay would reuse the κ of its capture; capture only scopes "
-        "without the router (e.g. cuda_graph_modules=['attn']), or use "
-        f"{c.options.elastic('schedule', 'static')}"
+        f"a CUDA graph that captures the router ({describe_capture(setting, flags)}): κ is drawn on the host "
+        "and copied in at every forward, so a graph replay would reuse the κ of its capture; capture only "
+        f"scopes without the router ({drop}{spell_fix(setting, flags)}), or use "
+        f"{c.options.elastic('schedule', 'static')} (inference graphs stay allowed: evaluation routes static top-k)"
     )
 
 
@@ -257,7 +213,7 @@ def _graph_captures_top_p_sizing(c: Checked) -> bool:
     the dispatch is sized from the realised Σκ, a device-to-host sync no graph can capture."""
     return (
         c.top_p
-        and _captures_moe_preprocess(c.model)
+        and captures_moe_preprocess(c.model)
         and not c.model.moe_pad_expert_input_to_capacity
         and c.model.moe_token_dispatcher_type == "alltoall"
     )
@@ -272,6 +228,49 @@ def _graph_captures_top_p_sizing_message(c: Checked) -> str:
         "device-to-host sync Megatron also refuses to capture (as with a capacity factor); remove "
         "'moe_preprocess' (and 'moe_router' with cuda_graph_impl='local') from the CUDA-graph scope, "
         "or use drop-and-pad (moe_pad_expert_input_to_capacity)"
+    )
+
+
+def _batch_invariant(c: Checked) -> bool:
+    """``batch_invariant_mode``: Megatron's batch-invariant MoE path (``moe/batch_invariant.py``,
+    Megatron-LM main) asserts one fixed top-k per token and builds [T, topk] inverse maps; κ drawn
+    per token position is not batch-invariant anyway."""
+    return bool(getattr(c.model, "batch_invariant_mode", False))
+
+
+def _batch_invariant_message(c: Checked) -> str:
+    return (
+        f"{c.spell('batch_invariant_mode', True)}: Megatron's batch-invariant MoE unpermute asserts a fixed "
+        "top-k per token (num_out_tokens % num_tokens == 0) and builds [T, topk] maps, and κ, drawn per "
+        f"token position, is not batch-invariant; {c.options.turn_off('batch_invariant_mode')} for elastic "
+        "training (evaluation routes static top-k, so batch-invariant inference of the checkpoint is unaffected)"
+    )
+
+
+def _probs_on_input(c: Checked) -> bool:
+    """``moe_apply_probs_on_input``: the gate scales each expert's input, which Megatron defines
+    for top-1 routing only (its experts assert ``moe_router_topk == 1``)."""
+    return bool(getattr(c.model, "moe_apply_probs_on_input", False))
+
+
+def _probs_on_input_message(c: Checked) -> str:
+    return (
+        f"{c.spell('moe_apply_probs_on_input', True)} scales each expert's input by its gate, which Megatron "
+        f"defines for top-1 routing only (its experts assert moe_router_topk == 1), but κ gives a token up to "
+        f"{c.width} experts; {c.options.turn_off('moe_apply_probs_on_input')} for elastic training"
+    )
+
+
+def _sequence_topk(c: Checked) -> bool:
+    """``moe_router_topk_mode`` other than ``"topk"`` (SeqTopK, a Megatron-LM branch): the router
+    picks each sequence's expert budget itself, which elastic routing replaces."""
+    return getattr(c.model, "moe_router_topk_mode", "topk") not in (None, "topk")
+
+
+def _sequence_topk_message(c: Checked) -> str:
+    return (
+        f"{c.spell('moe_router_topk_mode', c.model.moe_router_topk_mode)} chooses per-sequence expert budgets "
+        f"itself, which elastic routing replaces with per-token κ; use {c.spell('moe_router_topk_mode', 'topk')}"
     )
 
 
@@ -301,8 +300,10 @@ def _groups_too_narrow_message(c: Checked) -> str:
 RULES: tuple[Rule, ...] = (
     Rule("top_p_without_softmax", _top_p_without_softmax, _top_p_without_softmax_message),
     Rule("balancing_picks_experts", _balancing_picks_experts, _balancing_picks_experts_message),
-    Rule("router_fusion", _router_fusion, _router_fusion_message),
     Rule("routing_replay", _routing_replay, _routing_replay_message),
+    Rule("sequence_topk", _sequence_topk, _sequence_topk_message),
+    Rule("batch_invariant", _batch_invariant, _batch_invariant_message),
+    Rule("probs_on_input", _probs_on_input, _probs_on_input_message),
     Rule("inference_optimized", _inference_optimized, _inference_optimized_message),
     Rule("graph_captures_router", _graph_captures_router, _graph_captures_router_message),
     Rule("graph_captures_top_p_sizing", _graph_captures_top_p_sizing, _graph_captures_top_p_sizing_message),

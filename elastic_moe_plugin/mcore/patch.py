@@ -5,7 +5,12 @@ mcore-bridge's router and layers built from every stock spec are covered, whenev
 
 - ``TopKRouter.routing``: in training, elastic layers run :func:`.routing.elastic_forward`; in eval
   mode, in layers outside ``ElasticConfig.layers``, in MTP layers, and for ``schedule="static"``
-  the original method runs unchanged, so results are bit-for-bit stock.
+  the original method runs unchanged, so results are bit-for-bit stock (with ``moe_router_fusion``,
+  Transformer Engine's fused top-k included; elastic layers route unfused). The replacement takes
+  the stock method's arguments as ``*args, **kwargs`` and passes them all on; the elastic path
+  reads ``padding_mask`` and refuses, at the first call, any other argument not at its default
+  (:func:`.routing.elastic_arguments`), so a Megatron that adds one fails loudly rather than
+  being silently ignored.
 - ``TopKRouter.__init__``: runs the original, then validates the config against the router's model
   config (top-k, expert count, layer count, unsupported options), so a bad setting stops the run at
   model build on every rank instead of mid-training.
@@ -252,10 +257,27 @@ def moe_indices(model) -> dict[int, int]:
     return {layer: index for index, layer in enumerate(numbers)}
 
 
+#: the plan line's note under ``moe_router_fusion`` when some layer routes elastically
+ROUTER_FUSION_NOTE = (
+    "moe_router_fusion: Transformer Engine's fused top-k stays on the static layers and in evaluation; "
+    "the elastic layers route unfused in training"
+)
+
+
+def _fusion_note(model, plans: dict[int, LayerPlan | None]) -> str | None:
+    """:data:`ROUTER_FUSION_NOTE` where the routers fuse and some layer routes elastically."""
+    if not any(plan is not None for plan in plans.values()):
+        return None
+    sites = router_sites(model)
+    return ROUTER_FUSION_NOTE if sites and getattr(sites[0].router.config, "moe_router_fusion", False) else None
+
+
 def log_plan(model) -> str | None:
     """Log (rank 0, once) and return the start-up plan line for a module or model chunks; None
     without an active, enabled config. Where a layer's number is not its MoE index (a
-    ``HybridModel``), the line shows both (:func:`moe_indices`)."""
+    ``HybridModel``), the line shows both (:func:`moe_indices`); under ``moe_router_fusion`` it
+    says where the fused top-k runs (:data:`ROUTER_FUSION_NOTE`)."""
     plans, topk = model_plans(model)
     moe_index = moe_indices(model) if plans else None
-    return core_plan.log_plan(plans, topk, "megatron-core", _PATCH.active_config(), moe_index)
+    note = _fusion_note(model, plans)
+    return core_plan.log_plan(plans, topk, "megatron-core", _PATCH.active_config(), moe_index, note)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.router_state import STATE_ATTR, ElasticPath, RouterState, ensure_state
 from elastic_moe_plugin.core.routing import SIGMOID_EPS, RoutingRule, route, score, select
-from elastic_moe_plugin.mcore import budget_rng
+from elastic_moe_plugin.mcore import budget_rng, graph_options
 from elastic_moe_plugin.mcore.aux_loss import apply_realised_aux_losses, realised_assignments
 
 #: tensor attributes of an elastic routing map (the tag :mod:`.dispatch` reads)
@@ -207,18 +208,81 @@ def patched_routing(
     original: Callable, lifecycle: Any, resolve_plan: Callable[[Any, ElasticConfig], LayerPlan | None]
 ) -> Callable:
     """The replacement of ``TopKRouter.routing``: :func:`elastic_forward` where the router's state
-    has an elastic path (:func:`training_state`), else the original, bit for bit stock."""
+    has an elastic path (:func:`training_state`), else the original, bit for bit stock.
+
+    It takes whatever the stock method takes (``*args, **kwargs``): the stock path passes every
+    argument on untouched, so a Megatron that adds one (Megatron-LM's SeqTopK branch calls
+    ``self.routing(logits, padding_mask=..., seq_idx=...)``) keeps working in eval, static layers
+    and MTP layers; the elastic path reads them through :func:`elastic_arguments`."""
 
     @functools.wraps(original)
-    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+    def routing(self, logits: torch.Tensor, *args: Any, **kwargs: Any):
         generation = lifecycle.generation  # before the config: an apply writes the config first
         config = lifecycle.config
         state = training_state(self, config, generation, resolve_plan) if config is not None else None
         if state is None or state.path is None:
-            return original(self, logits, padding_mask=padding_mask)
+            return original(self, logits, *args, **kwargs)
+        padding_mask = elastic_arguments(original, args, kwargs)
         return elastic_forward(self, state, state.path, logits, padding_mask)
 
     return routing
+
+
+@functools.lru_cache(maxsize=16)
+def _signature(stock: Callable) -> inspect.Signature:
+    return inspect.signature(stock)
+
+
+def unread_arguments(
+    stock: Callable, leading: int, args: tuple, kwargs: dict, read: tuple[str, ...] = ()
+) -> tuple[list[str], dict[str, Any]]:
+    """``(names of the arguments not at their default, the bound arguments)`` of a call
+    ``stock(<leading parameters>, *args, **kwargs)``, leaving out the ``leading`` parameters
+    (``self`` and what the elastic path reads positionally) and ``read``.
+
+    An argument at the default of ``stock``'s signature changes nothing stock does, so an elastic
+    path may ignore it; any other is what a newer Megatron asks for that the elastic path would
+    silently drop.
+
+    Raises:
+        TypeError: an argument ``stock`` itself does not take (as stock raises).
+    """
+    signature = _signature(stock)
+    bound = signature.bind(*([None] * leading), *args, **kwargs)
+    unread: list[str] = []
+    for parameter in list(signature.parameters.values())[leading:]:
+        if parameter.name in read or parameter.name not in bound.arguments:
+            continue
+        value = bound.arguments[parameter.name]
+        if parameter.kind is parameter.VAR_KEYWORD:
+            unread += list(value)
+        elif parameter.kind is parameter.VAR_POSITIONAL:
+            unread += [f"*{parameter.name}"] if value else []
+        elif value is not parameter.default:
+            unread.append(parameter.name)
+    return unread, dict(bound.arguments)
+
+
+def elastic_arguments(stock: Callable, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The padding mask of a call ``stock(self, logits, *args, **kwargs)`` of a stock ``routing``,
+    for the elastic forward, which reads nothing else. Any other argument must be at its default
+    (:func:`unread_arguments`); one with another value raises at the first call that passes it,
+    rather than being dropped.
+
+    Raises:
+        UnsupportedMegatronError: an argument other than ``padding_mask`` with a non-default value.
+        TypeError: an argument ``stock`` itself does not take (as stock raises).
+    """
+    if not args and kwargs.keys() <= {"padding_mask"}:
+        return kwargs.get("padding_mask")  # what every megatron-core release passes
+    unread, arguments = unread_arguments(stock, 2, args, kwargs, read=("padding_mask",))
+    if unread:
+        raise UnsupportedMegatronError(
+            f"TopKRouter.routing was called with {', '.join(unread)} (not at its default), which elastic routing "
+            f"does not read: an elastic layer would route as if it were absent. Switch off the Megatron option "
+            f"that passes it, or keep these layers stock (ElasticConfig layers=... or schedule='static')."
+        )
+    return arguments.get("padding_mask")
 
 
 # ---------------------------------------------------------------------------------- the forward
@@ -252,6 +316,7 @@ def elastic_forward(
         ``get_capacity(T·k, E, cf)`` True entries, as stock (drop-and-pad: exactly that many when
         it is at most T). The map carries the dispatch tag (:func:`mark_elastic`).
     """
+    _refuse_graph_capture(router)
     plan, model = path.plan, router.config
     seq_length, bsz = (logits.shape[0], logits.shape[1]) if logits.dim() == 3 else (logits.shape[0], 1)
     logits = logits.view(-1, model.num_moe_experts)
@@ -295,6 +360,21 @@ def elastic_forward(
     # Capacity drops leave the map with fewer entries than Σκ, which only the device counts.
     total = None if capacity_dropped is not None else host_total
     return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced", total=total)
+
+
+def _refuse_graph_capture(router: Any) -> None:
+    """The backstop of :mod:`.graph_options`: refuse an elastic training forward inside a graph capture."""
+    if not graph_options.graph_capture_underway():
+        return
+    setting = graph_options.graph_setting(router.config)
+    what = graph_options.describe_capture(setting, flags=False) if graph_options.router_capture(setting) else None
+    raise UnsupportedMegatronError(
+        "an elastic router's training forward is being captured into a CUDA graph"
+        + (f" ({what})" if what else "")
+        + ": κ is drawn on the host and copied in at every forward, so a replay would reuse the κ of the capture; "
+        f"capture only scopes without the router ({graph_options.spell_fix(setting, flags=False)}), or use "
+        "schedule='static'."
+    )
 
 
 def _budgets(router: Any, state: RouterState, path: ElasticPath, logits: torch.Tensor, with_aux_loss: bool):
@@ -365,6 +445,7 @@ __all__ = [
     "BALANCED_ATTR",
     "TOTAL_ATTR",
     "WIDTH_ATTR",
+    "elastic_arguments",
     "elastic_forward",
     "elastic_routing",
     "elastic_width",
@@ -377,4 +458,5 @@ __all__ = [
     "select_candidates",
     "token_shard",
     "training_state",
+    "unread_arguments",
 ]

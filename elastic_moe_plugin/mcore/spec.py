@@ -18,7 +18,7 @@ from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.patching import unwrap
 from elastic_moe_plugin.mcore import dispatch
 from elastic_moe_plugin.mcore.patch import check_megatron_version, resolve_plan, router_module, validate_router
-from elastic_moe_plugin.mcore.routing import elastic_forward, training_state
+from elastic_moe_plugin.mcore.routing import elastic_arguments, elastic_forward, training_state
 
 
 def _stock_routing() -> Callable:
@@ -49,11 +49,13 @@ def _elastic_router_class() -> type:
         def with_config(cls, config: ElasticConfig) -> type:
             return type(cls.__name__, (cls,), {"elastic_config": config, "__module__": __name__})
 
-        def routing(self, logits, padding_mask=None):
+        def routing(self, logits, *args, **kwargs):
+            # whatever stock's routing takes, passed on (the patched method's rule, mcore.routing.patched_routing)
             # the generation of a spec router's plan: its class's config (which never changes)
             state = training_state(self, self.elastic_config, -id(self.elastic_config), resolve_plan)
             if state is None or state.path is None:
-                return _stock_routing()(self, logits, padding_mask=padding_mask)
+                return _stock_routing()(self, logits, *args, **kwargs)
+            padding_mask = elastic_arguments(_stock_routing(), args, kwargs)
             return elastic_forward(self, state, state.path, logits, padding_mask)
 
     return ElasticTopKRouter

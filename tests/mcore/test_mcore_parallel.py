@@ -760,12 +760,15 @@ REFUSALS = {
                  r"moe_router_load_balancing_type='sinkhorn'.*use 'aux_loss'"),
     "quantile_balancing": (dict(moe_router_load_balancing_type="quantile_balancing"), {},
                            r"moe_router_load_balancing_type='quantile_balancing'.*use 'aux_loss'"),
-    "router_fusion": (dict(moe_router_fusion=True), {}, r"moe_router_fusion=True.*remove the store_true flag --moe-router-fusion"),
     "cuda_graph_moe_preprocess": (dict(moe_token_dispatcher_type="alltoall"), "cuda_graph",
-                                  r"CUDA graph that captures the router \(scope 'moe_router'.*'moe_preprocess'.*"
-                                  r"κ is drawn on the host.*cuda_graph_modules=\['attn'\].*schedule='static'"),
+                                  r"CUDA graph that captures the router \('moe_router', 'moe_preprocess' in "
+                                  r"cuda_graph_(modules|scope) capture the MoE router\): κ is drawn on the host.*"
+                                  r"drop 'moe_router', 'moe_preprocess': cuda_graph_(modules|scope)=\['attn'\].*"
+                                  r"schedule='static'"),
     "cuda_graph_whole_layer": (dict(moe_token_dispatcher_type="alltoall"), "cuda_graph_whole_layer",
-                               r"CUDA graph that captures the router.*a whole-layer scope"),
+                               r"CUDA graph that captures the router \(cuda_graph_impl='transformer_engine' with an empty "
+                               r"cuda_graph_(modules|scope) \(Megatron's "
+                               r"default 'full'\) captures the whole layer\)"),
     "inference_optimized": ({}, {"transformer_impl": "inference_optimized"},
                             r"transformer_impl='inference_optimized'.*'transformer_engine' or 'local'"),
     "group_limited_unreachable": (dict(num_moe_experts=8, moe_router_num_groups=4, moe_router_group_topk=1), {},
@@ -811,6 +814,7 @@ ROUTER_CAPTURING_GRAPHS = {
     "local_moe_router": ("local", ["moe_router"]),
     "whole_layer": ("transformer_engine", []),
     "attn_and_moe_router": ("transformer_engine", ["attn", "moe_router"]),
+    "local_attn_in_gpt": ("local", ["attn"]),  # the local implementation graphs a GPT TransformerLayer whole
 }
 
 
@@ -839,7 +843,10 @@ def test_a_cuda_graph_that_captures_the_router_is_refused_for_every_elastic_sche
 @pytest.mark.parametrize("impl", ["transformer_engine", "local"])
 @pytest.mark.parametrize("sampling", ["iid", "balanced"])
 def test_a_cuda_graph_of_the_attention_only_is_allowed(sampling, impl, make_config, make_router):
-    config = make_config(moe_token_dispatcher_type="alltoall")
+    """Transformer Engine's 'attn' graph runs TransformerLayer._forward_attention only; the local
+    implementation graphs a GPT layer whole, so its 'attn' spares the router in a hybrid model only
+    (whose MoE layers hold no attention)."""
+    config = make_config(moe_token_dispatcher_type="alltoall", is_hybrid_model=impl == "local")
     _set_cuda_graph_scope(config, impl, ["attn"])
     with mcore.patched(ElasticConfig(schedule=SCHEDULE, sampling=sampling)):
         make_router(config)

@@ -287,8 +287,8 @@ def test_an_option_enabled_on_a_built_router_is_refused_at_its_next_forward(make
     mcore.apply(ElasticConfig(schedule="1-3"))
     router = make_router(make_config())
     router(torch.randn(S, B, H))
-    router.config.moe_router_fusion = True
-    with pytest.raises(UnsupportedMegatronError, match="moe_router_fusion=True"):
+    router.config.moe_enable_routing_replay = True
+    with pytest.raises(UnsupportedMegatronError, match="moe_enable_routing_replay=True"):
         router(torch.randn(S, B, H))
 
 
@@ -853,10 +853,9 @@ def test_layers_beyond_the_model_fail_at_router_construction(make_config, make_r
 
 @pytest.mark.parametrize(("overrides", "needle"), [
     (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0), "sinkhorn"),
-    (dict(moe_router_fusion=True), "moe_router_fusion"),
     (dict(moe_enable_routing_replay=True), "routing replay"),
     (dict(moe_router_num_groups=4, moe_router_group_topk=1), "group-limited"),
-], ids=["sinkhorn", "router_fusion", "routing_replay", "groups_too_few"])
+], ids=["sinkhorn", "routing_replay", "groups_too_few"])
 def test_unsupported_options_are_refused_at_construction(overrides, needle, make_config, make_router):
     config = make_config(**overrides)
     with mcore.patched(ElasticConfig(schedule="1-3")):

@@ -5,8 +5,8 @@
   (``megatron.training.arguments``, where it imports with the megatron-core it belongs to).
 - Each refusal the flags decide, through ``parse_argv`` + ``check_megatron_args`` (what
   ``python -m elastic_moe_plugin.megatron_lm`` runs first): the schedule's centre against
-  ``--moe-router-topk``, the layers against ``--num-layers``, ``--moe-router-fusion``,
-  ``--moe-enable-routing-replay``, sinkhorn / quantile_balancing, ``--transformer-impl
+  ``--moe-router-topk``, the layers against ``--num-layers``, ``--batch-invariant-mode``,
+  ``--moe-apply-probs-on-input``, a CUDA graph of the router, ``--moe-enable-routing-replay``, sinkhorn / quantile_balancing, ``--transformer-impl
   inference_optimized``, group-limited routing too narrow for the schedule; applying the fix the
   message names (remove the flag, or the value it gives) is accepted. Command lines that do not
   decide the model are left to model build.
@@ -131,7 +131,15 @@ REFUSALS = {
     "layers vs --num-layers": (["--elastic-moe-layers", "1-3"], "selects layer(s) [2, 3]", ["--elastic-moe-layers", "1"]),
     "schedule past --num-experts": (["--elastic-moe-schedule", "1-5", "--elastic-moe-allow-off-center", "1"],
                                     "only 4 experts", ["--elastic-moe-schedule", "1-3"]),
-    "--moe-router-fusion": (["--moe-router-fusion"], "remove --moe-router-fusion, a store_true flag", []),
+    "--batch-invariant-mode": (["--batch-invariant-mode"],
+                               "--batch-invariant-mode: Megatron's batch-invariant MoE unpermute asserts a fixed "
+                               "top-k per token", []),
+    "--moe-apply-probs-on-input": (["--moe-apply-probs-on-input"],
+                                   "remove --moe-apply-probs-on-input, a store_true flag", []),
+    "a CUDA graph of the router": (["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn",
+                                    "moe_router", "moe_preprocess"],
+                                   "drop 'moe_router', 'moe_preprocess': --cuda-graph-modules attn",
+                                   ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn"]),
     "--moe-enable-routing-replay": (["--moe-enable-routing-replay"], "remove --moe-enable-routing-replay", []),
     "sinkhorn": (["--moe-router-load-balancing-type", "sinkhorn"],
                  "--moe-router-load-balancing-type sinkhorn picks experts by its own balancing algorithm",
@@ -181,8 +189,15 @@ def test_each_refusal_the_flags_decide_and_its_fix(name):
 
 def test_every_flag_problem_comes_in_one_message():
     with pytest.raises(UnsupportedMegatronError) as caught:
-        _check([*MEGATRON_ARGS, "--moe-router-fusion", "--moe-enable-routing-replay"])
-    assert "--moe-router-fusion" in str(caught.value) and "--moe-enable-routing-replay" in str(caught.value)
+        _check([*MEGATRON_ARGS, "--batch-invariant-mode", "--moe-enable-routing-replay"])
+    assert "--batch-invariant-mode" in str(caught.value) and "--moe-enable-routing-replay" in str(caught.value)
+
+
+def test_router_fusion_is_accepted_with_an_elastic_schedule():
+    """Transformer Engine's fused top-k stays on the static layers and in evaluation; the elastic
+    layers route unfused in training (tests/mcore/test_mcore_router_fusion.py)."""
+    _check([*MEGATRON_ARGS, "--moe-router-fusion", "--elastic-moe-schedule", "1-3"])
+    _check([*MEGATRON_ARGS, "--moe-router-fusion", "--elastic-moe-schedule", "1-3", "--elastic-moe-layers", "1"])
 
 
 @pytest.mark.parametrize("extra", [["--yaml-cfg", "x.yaml"], ["--use-checkpoint-args"],
@@ -249,7 +264,7 @@ print("SPY " + json.dumps(report))
 
 @pytest.mark.slow  # a subprocess: the entry point, and for the control Megatron-LM's start-up
 def test_the_entry_point_refuses_before_any_process_group(tmp_path):
-    refusals = ["centre vs --moe-router-topk", "layers vs --num-layers", "--moe-router-fusion", "quantile_balancing",
+    refusals = ["centre vs --moe-router-topk", "layers vs --num-layers", "--batch-invariant-mode", "quantile_balancing",
                 "sinkhorn"]
     commands = [[str(SCRIPT), *MEGATRON_ARGS, *REFUSALS[name][0]] for name in refusals]
     control = _megatron_lm_available()
