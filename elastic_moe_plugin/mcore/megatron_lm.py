@@ -8,9 +8,11 @@ entry point, :mod:`elastic_moe_plugin.megatron_lm`; :func:`run` does the Megatro
    the script, even when a megatron-core wheel is installed as well;
 2. applies :func:`elastic_moe_plugin.mcore.apply` (a class-level patch of ``TopKRouter``, so routers
    built later by the script route elastically in training);
-3. unless told not to, installs :mod:`elastic_moe_plugin.mcore.training_log`: at every
-   ``--log-interval`` step the routing metrics go to Megatron-LM's TensorBoard / W&B writers and its
-   console line (installed when the script imports ``megatron.training``);
+3. prints the start-up plan line once Megatron-LM has built the model
+   (:func:`.training_log.install_plan_line`) and, unless told not to, installs
+   :mod:`elastic_moe_plugin.mcore.training_log`: at every ``--log-interval`` step the routing metrics
+   go to Megatron-LM's TensorBoard / W&B writers and its console line (both installed when the
+   script imports ``megatron.training``);
 4. runs the script as ``__main__`` (``runpy.run_path``), with ``sys.argv`` set to the script and
    Megatron's own arguments.
 """
@@ -37,6 +39,7 @@ def run(config: ElasticConfig, script: str, megatron_args: Sequence[str], log_me
     from elastic_moe_plugin.mcore import training_log
 
     mcore.apply(config)
+    training_log.install_plan_line()
     if log_metrics:
         training_log.install()
     if int(os.environ.get("RANK", "0")) == 0:

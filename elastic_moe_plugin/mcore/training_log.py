@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -82,9 +83,19 @@ def install() -> None:
 
 
 def remove() -> None:
-    """Restore ``training_log`` (and ``MoEMetricsTracker.report``); cancel a pending install."""
+    """Restore ``training_log`` (and ``MoEMetricsTracker.report``) and ``setup_model_and_optimizer``;
+    cancel a pending install."""
     _SWITCH.off()
+    _PLAN_SWITCH.off()
     _PENDING_CONSOLE.clear()
+
+
+def install_plan_line() -> None:
+    """Print the start-up plan line (:func:`elastic_moe_plugin.mcore.log_plan`: which layers route
+    elastically, with their MoE index in a ``HybridModel``) once Megatron-LM has built the model:
+    a wrap of ``megatron.training.training.setup_model_and_optimizer``, now or at its import.
+    Idempotent; a Megatron-LM without that function is left alone (no plan line)."""
+    _PLAN_SWITCH.on()
 
 
 def is_installed() -> bool:
@@ -109,6 +120,30 @@ def _install(patches: AttributePatches, module: types.ModuleType) -> None:
 
 
 _SWITCH = PatchSwitch(lambda patches: patches.when_imported(TRAINING_MODULE, functools.partial(_install, patches)))
+
+
+def _install_plan_line(patches: AttributePatches, module: types.ModuleType) -> None:
+    if callable(vars(module).get("setup_model_and_optimizer")):
+        patches.wrap(module, "setup_model_and_optimizer", _with_plan_line)
+
+
+_PLAN_SWITCH = PatchSwitch(
+    lambda patches: patches.when_imported(TRAINING_MODULE, functools.partial(_install_plan_line, patches))
+)
+
+
+def _with_plan_line(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        line = patch.log_plan(result[0])  # the model chunks; logged at INFO on rank 0
+        plan_logger = logging.getLogger("elastic_moe_plugin.core.plan")
+        shown = plan_logger.isEnabledFor(logging.INFO) and plan_logger.hasHandlers()
+        if line and not shown and int(os.environ.get("RANK", "0")) == 0:
+            print(line, flush=True)  # Megatron-LM's console, where its logging has no handler
+        return result
+
+    return setup_model_and_optimizer
 
 
 # ---------------------------------------------------------------------------------- the wraps
@@ -236,4 +271,13 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
     )
 
 
-__all__ = ["CONSOLE_METRICS", "TRAINING_MODULE", "install", "is_installed", "log_step", "remove", "reported_metrics"]
+__all__ = [
+    "CONSOLE_METRICS",
+    "TRAINING_MODULE",
+    "install",
+    "install_plan_line",
+    "is_installed",
+    "log_step",
+    "remove",
+    "reported_metrics",
+]
