@@ -18,7 +18,7 @@ TRANSFORMERS_HIGH_DIR := .transformers-$(TRANSFORMERS_HIGH)
 PYTEST_ARGS ?=
 export TORCH_COMPILE_DISABLE := 1
 
-.PHONY: setup swift-hook demo docs lint format test test-fast test-mcore-low bench clean
+.PHONY: setup swift-hook demo docs lint format test test-fast test-mcore-low coverage bench clean
 
 setup: $(VENV)/.installed
 
@@ -97,5 +97,15 @@ test-fast: setup
 test-mcore-low: setup
 	PYTHONPATH=$(MCORE_LOW_DIR) $(BIN)/python -m pytest -m megatron $(PYTEST_ARGS)
 
+# The package's line and branch coverage over the three passes of `make test` (in-process code only:
+# the subprocess runs of the end-to-end tests are not traced), configured in pyproject.toml.
+coverage: setup
+	rm -f .coverage
+	$(BIN)/python -m pytest --cov --cov-report= $(PYTEST_ARGS)
+	PYTHONPATH=$(MCORE_LOW_DIR) $(BIN)/python -m pytest -m megatron --cov --cov-append --cov-report= $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR)/$(TRANSFORMERS_HIGH_DIR) $(BIN)/python -m pytest -m "hf and not swift" --cov --cov-append \
+		--cov-report= $(PYTEST_ARGS)
+	$(BIN)/python -m coverage report
+
 clean:
-	rm -rf $(VENV) $(MCORE_LOW_DIR) $(MCORE_BRIDGE_DIR) demo_out .pytest_cache
+	rm -rf $(VENV) $(MCORE_LOW_DIR) $(MCORE_BRIDGE_DIR) demo_out .pytest_cache .coverage
