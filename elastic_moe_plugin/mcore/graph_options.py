@@ -33,7 +33,7 @@ layers), ``mamba``
 Megatron applies a scope to every layer alike, so no scope spares the elastic layers only. The
 refusal names the scopes to drop as the user spells them and a fix that this module accepts
 (:func:`fixed_setting`). The patched router also refuses to route elastically while a graph is
-being captured (:func:`graph_capture_underway`), a backstop for what a config cannot show.
+being captured (:func:`.routing.graph_capture_underway`), a backstop for what a config cannot show.
 """
 
 from __future__ import annotations
@@ -212,25 +212,12 @@ def spell_fix(setting: GraphSetting, flags: bool) -> str:
     return f"{legacy}{change}{setting.attribute}={list(scopes)!r}"
 
 
-def graph_capture_underway() -> bool:
-    """Whether a CUDA graph is being captured now: Megatron's flag (its local and Transformer
-    Engine implementations) or the current CUDA stream (any capture)."""
-    from megatron.core.transformer import cuda_graphs
-
-    if cuda_graphs.is_graph_capturing():
-        return True
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 __all__ = [
     "ROUTER_SCOPES",
     "GraphSetting",
     "captures_moe_preprocess",
     "describe_capture",
     "fixed_setting",
-    "graph_capture_underway",
     "graph_setting",
     "router_capture",
     "spell_fix",

@@ -25,7 +25,7 @@ from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.router_state import STATE_ATTR, ElasticPath, RouterState, ensure_state
 from elastic_moe_plugin.core.routing import SIGMOID_EPS, RoutingRule, route, score, select
-from elastic_moe_plugin.mcore import budget_rng, graph_options
+from elastic_moe_plugin.mcore import budget_rng
 from elastic_moe_plugin.mcore.aux_loss import apply_realised_aux_losses, realised_assignments
 
 #: tensor attributes of an elastic routing map (the tag :mod:`.dispatch` reads)
@@ -362,10 +362,24 @@ def elastic_forward(
     return probs, mark_elastic(routing_map, plan.width, balanced=plan.sampling == "balanced", total=total)
 
 
+def graph_capture_underway() -> bool:
+    """Whether a CUDA graph is being captured now: Megatron's flag (its local and Transformer
+    Engine implementations) or the current CUDA stream (any capture). Read at every elastic
+    forward, so it lives here and not in :mod:`.graph_options` (the forward's modules stay five,
+    ``tests/contract/test_router_forward_trace.py``)."""
+    from megatron.core.transformer import cuda_graphs  # loaded with TopKRouter's own module
+
+    if cuda_graphs.is_graph_capturing():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _refuse_graph_capture(router: Any) -> None:
     """The backstop of :mod:`.graph_options`: refuse an elastic training forward inside a graph capture."""
-    if not graph_options.graph_capture_underway():
+    if not graph_capture_underway():
         return
+    from elastic_moe_plugin.mcore import graph_options  # only to word the refusal
+
     setting = graph_options.graph_setting(router.config)
     what = graph_options.describe_capture(setting, flags=False) if graph_options.router_capture(setting) else None
     raise UnsupportedMegatronError(
@@ -449,6 +463,7 @@ __all__ = [
     "elastic_forward",
     "elastic_routing",
     "elastic_width",
+    "graph_capture_underway",
     "mark_elastic",
     "patched_routing",
     "resolve_state",
