@@ -7,6 +7,8 @@ exports the same variable).
 ``wheel_venv`` (session): the wheel built from this checkout, installed non-editable into a fresh
 venv, as ``pip install elastic-moe-plugin`` gives it to a user (used by ``tests/test_packaging.py``
 and ``tests/swift/test_swift_wheel.py``).
+
+``op_counter`` / ``count_host_syncs``: the one op counter of the suite (``tests/counters.py``).
 """
 
 import importlib.metadata
@@ -19,6 +21,8 @@ import venv
 from pathlib import Path
 
 import pytest
+
+from counters import count_host_syncs, op_counter  # noqa: F401 - the op-counter fixtures (tests/counters.py)
 
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 

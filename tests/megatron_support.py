@@ -89,15 +89,6 @@ def force_budgets(monkeypatch, budgets_for: Callable[[int], torch.Tensor]) -> No
     monkeypatch.setattr(budget_rng.STREAM, "draw", draw)
 
 
-# -------------------------------------------------------------------------------- host syncs
-def in_megatron_rng_fork() -> bool:
-    """The sync counters skip the host-only read of Megatron's RNG-tracker fork
-    (``cpu_runtime.in_rng_tracker_fork``, which says why)."""
-    from elastic_moe_plugin import cpu_runtime
-
-    return cpu_runtime.in_rng_tracker_fork()
-
-
 # -------------------------------------------------------------------------------- environment
 @pytest.fixture(scope="module")
 def mp_world():

@@ -207,7 +207,7 @@ def _histograms(budgets: np.ndarray, bins: int) -> np.ndarray:
 
 
 class _DrawsAhead:
-    """Up to :data:`_AHEAD_DRAWS` consecutive draws of one (seed, shard) key, made together: their
+    """Up to :data:`AHEAD_DRAWS` consecutive draws of one (seed, shard) key, made together: their
     uniforms, and their κ under each (schedule, sampling) that asked for them, as finished CPU draws.
 
     A row is the draw itself: row i is the uniforms of counter ``first + i`` at the block's width,
@@ -269,8 +269,8 @@ class _DrawsAhead:
         return draws
 
 
-_AHEAD_DRAWS = 64  # draws generated together: two layers x two micro-batches use 4 per step
-_AHEAD_ELEMENTS = 1 << 18  # uniforms per block at most (2 MiB, plus 2 MiB of κ per schedule)
+AHEAD_DRAWS = 64  # draws generated together: two layers x two micro-batches use 4 per step
+AHEAD_ELEMENTS = 1 << 18  # uniforms per block at most (2 MiB, plus 2 MiB of κ per schedule)
 
 
 def _next_block(block: _DrawsAhead | None, seed: int, shard: int, counter: int, num_tokens: int) -> _DrawsAhead:
@@ -287,7 +287,7 @@ def _next_block(block: _DrawsAhead | None, seed: int, shard: int, counter: int, 
         if counter < block.first and num_tokens <= block.uniforms.shape[1]:
             return _DrawsAhead(seed, shard, counter, 1, num_tokens, block.philox)
         width, philox = max(num_tokens, block.uniforms.shape[1]), block.philox
-    depth = max(1, min(_AHEAD_DRAWS, _AHEAD_ELEMENTS // max(width, 1), _WORD - counter))
+    depth = max(1, min(AHEAD_DRAWS, AHEAD_ELEMENTS // max(width, 1), _WORD - counter))
     return _DrawsAhead(seed, shard, counter, depth, width, philox)
 
 
@@ -458,7 +458,7 @@ class TrackedStream(StreamHome):
 
 
 class _EntriesAhead:
-    """The state tensors of the next :data:`_AHEAD_DRAWS` counters of one seed, made together (a
+    """The state tensors of the next :data:`AHEAD_DRAWS` counters of one seed, made together (a
     draw stores one per router call). Immutable by contract, as every entry is."""
 
     __slots__ = ("first", "seed", "tensors")
@@ -472,7 +472,7 @@ class _EntriesAhead:
         row = stream.counter - self.first
         if stream.seed != self.seed or not 0 <= row < len(self.tensors):
             self.seed, self.first, row = stream.seed, stream.counter, 0
-            last = min(stream.counter + _AHEAD_DRAWS, 1 << 62)  # offset 4·counter < 2^64: counter < 2^62
+            last = min(stream.counter + AHEAD_DRAWS, 1 << 62)  # offset 4·counter < 2^64: counter < 2^62
             counters = range(stream.counter, last)
             self.tensors = tuple(BudgetStream(stream.seed, counter).to_state_tensor() for counter in counters)
         return self.tensors[row]

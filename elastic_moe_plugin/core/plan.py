@@ -166,6 +166,13 @@ def log_plan_once(line: str) -> bool:
 _logged_plans: set[str] = set()
 
 
+def forget_logged() -> None:
+    """Forget which plan lines and warnings this process has logged, so the next ones log again
+    (a test, or a notebook that builds a second model, sees them once more)."""
+    _logged_plans.clear()
+    _warned.clear()
+
+
 def log_plan(
     plans: Mapping[int, LayerPlan | None],
     topk: Mapping[int, int],
@@ -194,6 +201,7 @@ __all__ = [
     "RESOLVED_FROM_MODEL",
     "LayerPlan",
     "describe_plans",
+    "forget_logged",
     "log_plan",
     "log_plan_once",
     "warn_if_top1_gate_is_constant",

@@ -157,6 +157,12 @@ class RoutingRecord:
         assert self._retained_weight_sums is not None
         return self._retained_weight_sums
 
+    @property
+    def candidate_ids(self) -> torch.Tensor:
+        """LongTensor [T, b]: the b = high candidates of every token by router rank, kept or not
+        (a record a forward made; a read-form record has only :attr:`expert_ids`)."""
+        return self._forward_slots()[0]
+
     def _forward_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(candidate ids [T, b], kept [T, b]) of a record a forward made (:meth:`of_forward`)."""
         assert self._candidate_ids is not None and self._kept is not None, "a read-form record has no slots"

@@ -154,7 +154,7 @@ class HostHistogram:
 
     Adding is appending a reference (an in-place numpy add inside a router call runs with cold
     caches); the pending counts are summed when the histogram is read, or every
-    :data:`_PENDING_FOLD` additions, so memory stays bounded without a reader.
+    :data:`PENDING_FOLD` additions, so memory stays bounded without a reader.
     """
 
     __slots__ = ("bins", "counts", "pending")
@@ -166,7 +166,7 @@ class HostHistogram:
 
     def add(self, counts: np.ndarray) -> None:
         self.pending.append(counts)
-        if len(self.pending) >= _PENDING_FOLD:
+        if len(self.pending) >= PENDING_FOLD:
             self.fold()
 
     def fold(self) -> np.ndarray:
@@ -182,6 +182,7 @@ class HostHistogram:
         self.counts[:] = 0
 
 
-_PENDING_FOLD = 256
+#: pending draws a :class:`HostHistogram` sums into its counts at once
+PENDING_FOLD = 256
 
-__all__ = ["STATE_ATTR", "ElasticPath", "HostHistogram", "RouterState", "ensure_state", "state_of"]
+__all__ = ["PENDING_FOLD", "STATE_ATTR", "ElasticPath", "HostHistogram", "RouterState", "ensure_state", "state_of"]

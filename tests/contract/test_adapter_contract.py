@@ -26,7 +26,7 @@ import torch
 
 from elastic_moe_plugin import ElasticConfig
 from elastic_moe_plugin.core.errors import UnsupportedFrameworkError
-from elastic_moe_plugin.core.patching import PATCH_MARKER, unwrap
+from elastic_moe_plugin.core.patching import PATCH_MARKER, PatchLifecycle, unwrap
 from elastic_moe_plugin.core.records import latest_record
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -77,7 +77,15 @@ def _hf_stacked_routers():
     return model
 
 
+#: the dispatcher methods that size their buffers from k, which the patch fixes for κ
+#: (docs/parallelism.md), wherever the installed megatron-core defines them on the class itself
+#: (HybridEP reads the map itself and needs no fix)
+DISPATCHER_TARGETS = (("MoEAlltoAllTokenDispatcher", "preprocess"), ("_DeepepManager", "setup_metadata"),
+                      ("_NCCLEPManager", "setup_metadata"), ("MoEFlexTokenDispatcher", "dispatch_preprocess"))
+
+
 def _mcore_targets():
+    from megatron.core.transformer.moe import token_dispatcher
     from megatron.core.transformer.moe.router import TopKRouter
 
     from elastic_moe_plugin.mcore import dispatch
@@ -87,7 +95,8 @@ def _mcore_targets():
         # An ElasticTopKRouter built earlier in this process holds the dispatcher fixes for the life
         # of the process (the explicit-spec route): they are not the patch's to restore.
         return targets
-    return targets + [(owner, name) for owner, name, _ in dispatch._targets()]
+    owners = [(getattr(token_dispatcher, owner, None), name) for owner, name in DISPATCHER_TARGETS]
+    return targets + [(owner, name) for owner, name in owners if owner is not None and name in vars(owner)]
 
 
 def _mcore_stacked_routers():
@@ -226,12 +235,31 @@ def test_a_second_copy_of_the_package_does_not_stack_patches(adapter):
 # ---------------------------------------------------------------------------------- decided once
 def test_the_lifecycle_lock_is_reentrant(adapter):
     """``hf.apply(config, model=...)`` re-applies the previous config while holding the lock when the
-    model rejects the new one; one lock type for both adapters makes that safe everywhere."""
-    lock = adapter.patch_module._PATCH._lock
-    assert isinstance(lock, type(threading.RLock()))
-    with lock:
-        adapter.module.apply(ElasticConfig(schedule="1-3"))  # would deadlock on a plain Lock
-        adapter.module.remove()
+    model rejects the new one; one lock type for both adapters makes that safe everywhere.
+
+    The adapter's lifecycle is the ``PatchLifecycle`` its ``remove`` is bound to; its
+    ``rollback_on_error`` holds the lock, and an apply inside it takes the lock again (a plain Lock
+    would deadlock: run in a thread, so that a deadlock fails the test instead of hanging it)."""
+    lifecycle = adapter.module.remove.__self__
+    assert isinstance(lifecycle, PatchLifecycle)
+    errors = []
+
+    def rejected_apply():
+        try:
+            adapter.module.apply(ElasticConfig(schedule="static"))
+            with pytest.raises(RuntimeError, match="rejected"), lifecycle.rollback_on_error():
+                adapter.module.apply(ElasticConfig(schedule="1-3"))  # the lock, taken a second time
+                raise RuntimeError("rejected")  # the rollback re-applies "static", under the lock
+        except BaseException as error:  # noqa: BLE001 - reported by the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=rejected_apply, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "deadlock: the lifecycle lock is not re-entrant"
+    assert errors == []
+    assert adapter.module.active_config() == ElasticConfig(schedule="static")
+    adapter.module.remove()
 
 
 def test_two_routers_with_one_layer_index_are_an_error_naming_both(adapter):

@@ -36,11 +36,12 @@ def _traced_calls(forward) -> set[tuple[str, str]]:
             calls.add((os.path.relpath(path, PACKAGE), frame.f_code.co_name))
         return None
 
+    previous = sys.gettrace()  # coverage's tracer, under `make coverage`: it must go on afterwards
     sys.settrace(tracer)
     try:
         forward()
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return calls
 
 

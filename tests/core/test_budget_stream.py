@@ -168,7 +168,6 @@ def test_draws_made_ahead_are_each_their_own_draw():
     training run produces (consecutive layers, a recompute going back, a jump, T growing and
     shrinking, two schedules in one model, balanced sampling, another shard, the last counters
     before 2^64) gives the hand-computed κ of that very draw, with its own Σκ and histogram."""
-    from elastic_moe_plugin.core import budget_stream
 
     home = ProcessStream(lambda: 0)
     narrow = BudgetSchedule.parse("7-9", center=8)
@@ -192,25 +191,26 @@ def test_draws_made_ahead_are_each_their_own_draw():
         assert drawn.total == int(expected.sum()), where
         assert drawn.counts.tolist() == np.bincount(expected, minlength=schedule.high + 1).tolist(), where
         assert advanced == BudgetStream(seed, (counter + 1) % (MASK + 1)), where
-        assert home._block.uniforms.size <= budget_stream._AHEAD_ELEMENTS
     static, _ = BudgetStream(seed, 3).draw(BudgetSchedule.static(8), "iid", 0, 5)
     assert static.host_budgets.tolist() == [8] * 5 and static.total == 40 and static.counts is None
 
 
 def test_a_block_holds_at_most_its_element_budget():
     """A long draw gets fewer rows ahead: memory stays bounded whatever T."""
+    # the unit test of the private block of draws made ahead (StreamHome._block)
     from elastic_moe_plugin.core import budget_stream
 
     home = ProcessStream(lambda: 0)
-    tokens = budget_stream._AHEAD_ELEMENTS // 4 + 1
+    tokens = budget_stream.AHEAD_ELEMENTS // 4 + 1
     drawn, _ = _home_draw(home, 5, 0, SCHEDULE, "iid", 0, tokens)
-    assert home._block.uniforms.shape == (3, tokens)
+    assert home._block.uniforms.shape == (3, tokens) and home._block.uniforms.size <= budget_stream.AHEAD_ELEMENTS
     assert drawn.host_budgets[:9].tolist() == _reference_draw(SCHEDULE, "iid", 5, 0, 0, 9).tolist()
 
 
 def test_layers_with_equal_schedules_share_one_mapping_of_a_block():
     """Every layer resolves its own BudgetSchedule object: equal ones map a block once (48 layers
     would otherwise keep 48 copies of it), and each layer's draw is still its own counter's."""
+    # the unit test of the private block of draws made ahead (StreamHome._block)
     home = ProcessStream(lambda: 0)
     layers = [BudgetSchedule.parse("6-10", center=8) for _ in range(5)]
     assert all(schedule == SCHEDULE and schedule is not SCHEDULE for schedule in layers)

@@ -143,6 +143,8 @@ CASES: dict[str, Case] = {
     "mode nucleus": Case({"mode": "nucleus"}, TOP8, "not a router mode"),
     "gate softmax": Case({"gate": "softmax"}, TOP8, "not a gate convention"),
     "sampling stratified": Case({"sampling": "stratified"}, TOP8, "not a sampling mode"),
+    "log_metrics verbose": Case({"log_metrics": "verbose"}, TOP8, "not a metrics layout"),
+    "log_metrics per-layer": Case({"log_metrics": "per-layer", "schedule": "6-10"}, TOP8, "not a metrics layout"),
     # ---------------------------------------------------------------- bad booleans
     "enabled maybe": Case({"enabled": "maybe"}, TOP8, "is"),
     "enabled 2": Case({"enabled": "2"}, TOP8, "is", {"enabled": 2}),

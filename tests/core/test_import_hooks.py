@@ -243,3 +243,35 @@ def test_the_package_has_one_finder_instance():
 
     assert isinstance(IMPORT_HOOKS, ImportHooks) and patching.IMPORT_HOOKS is IMPORT_HOOKS
     assert [finder for finder in sys.meta_path if isinstance(finder, ImportHooks)] in ([], [IMPORT_HOOKS])
+
+
+def test_the_child_bootstraps_step_probe_waits_on_the_packages_one_finder(tmp_path):
+    """The bench's step probe, switched on at interpreter start by the child bootstrap, registers on
+    :data:`IMPORT_HOOKS` (no finder of its own) and wraps the target when its module is imported."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from elastic_moe_plugin.tools import child_bootstrap
+
+    (tmp_path / f"{PREFIX}trainer.py").write_text("def train_step():\n    return 'stepped'\n")
+    code = (
+        "import json, sys\n"
+        "from elastic_moe_plugin.core.import_hooks import IMPORT_HOOKS, ImportHooks\n"
+        "finders = [type(f).__name__ for f in sys.meta_path if isinstance(f, ImportHooks)]\n"
+        "pending = IMPORT_HOOKS.pending()\n"
+        f"import {PREFIX}trainer as trainer\n"
+        "print(json.dumps([finders, pending, IMPORT_HOOKS.pending(), hasattr(trainer.train_step, '__wrapped__'),\n"
+        "                  trainer.train_step()]))\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = {key: value for key, value in os.environ.items() if not key.startswith("E2E_BENCH_")}
+    env.update(child_bootstrap.environment(["step_probe"], os.pathsep.join([str(tmp_path), root])),
+               E2E_BENCH_TARGET=f"{PREFIX}trainer:train_step", E2E_BENCH_SYNC_STEP="5",
+               E2E_BENCH_SYNC_OUT=str(tmp_path / "syncs.json"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    finders, pending, after, wrapped, result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert finders == ["ImportHooks"] and pending == [f"{PREFIX}trainer"] and after == []
+    assert wrapped and result == "stepped"

@@ -4,11 +4,11 @@ batched record statistics, by hand."""
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin import BudgetSchedule
 from elastic_moe_plugin.core.metrics import is_schedule_constant, layer_metrics, record_statistics, routing_metrics
 from elastic_moe_plugin.core.records import RoutingRecord
+from counters import all_ops
 
 # 4 tokens, b = 4 slots, k = 2: κ = (1, 2, 3, 4); slot j holds router rank j + 1
 EXPERT_IDS = torch.tensor([[0, -1, -1, -1], [1, 2, -1, -1], [2, 3, 0, -1], [3, 0, 1, 2]])
@@ -140,25 +140,13 @@ def test_record_statistics_take_the_kappa_terms_from_the_hosts_histogram_bit_for
     assert record_statistics({0: host[0]}, 5, 7)[0][5] == 1.0
 
 
-class _OperatorCalls(TorchDispatchMode):
-    """Counts the aten operators that run (on a GPU, each a kernel launch or a copy)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_log_runs_the_same_operators_for_two_layers_or_twelve():
     """One batch per shape: the operators of a log do not grow with the number of layers (one
     pass per layer ran ~25 each)."""
     def operators(num_layers: int, host_counts: bool = False) -> int:
         layer_records = {layer: _forward_record(layer, host_counts=host_counts) for layer in range(num_layers)}
         record_statistics(layer_records, num_experts=5, topk=2)  # the per-shape offsets, made once
-        with _OperatorCalls() as counter:
+        with all_ops() as counter:
             record_statistics(layer_records, num_experts=5, topk=2)
         return counter.count
 

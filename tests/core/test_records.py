@@ -91,8 +91,7 @@ def test_model_routing_metrics_reports_elastic_and_static_layers():
     assert metrics.model_routing_metrics(_sites(0)) == {}  # nothing ran yet
 
 
-def test_model_plans_key_by_layer_and_need_an_enabled_config(monkeypatch):
-    monkeypatch.setattr(plan, "_logged_plans", set())
+def test_model_plans_key_by_layer_and_need_an_enabled_config():
     sites = _sites(None, 1)
     resolved = {id(sites[0].router): ELASTIC, id(sites[1].router): None}
     config = ElasticConfig(schedule="1-3")
@@ -118,7 +117,7 @@ def test_host_counted_histograms_add_up_fold_reset_and_copy_exactly():
     ids = torch.arange(width).repeat(2, 1)
     kept = torch.ones(2, width, dtype=torch.bool)
     expected = np.zeros(width + 1, dtype=np.int64)
-    for step in range(router_state._PENDING_FOLD + 7):
+    for step in range(router_state.PENDING_FOLD + 7):  # past the fold of pending counts
         counts = np.array([0, step % 3, 1, step % 5], dtype=np.int64)
         expected += counts
         _remember(router, torch.tensor([1, 2]), ids, kept, kept.float(), count=True, budget_counts=counts)

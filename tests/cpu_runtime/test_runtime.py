@@ -6,6 +6,7 @@ The two-process test spawns workers that import this module by name (pytest's de
 ``prepend`` import mode).
 """
 
+import importlib.util
 import logging
 import math
 import os
@@ -750,15 +751,24 @@ def test_training_loop_answers_device_arch_and_checks_flags_and_restores_every_b
             grad_clip.disable()
         assert initialize._warmup_jit_function.__elastic_moe_patched__
         stock_warmup = initialize._warmup_jit_function.__wrapped__
-        state = torch.default_generator.get_state()
-        wrapped = training_loop._keep_cpu_generator(lambda: torch.rand(7))
-        drawn = wrapped()
-        assert torch.equal(torch.default_generator.get_state(), state) and drawn.shape == (7,)
         megatron_training.disable()
         cpu_runtime.disable()
         assert all(o.get_device_arch_version is stock_arch for o in owners.values())
         assert global_vars.set_global_variables is stock_globals is arguments.set_global_variables
         assert initialize._warmup_jit_function is stock_warmup
+        # the JIT warm-up's wrapper leaves the CPU generator where it was: a warm-up that draws from it,
+        # wrapped as enable() wraps whatever the module holds
+        def warmup():
+            return torch.rand(7)
+        initialize._warmup_jit_function = warmup
+        cpu_runtime.enable(training=True)
+        assert initialize._warmup_jit_function.__wrapped__ is warmup
+        state = torch.default_generator.get_state()
+        drawn = initialize._warmup_jit_function()
+        assert torch.equal(torch.default_generator.get_state(), state) and drawn.shape == (7,)
+        cpu_runtime.disable()
+        assert initialize._warmup_jit_function is warmup
+        initialize._warmup_jit_function = stock_warmup
         print("training loop ok")
         """
     )
@@ -776,14 +786,14 @@ def test_dataset_helpers_build_is_skipped_only_without_a_makefile(tmp_path):
     from elastic_moe_plugin.core.patching import AttributePatches
     from elastic_moe_plugin.cpu_runtime import megatron_training
 
-    if not megatron_training._compiled_helpers_import():
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
         pytest.skip("this megatron-core has no compiled dataset helpers")
     module = types.ModuleType("fake_dataset_utils")
     module.__file__ = str(tmp_path / "utils.py")
     builds = []
     module.compile_helpers = lambda: builds.append("make")
     patches = AttributePatches()
-    megatron_training._fix_dataset_utils(patches, module)
+    megatron_training._fix_dataset_utils(patches, module)  # the unit test of this private fix itself
     try:
         assert module.compile_helpers() is None and builds == []
         (tmp_path / "Makefile").write_text("default:\n")

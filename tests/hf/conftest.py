@@ -10,7 +10,7 @@
   matching keyword arguments (labels too for a ``*ForCausalLM``). :data:`FAMILY_MODELS` holds one
   entry per covered family (the text model of a multimodal one; ``axk2.no_groups`` is AXK2 with
   its router's grouping off). Nothing is downloaded.
-- ``expert_rows`` (``experts_support.ExpertRows``) counts the rows each experts module multiplies,
+- ``expert_rows`` (``counters.ExpertRows``) counts the rows each experts module multiplies,
   read from the GEMMs that really run (``with expert_rows(model) as rows: ...``).
 
 Without transformers installed, every test module in this folder is skipped at collection.
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from experts_support import ExpertRows
+from counters import ExpertRows
 
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 

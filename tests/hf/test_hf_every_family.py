@@ -246,7 +246,7 @@ def test_a_schedule_reaching_one_warns_only_where_the_gate_renormalises(tiny, ca
     'Sigmoid gates and top-1'); an unnormalised one keeps its gradient."""
     from elastic_moe_plugin.core import plan as core_plan
 
-    monkeypatch.setattr(core_plan, "_warned", set())
+    core_plan.forget_logged()
     model = tiny.model(family_name, norm_topk_prob=norm)
     with caplog.at_level("WARNING", logger="elastic_moe_plugin"):
         hf.apply(ElasticConfig(schedule="1-3"), model=model)

@@ -14,7 +14,7 @@ Each rank runs forward + backward twice on the same κ: elastic, and with the ro
 so every one of the b slots is computed (the unkept ones at weight 0), which is what expert
 parallelism did before. Checked, per experts implementation:
 
-- the rows each rank's experts multiply (counted at the GEMMs, ``experts_support.ExpertRows``) are
+- the rows each rank's experts multiply (counted at the GEMMs, ``counters.ExpertRows``) are
   the kept pairs routed to that rank's experts, computed from the router's record (all-slots: the
   T·b slots routed there); they sum to Σκ (all-slots: T·b);
 - loss and every local gradient agree with the all-slots pass to fp32 rounding (the same sums in

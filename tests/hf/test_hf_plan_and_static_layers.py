@@ -19,8 +19,8 @@ def _four_layer_olmoe(tiny):
     return tiny.model("olmoe", num_hidden_layers=4).train()
 
 
-def test_plan_line_names_elastic_and_static_layers(tiny, caplog, monkeypatch):
-    monkeypatch.setattr(core_plan, "_logged_plans", set())
+def test_plan_line_names_elastic_and_static_layers(tiny, caplog):
+    core_plan.forget_logged()
     hf.apply(ElasticConfig(schedule="1-3", layers="1-2"))
     model = _four_layer_olmoe(tiny)
     with caplog.at_level(logging.INFO, logger="elastic_moe_plugin"):
@@ -32,7 +32,7 @@ def test_plan_line_names_elastic_and_static_layers(tiny, caplog, monkeypatch):
 
 
 def test_plan_line_is_rank_zero_only(tiny, caplog, monkeypatch):
-    monkeypatch.setattr(core_plan, "_logged_plans", set())
+    core_plan.forget_logged()
     monkeypatch.setenv("RANK", "1")
     hf.apply(ElasticConfig(schedule="1-3"))
     with caplog.at_level(logging.INFO, logger="elastic_moe_plugin"):

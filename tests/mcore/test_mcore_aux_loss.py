@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin import ElasticConfig, mcore
 from elastic_moe_plugin.mcore import budget_rng
+from counters import all_ops, op_calls
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
 
@@ -63,19 +63,6 @@ def test_seq_aux_loss_on_one_sequence_equals_aux_loss_exactly(schedule, masked, 
         assert torch.equal(seq_grad, aux_grad), f"seed {seed}: the aux gradients differ"
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts calls of the aten ops in ``ops``."""
-
-    def __init__(self, *ops):
-        super().__init__()
-        self.ops, self.count = ops, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.ops:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid", "sqrtsoftplus"])
@@ -100,7 +87,7 @@ def test_aux_loss_scores_are_stocks_bit_for_bit_without_its_top1_map(score_funct
             aux_loss_scores(logits, score_function, mask)
         return
     aux_loss_scores(logits[:1], score_function)  # the first call reads stock's dtype once, on a [1, 2] input
-    with _OpCounter(torch.ops.aten.topk.default, torch.ops.aten.scatter.value, torch.ops.aten.scatter.src) as counted:
+    with op_calls(torch.ops.aten.topk.default, torch.ops.aten.scatter.value, torch.ops.aten.scatter.src) as counted:
         scores = aux_loss_scores(logits, score_function, mask)
     assert counted.count == 0
     assert scores.dtype == stock.dtype and torch.equal(scores, stock)
@@ -116,6 +103,7 @@ def test_the_host_realised_sum_normalises_as_the_devices_count(kind, make_config
     from elastic_moe_plugin.mcore import aux_loss
 
     logits = torch.randn(SEQ, 1, E, generator=torch.Generator().manual_seed(3)) * 2
+    # the unit test of the private aux_loss._realised_sum itself: its host sum against the device's count
     taken = []
     original = aux_loss._realised_sum
     monkeypatch.setattr(aux_loss, "_realised_sum", lambda *args: taken.append(original(*args)) or taken[-1])
@@ -146,7 +134,7 @@ def test_an_iid_elastic_router_forward_issues_no_more_ops_than_stock(make_config
             router = make_router(config)
             router.train()
             router(x.clone().requires_grad_())  # first call: plans, caches, the stream
-            with _AllOps() as counted:
+            with all_ops() as counted:
                 router(x.clone().requires_grad_())
             counts[name] = counted.names
         finally:
@@ -156,13 +144,3 @@ def test_an_iid_elastic_router_forward_issues_no_more_ops_than_stock(make_config
     # what the host's κ spares: the histogram's scatter_add_, the -inf scalar's scalar_tensor, and
     # the device-side Σκ / T (its reciprocal)
     assert not {"scatter_add_", "scalar_tensor", "reciprocal"} & set(counts["elastic"]), counts["elastic"]
-
-
-class _AllOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))

@@ -151,7 +151,7 @@ def test_the_entries_made_ahead_are_each_streams_own_state():
     entry is that stream's own state tensor, a new object for every counter."""
     from elastic_moe_plugin.core import budget_stream
 
-    ahead = budget_stream._EntriesAhead()
+    ahead = budget_stream._EntriesAhead()  # the unit test of this private class itself
     last = (1 << 62) - 1  # the last counter a 16-byte state holds (offset 4·counter, 64 bits)
     order = [(7, 0), (7, 1), (7, 2), (7, 1), (7, 63), (7, 64), (7, 5000), (9, 5001), (7, last - 1), (7, last), (7, 0)]
     seen = {}

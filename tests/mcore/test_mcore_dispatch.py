@@ -1,11 +1,11 @@
 """Token-dispatcher fixes for a per-token budget κ (``elastic_moe_plugin.mcore.dispatch``), on CPU.
 
 - Host syncs: the alltoall dispatcher's ``preprocess`` (and ``dispatch_preprocess``, where its
-  sizes reach the host) is wrapped in a ``TorchDispatchMode`` counting ``aten::_local_scalar_dense``
-  (an explicit device-to-host read) and ``nonzero``/``masked_select`` (ops whose output size needs
-  one). ``iid`` and ``balanced`` must cost exactly what stock dropless costs (Σκ comes from the
-  host's κ draw, on the map's tag); ``mode="top_p"``, whose Σκ only the device knows, exactly what
-  stock pays with a capacity factor. ``ELASTIC_MOE_DEBUG=1`` checks the host Σκ against the map.
+  sizes reach the host) is wrapped in ``counters.host_syncs`` (tests/counters.py), counting
+  ``aten::_local_scalar_dense`` (an explicit device-to-host read) and ``nonzero``/``masked_select``
+  (ops whose output size needs one). ``iid`` and ``balanced`` must cost exactly what stock dropless
+  costs (Σκ comes from the host's κ draw, on the map's tag); ``mode="top_p"``, whose Σκ only the
+  device knows, exactly what stock pays with a capacity factor. ``ELASTIC_MOE_DEBUG=1`` checks the host Σκ against the map.
 - Flex dispatchers (DeepEP, NCCL-EP, HybridEP): the patched ``setup_metadata`` runs on manager
   instances made with ``object.__new__`` plus the attributes it reads (only construction needs the
   DeepEP / TE kernels), and through the real ``MoEFlexTokenDispatcher.dispatch_preprocess``.
@@ -17,12 +17,12 @@ import json
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin import ElasticConfig, mcore
 from elastic_moe_plugin.mcore import dispatch
 from elastic_moe_plugin.mcore.routing import UnsupportedMegatronError, mark_elastic
-from megatron_support import force_budgets, in_megatron_rng_fork
+from counters import DATA_SIZED_OPS, EXPLICIT_SYNCS, host_syncs
+from megatron_support import force_budgets
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
 
@@ -31,30 +31,11 @@ SCHEDULE, WIDTH = "1-3", 3  # b = 3 around k = 2
 
 
 # ================================================================================ host syncs
-class SyncCounter(TorchDispatchMode):
-    """Counts ops that make the host wait for the device: explicit reads and data-sized outputs."""
-
-    EXPLICIT = (torch.ops.aten._local_scalar_dense.default,)
-    IMPLICIT = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default)
-
-    def __init__(self):
-        super().__init__()
-        self.explicit = 0
-        self.implicit = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.EXPLICIT and not in_megatron_rng_fork():  # a host-only read (megatron_support)
-            self.explicit += 1
-        elif func in self.IMPLICIT:
-            self.implicit += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _counted(counts: dict, name: str, method):
     def wrapper(*args, **kwargs):
-        with SyncCounter() as counter:
+        with host_syncs(megatron=True) as counter:
             result = method(*args, **kwargs)
-        counts[name] = (counter.explicit, counter.implicit)
+        counts[name] = (counter.of(*EXPLICIT_SYNCS), counter.of(*DATA_SIZED_OPS))
         return result
 
     return wrapper
@@ -94,7 +75,7 @@ def measure_alltoall_syncs(make_config, make_moe_layer) -> dict[str, dict]:
         dispatcher.dispatch_preprocess = _counted(counts, "dispatch_preprocess", dispatcher.dispatch_preprocess)
         x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(0), requires_grad=True)
         torch.manual_seed(1)
-        with SyncCounter() as whole:
+        with host_syncs(megatron=True) as whole:
             out, _ = layer(x)
             out.sum().backward()
         budgets = mcore.routing_records(layer)[0].budgets if sampling else torch.full((S * B,), K)
@@ -102,7 +83,7 @@ def measure_alltoall_syncs(make_config, make_moe_layer) -> dict[str, dict]:
             "preprocess": counts["preprocess"][0],
             "dispatch_preprocess": counts["dispatch_preprocess"][0],
             "dispatch_preprocess_implicit": counts["dispatch_preprocess"][1],
-            "layer_forward_backward": whole.explicit,
+            "layer_forward_backward": whole.of(*EXPLICIT_SYNCS),
             "cuda_sync_point": dispatcher.cuda_sync_point,
             "num_out_tokens": type(dispatcher.num_out_tokens).__name__,
             "num_out_tokens_value": int(dispatcher.num_out_tokens),
@@ -178,12 +159,12 @@ def test_debug_mode_asserts_the_balanced_invariant(make_config, make_moe_layer, 
         layer.token_dispatcher.preprocess(bad)
     # a real balanced forward satisfies it; the check itself costs one host read
     x = torch.randn(S, B, H)
-    with SyncCounter() as debug:
+    with host_syncs(megatron=True) as debug:
         layer(x)
     monkeypatch.delenv(dispatch.DEBUG_ENV)
-    with SyncCounter() as plain:
+    with host_syncs(megatron=True) as plain:
         layer(x)
-    assert debug.explicit == plain.explicit + 1
+    assert debug.of(*EXPLICIT_SYNCS) == plain.of(*EXPLICIT_SYNCS) + 1
 
 
 def test_debug_mode_asserts_the_host_total_under_iid(make_config, make_moe_layer, monkeypatch):
@@ -201,12 +182,12 @@ def test_debug_mode_asserts_the_host_total_under_iid(make_config, make_moe_layer
         layer.token_dispatcher.preprocess(bad)
     # a real iid forward satisfies it; the check itself costs one host read
     x = torch.randn(S, B, H)
-    with SyncCounter() as debug:
+    with host_syncs(megatron=True) as debug:
         layer(x)
     monkeypatch.delenv(dispatch.DEBUG_ENV)
-    with SyncCounter() as plain:
+    with host_syncs(megatron=True) as plain:
         layer(x)
-    assert debug.explicit == plain.explicit + 1
+    assert debug.of(*EXPLICIT_SYNCS) == plain.of(*EXPLICIT_SYNCS) + 1
 
 
 def test_allgather_pays_what_stock_pays(make_config, make_moe_layer):
@@ -221,10 +202,10 @@ def test_allgather_pays_what_stock_pays(make_config, make_moe_layer):
         config = make_config(num_moe_experts=E, moe_router_topk=K, hidden_size=H, moe_token_dispatcher_type="allgather")
         layer = make_moe_layer(config)
         x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(0), requires_grad=True)
-        with SyncCounter() as whole:
+        with host_syncs(megatron=True) as whole:
             out, _ = layer(x)
             out.sum().backward()
-        counts[label] = (whole.explicit, whole.implicit)
+        counts[label] = (whole.of(*EXPLICIT_SYNCS), whole.of(*DATA_SIZED_OPS))
     mcore.remove()
     assert counts["iid"] == counts["balanced"] == counts["top_p"] == counts["stock"]
 
@@ -411,9 +392,9 @@ def test_indices_from_routing_map_keeps_every_routed_expert_and_pads_with_minus_
     assert torch.equal(token_probs[indices < 0], torch.zeros(int((indices < 0).sum())))
     routed = indices >= 0
     assert torch.equal(token_probs[routed], torch.gather(probs, 1, indices.clamp(min=0))[routed])
-    with SyncCounter() as counter:
+    with host_syncs(megatron=True) as counter:
         dispatch.indices_from_routing_map(routing_map, probs, WIDTH)
-    assert counter.explicit == counter.implicit == 0
+    assert counter.of(*EXPLICIT_SYNCS) == counter.of(*DATA_SIZED_OPS) == 0
 
 
 @pytest.mark.parametrize("name", ["_DeepepManager", "_NCCLEPManager"])

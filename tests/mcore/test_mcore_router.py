@@ -14,7 +14,6 @@ import sys
 import pytest
 import torch
 from packaging.version import Version
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin import ElasticConfig, mcore
 from elastic_moe_plugin.mcore import budget_rng
@@ -28,7 +27,8 @@ from elastic_moe_plugin.mcore import (
 from elastic_moe_plugin.mcore import patch as patch_module
 from elastic_moe_plugin.mcore import routing as routing_module
 from elastic_moe_plugin.core.schedule import BudgetSchedule
-from megatron_support import force_budgets, in_megatron_rng_fork
+from counters import OpCounter, host_syncs
+from megatron_support import force_budgets
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("mcore_env")]
 
@@ -779,31 +779,6 @@ def test_selection_changes_across_the_rank_boundary(route, make_config, make_rou
 
 
 # ======================================================================== sync-free
-class _SyncCounter(TorchDispatchMode):
-    """Counts host reads of tensor values (``.item()``, ``nonzero``): device syncs on a GPU.
-
-    Not counted: the host read inside Megatron's RNG-tracker fork (see ``in_megatron_rng_fork``).
-    """
-
-    SYNC_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.SYNC_OPS and not in_megatron_rng_fork():
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def test_sync_counter_detects_host_syncs():
-    with _SyncCounter() as counter:
-        torch.ones(3).sum().item()
-        torch.nonzero(torch.ones(3))
-    assert counter.count == 2
-
-
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
 @pytest.mark.parametrize("sampling", ["iid", "balanced"])
 @pytest.mark.parametrize("kind", AUX_TYPES)
@@ -818,7 +793,7 @@ def test_elastic_router_forward_and_backward_are_sync_free(kind, sampling, maske
         if label == "elastic":
             mcore.apply(ElasticConfig(schedule="1-3", sampling=sampling))
         router = make_router(config)
-        with _SyncCounter() as counter:
+        with host_syncs(megatron=True) as counter:
             probs, routing_map = router(x, padding_mask=mask)
             forward = counter.count
             (probs * torch.ones_like(probs)).sum().backward()
@@ -1031,17 +1006,9 @@ def test_top_p_mode_refusals(make_config, make_router):
         make_router(make_config(moe_router_score_function="sigmoid"))
 
 
-class _FullSoftmaxCounter(TorchDispatchMode):
+def _full_softmaxes(num_experts: int) -> OpCounter:
     """Counts softmax kernels over the full expert axis ([T, E] input, E = ``num_experts``)."""
-
-    def __init__(self, num_experts: int):
-        super().__init__()
-        self.num_experts, self.count = num_experts, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._softmax.default and args[0].shape[-1] == self.num_experts:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+    return OpCounter(torch.ops.aten._softmax.default, where=lambda func, args, kwargs: args[0].shape[-1] == num_experts)
 
 
 def _top_p_separate_softmaxes(router, plan, logits, padding_mask):
@@ -1098,7 +1065,7 @@ def test_top_p_mode_computes_the_softmax_once_bitwise_as_separate_softmaxes(pre_
                   lambda z: _top_p_separate_softmaxes(router, plan, z, mask)):
         moe_tracker.reset()
         logits = source.clone().requires_grad_()
-        with _FullSoftmaxCounter(num_experts) as softmaxes:
+        with _full_softmaxes(num_experts) as softmaxes:
             probs, routing_map = route(logits)
         (probs * grad_probs).sum().backward()
         logged = {name: moe_tracker.values(name) for name in sorted(moe_tracker.names())}

@@ -73,11 +73,11 @@ def _hf_state(result: dict) -> None:
 def _callbacks_state(result: dict) -> None:
     from swift.callbacks.mapping import callbacks_map
 
-    from elastic_moe_plugin import swift as swift_adapter
+    from elastic_moe_plugin.swift.callbacks import hf_callback_class
 
     callback = callbacks_map.get("elastic_moe")
     result["hf_callback"] = None if callback is None else f"{callback.__module__}.{callback.__qualname__}"
-    result["hf_callback_is_adapter_class"] = callback is swift_adapter._hf_callback_class()
+    result["hf_callback_is_adapter_class"] = callback is hf_callback_class()
     result["hf_callback_classes_named_elastic"] = sum(
         1 for value in callbacks_map.values() if value.__name__ == "ElasticMoeCallback")
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from elastic_moe_plugin.swift import PLUGIN_FILE
-from elastic_moe_plugin.swift import plugin_flag
 from elastic_moe_plugin.swift.plugin_flag import PluginFlagError, rewrite, swift_entry, swift_handles_plugins
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,12 +93,17 @@ def test_unknown_names_list_the_known_plugins(argv, message):
 
 
 # ------------------------------------------------------------------------------- stepping aside
+#: where ms-swift 4.6 declares its arguments and loads plugin files (relative to the ``swift``
+#: package): the files ``swift_handles_plugins`` reads (its docstring)
+SWIFT_PLUGIN_SOURCES = ("arguments/base_args/base_args.py", "megatron/arguments/megatron_args.py", "utils/utils.py")
+
+
 def _swift_copy(tmp_path: Path, *, add_to_base_args: str = "") -> Path:
     """A copy of the installed ms-swift's files the hook reads, with ``add_to_base_args`` appended
     to ``BaseArguments``' source (what a future ms-swift with its own --plugin would declare)."""
     swift = _swift_dir()
     copy = tmp_path / "swift"
-    for relative in ("cli/main.py", "cli/sft.py", *plugin_flag._SWIFT_PLUGIN_SOURCES):
+    for relative in ("cli/main.py", "cli/sft.py", *SWIFT_PLUGIN_SOURCES):
         (copy / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(swift / relative, copy / relative)
     if add_to_base_args:

@@ -3,7 +3,7 @@
 ``swift sft --experts_impl X`` reaches transformers through ms-swift's model loader, which passes
 ``experts_implementation=X`` to ``from_pretrained`` (``swift.model.register``). This loads the tiny
 OLMoE through that same loader, in process, and counts the rows its experts multiply in an elastic
-training forward (``experts_support.ExpertRows``, at the GEMMs): Σκ per layer, in every
+training forward (``counters.ExpertRows``, at the GEMMs): Σκ per layer, in every
 implementation, with the patch applied before or after the load.
 """
 
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from experts_support import ExpertRows
-
 from elastic_moe_plugin import ElasticConfig, hf
+from counters import ExpertRows
 
 pytestmark = [pytest.mark.swift, pytest.mark.slow]
 

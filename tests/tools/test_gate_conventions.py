@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin.core.routing import budget_mask
 from elastic_moe_plugin.tools.gates_lab.conventions import (
@@ -21,6 +20,7 @@ from elastic_moe_plugin.tools.gates_lab.conventions import (
     sigmoid,
     to_dense,
 )
+from counters import host_syncs
 
 F64 = torch.float64
 
@@ -178,37 +178,26 @@ def test_to_dense_of_a_convention_routes_exactly_the_kept_experts(name):
 
 
 # --------------------------------------------------------------------------------- host syncs
-class _NoHostSync(TorchDispatchMode):
-    """Fails on the aten ops that synchronise with the host or make data-dependent shapes."""
-
-    FORBIDDEN = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item")
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func).startswith(self.FORBIDDEN):
-            self.seen.append(str(func))
-            raise AssertionError(f"host sync: {func}")
-        return func(*args, **(kwargs or {}))
+# every overload of the ops that synchronise with the host or make data-dependent shapes; the
+# first one raises (counters.host_syncs with fail=True)
+NO_HOST_SYNC = ("_local_scalar_dense", "nonzero", "masked_select", "item")
 
 
 @pytest.mark.parametrize("name", CONVENTION_NAMES)
 def test_no_host_sync_with_tensor_budgets_and_a_width(name):
     logits = _logits(5, 8, dtype=torch.float32).requires_grad_()
     budgets = torch.tensor([1, 2, 3, 2, 1])
-    with _NoHostSync() as mode:
+    with host_syncs(NO_HOST_SYNC, fail=True) as mode:
         expert_ids, weights = CONVENTIONS[name](logits, budgets, width=3)
         probs, routing_map = to_dense(expert_ids, weights, 8)
         budget_mask(budgets, 3)
         (probs.sum() + routing_map.sum()).backward()
-    assert mode.seen == [] and logits.grad is not None
+    assert mode.count == 0 and logits.grad is not None
 
 
 def test_the_sync_detector_can_fail():
     # Positive control: without width the budgets' maximum is read on the host, and the mode sees it.
-    with pytest.raises(AssertionError, match="_local_scalar_dense"), _NoHostSync():
+    with pytest.raises(AssertionError, match="_local_scalar_dense"), host_syncs(NO_HOST_SYNC, fail=True):
         renormalized(_logits(), torch.tensor([1, 2, 3, 2, 1, 1]))
 
 

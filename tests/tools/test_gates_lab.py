@@ -24,17 +24,22 @@ F64 = torch.float64
 
 # ----------------------------------------------------------------------------------------- compare
 def _reference_run(k, seed=0, tokens=16, experts=8, hidden=8, renormalise=False):
-    """The toy MoE written as a per-token loop with plain torch ops (no gates module)."""
-    toy = toy_moe._build_toy(tokens, experts, hidden, torch.Generator().manual_seed(seed), F64, False, None)
-    router = toy.router_weight.clone().requires_grad_()
+    """The toy MoE written as a per-token loop with plain torch ops (no gates module), drawn in the
+    lab's documented order from one generator seeded with ``seed``: inputs [T, D], router [E, D] / √D,
+    experts [E, D, D] / √D, targets [T, D]."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(tokens, hidden, generator=generator, dtype=F64)
+    router = (torch.randn(experts, hidden, generator=generator, dtype=F64) / math.sqrt(hidden)).requires_grad_()
+    expert_weight = torch.randn(experts, hidden, hidden, generator=generator, dtype=F64) / math.sqrt(hidden)
+    targets = torch.randn(tokens, hidden, generator=generator, dtype=F64)
     outputs = []
     for t in range(tokens):
-        logits = toy.inputs[t] @ router.T
+        logits = inputs[t] @ router.T
         probs = torch.exp(logits) / torch.exp(logits).sum()
         top = sorted(range(experts), key=lambda e: -logits[e].item())[:k]
         weights = [probs[e] / (sum(probs[j] for j in top) if renormalise else 1) for e in top]
-        outputs.append(sum(w * (toy.expert_weight[e] @ toy.inputs[t]) for w, e in zip(weights, top)))
-    loss = 0.5 * torch.stack([((y - toy.targets[t]) ** 2).sum() for t, y in enumerate(outputs)]).mean()
+        outputs.append(sum(w * (expert_weight[e] @ inputs[t]) for w, e in zip(weights, top)))
+    loss = 0.5 * torch.stack([((y - targets[t]) ** 2).sum() for t, y in enumerate(outputs)]).mean()
     loss.backward()
     return loss.item(), router.grad.norm().item()
 
@@ -111,6 +116,7 @@ def test_saturated_and_detached_causes():
 
 
 def test_zero_output_gradient_cause():
+    # the unit test of the private toy_moe._zero_cause itself
     outputs = torch.randn(1, 3, 2, dtype=F64)
     cause = toy_moe._zero_cause(
         "full_softmax", 0, detached=False, kept=2, weights=torch.tensor([[0.5, 0.2]], dtype=F64),
