@@ -8,7 +8,7 @@
     torchrun --nnodes 2 --nproc-per-node 8 ... -m elastic_moe_plugin.megatron_lm \\
         PATH/TO/pretrain_gpt.py <megatron args> --elastic-moe-schedule 6-10
 
-    # a CPU-only machine: Megatron-LM's own trainer on gloo ranks (README, "Megatron-LM on the CPU")
+    # a CPU-only machine: Megatron-LM's own trainer on gloo ranks (docs/megatron.md, "Megatron-LM on the CPU")
     torchrun --nproc-per-node 2 -m elastic_moe_plugin.megatron_lm --cpu PATH/TO/pretrain_gpt.py \\
         <megatron args> --distributed-backend gloo --transformer-impl local ... --elastic-moe-schedule 1-3
 
@@ -36,7 +36,11 @@ Every rank runs this module. It
    default hybrid spec is Transformer Engine's); a ``--spec`` of the user's is left alone;
 4. runs the script in this process (:func:`elastic_moe_plugin.mcore.megatron_lm.run`): the script's
    folder first on ``sys.path``, :func:`elastic_moe_plugin.mcore.apply`, the routing metrics in
-   Megatron-LM's log unless ``--elastic-moe-log-metrics false``, then the script as ``__main__``.
+   Megatron-LM's log as ``--elastic-moe-log-metrics`` says (``ElasticConfig.log_metrics``, also
+   ``ELASTIC_MOE_LOG_METRICS``): ``layers`` (the default) the layer means and, with
+   ``--moe-per-layer-logging``, every layer's values; ``means`` the layer means only; ``off`` none,
+   and no hook (``true`` / ``false``, this option's old values, read as ``layers`` / ``off``); then the
+   script as ``__main__``.
 """
 
 from __future__ import annotations
@@ -57,39 +61,36 @@ from elastic_moe_plugin.mcore import megatron_lm as mcore_megatron_lm
 
 PROG = "elastic_moe_plugin.megatron_lm"
 FLAG_PREFIX = "--elastic-moe-"
-#: an option of this entry point, not of ElasticConfig: Megatron-LM's log gets the routing metrics
-LOG_METRICS_FLAG = mcore_megatron_lm.LOG_METRICS_FLAG
 #: an option of this entry point: run Megatron-LM on the CPU (the opt-in CPU runtime)
 CPU_FLAG = "--cpu"
 USAGE = (
     f"python -m {PROG} [{CPU_FLAG}] PATH/TO/pretrain_gpt.py [megatron args] "
     "[--elastic-moe-schedule 6-10] [--elastic-moe-layers 3-7] [--elastic-moe-<field> VALUE ...] "
-    "[--elastic-moe-log-metrics true|false]"
+    "[--elastic-moe-log-metrics layers|means|off]"
 )
 CPU_HELP = (
     f"{CPU_FLAG} (before the script path): run Megatron-LM on a CPU-only machine through the opt-in "
     "CPU runtime (elastic_moe_plugin.cpu_runtime); refused when CUDA is available. Megatron-LM then needs "
     "--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
     "--no-persist-layer-norm --clip-grad 0, --disable-bias-linear for MoE at TP = EP = 1, and with TP > 1 "
-    "CUDA_DEVICE_MAX_CONNECTIONS=1 and --sequence-parallel (README, 'Megatron-LM on the CPU'). With "
+    "CUDA_DEVICE_MAX_CONNECTIONS=1 and --sequence-parallel (docs/megatron.md, 'Megatron-LM on the CPU'). With "
     "--hybrid-layer-pattern and no --spec, --spec elastic_moe_plugin.cpu_runtime.hybrid hybrid_stack_spec is "
     "added (local attention, MLP and MoE layers; no Mamba without mamba_ssm)."
 )
 SPEC_FLAG = "--spec"
 #: Megatron-LM's ``--spec MODULE NAME`` (nargs="*") for the CPU runtime's local hybrid stack spec
 CPU_HYBRID_SPEC = (SPEC_FLAG, "elastic_moe_plugin.cpu_runtime.hybrid", "hybrid_stack_spec")
-_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """What the command line asks for: the routing config, the script, Megatron's own arguments,
-    whether routing metrics go to Megatron-LM's log, and whether Megatron runs on the CPU."""
+    """What the command line asks for: the routing config (``config.log_metrics``: what of the routing
+    metrics goes to Megatron-LM's log), the script, Megatron's own arguments, and whether Megatron
+    runs on the CPU."""
 
     config: ElasticConfig
     script: str
     megatron_args: list[str]
-    log_metrics: bool = True
     cpu: bool = False
 
 
@@ -111,7 +112,6 @@ def parse_argv(argv: Sequence[str], environ=None) -> Launch:
     parser = _Parser(prog=PROG, add_help=False, allow_abbrev=False)
     parser.add_argument(CPU_FLAG, dest="cpu", action="store_true")
     add_cli_arguments(parser, prefix=FLAG_PREFIX)
-    parser.add_argument(LOG_METRICS_FLAG, dest="elastic_moe_log_metrics", default="true", metavar="BOOL")
     known, rest = parser.parse_known_args(argv)
     flags = [a.split("=", 1)[0] for a in parser._option_string_actions if a != CPU_FLAG]
     stray = [a for a in rest if a.startswith(FLAG_PREFIX)]
@@ -127,19 +127,9 @@ def parse_argv(argv: Sequence[str], environ=None) -> Launch:
             f"{CPU_FLAG} is an option of {PROG}, not of Megatron-LM: put it before the script path, "
             f"python -m {PROG} {CPU_FLAG} {script} [megatron args]"
         )
-    log_metrics = _BOOLEANS.get(str(known.elastic_moe_log_metrics).strip().lower())
-    if log_metrics is None:
-        typed = shlex.quote(str(known.elastic_moe_log_metrics))
-        raise ConfigError(
-            f"{LOG_METRICS_FLAG} {typed} is invalid: expected true or false (1/0, yes/no, on/off). "
-            f"Pass {LOG_METRICS_FLAG} true for the routing metrics in Megatron-LM's log, or "
-            f"{LOG_METRICS_FLAG} false to keep them out.",
-            field="log_metrics",
-            fixes=({"log_metrics": True}, {"log_metrics": False}),
-        )
     # the model the flags decide: the config's own checks, and every fix it suggests, are against it
     model = megatron_args_module.model_shape(megatron_args)
-    return Launch(config_from_cli(known, environ, model=model), script, megatron_args, log_metrics, known.cpu)
+    return Launch(config_from_cli(known, environ, model=model), script, megatron_args, known.cpu)
 
 
 def _unknown_flags(stray: list[str], rest: list[str], flags: list[str]) -> ConfigError:
@@ -248,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UnsupportedMegatronError) as error:
         return _fail(str(error))
     if not launch.cpu:
-        mcore_megatron_lm.run(launch.config, launch.script, launch.megatron_args, launch.log_metrics)
+        mcore_megatron_lm.run(launch.config, launch.script, launch.megatron_args)
         return 0
     from elastic_moe_plugin.cpu_runtime import MegatronCPUError
 
@@ -262,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
         megatron_args = cpu_megatron_args(launch.megatron_args)
-        mcore_megatron_lm.run(launch.config, launch.script, megatron_args, launch.log_metrics)
+        mcore_megatron_lm.run(launch.config, launch.script, megatron_args)
     except MegatronCPUError as error:
         # what the CPU runtime refuses (CUDA visible, a flag no CPU run can do without, a GPU-only
         # kernel launched) is said in full by its message, on every rank

@@ -52,13 +52,18 @@ from elastic_moe_plugin.core.config_values import (
     AUTO_HALF_WIDTH,
     AUTO_SCHEDULE,
     BOOLEAN_FIELDS,
+    DEFAULT_LOG_METRICS,
     GATE_CHOICES,
+    LOG_METRICS_BOOLEANS,
+    LOG_METRICS_CHOICES,
     ROUTER_MODES,
     GateConvention,
+    LogMetrics,
+    log_layout,
     parse_layers,
 )
 from elastic_moe_plugin.core.errors import ConfigError
-from elastic_moe_plugin.core.schedule import BudgetSchedule, symmetric_range
+from elastic_moe_plugin.core.schedule import SAMPLING_MODES, BudgetSchedule, symmetric_range
 from elastic_moe_plugin.core.spelling import CLI_PREFIX, ENV_PREFIX, NONE_WORDS, PYTHON, Spelling
 
 #: what a resolved schedule is kept under: (num_experts, topk, num_layers, moe_layers) of ``resolve``
@@ -99,6 +104,13 @@ class ElasticConfig:
         allow_uncovered_routers: the transformers door refuses a MoE model whose routers it cannot
             make elastic when the model is built (``False``, the default: never silently static);
             ``True`` builds it and keeps it static top-k on purpose.
+        log_metrics: what the plugin's logging hooks write at a logging step (operational: routing
+            is the same under every value): ``"layers"`` (the default) every layer's routing
+            metrics and the layer means, where the framework logs per layer (transformers and
+            ``swift sft`` always; Megatron with ``moe_per_layer_logging``, else the means);
+            ``"means"`` the layer means only; ``"off"`` nothing, and Megatron-LM's log gets no hook.
+            Text also reads the Megatron-LM entry point's old ``true`` / ``false`` (1/0, yes/no, on)
+            as ``layers`` / ``off``. ``docs/diagnostics.md``: what each costs.
     """
 
     schedule: str = AUTO_SCHEDULE
@@ -113,6 +125,7 @@ class ElasticConfig:
     top_p: float = 0.4
     top_p_max_experts: int | None = None
     allow_uncovered_routers: bool = False
+    log_metrics: LogMetrics = DEFAULT_LOG_METRICS
     _layer_set: frozenset[int] | None = field(init=False, repr=False, compare=False)
 
     _spellings: Mapping[str, Spelling] = field(init=False, repr=False, compare=False)
@@ -258,6 +271,8 @@ class ElasticConfig:
                 except _TextError as error:
                     fixes = cls._accepted_text_fixes(error, values, spellings, model)
                     raise ConfigError(f"{prefix}{error.message(fixes)}", field=name, fixes=fixes) from None
+            elif spellings[name].kind == "yaml" and name == "log_metrics" and value in (True, False):
+                value = LOG_METRICS_BOOLEANS[bool(value)]  # `log_metrics: off` is YAML's false, `true` its true
             elif spellings[name].kind == "yaml" and isinstance(value, int) and not isinstance(value, bool):
                 # YAML typed the number; the user meant what the same text means in every entry point
                 if name in ("layers", "schedule"):
@@ -322,13 +337,15 @@ def add_cli_arguments(parser: argparse.ArgumentParser, prefix: str = CLI_PREFIX)
     group.add_argument(
         prefix + "config", dest="elastic_moe_config", default=None, help="YAML file of ElasticConfig fields"
     )
+    choices = dict(gate=GATE_CHOICES, sampling=SAMPLING_MODES, mode=ROUTER_MODES, log_metrics=LOG_METRICS_CHOICES)
     for name in ElasticConfig.field_names():
+        accepted = f": {', '.join(choices[name])}" if name in choices else ""
         group.add_argument(
             prefix + name.replace("_", "-"),
             dest="elastic_moe_" + name,
             default=None,
             metavar="VALUE",
-            help=f"ElasticConfig.{name} (env {ENV_VARS[name]})",
+            help=f"ElasticConfig.{name}{accepted} (env {ENV_VARS[name]})",
         )
 
 
@@ -353,6 +370,7 @@ __all__ = [
     "ENV_PREFIX",
     "ENV_VARS",
     "GATE_CHOICES",
+    "LOG_METRICS_CHOICES",
     "NONE_WORDS",
     "OPERATIONAL_ENV_VARS",
     "PYTHON",
@@ -363,6 +381,7 @@ __all__ = [
     "Spelling",
     "add_cli_arguments",
     "config_from_cli",
+    "log_layout",
     "parse_layers",
     "parse_text",
 ]

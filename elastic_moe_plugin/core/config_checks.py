@@ -22,6 +22,7 @@ from elastic_moe_plugin.core.config_values import (
     AUTO_SCHEDULE,
     BOOLEAN_FIELDS,
     GATE_CHOICES,
+    LOG_METRICS_CHOICES,
     ROUTER_MODES,
 )
 from elastic_moe_plugin.core.errors import ConfigError
@@ -87,8 +88,8 @@ class ConfigChecks(LayerChecks):
         )
 
     def _check_choices(self, model: ModelShape | None) -> None:
-        """Refuse a gate, sampling mode, router mode or boolean that is none of its choices; the
-        message lists every choice the other settings accept."""
+        """Refuse a gate, sampling mode, router mode, metrics layout or boolean that is none of its
+        choices; the message lists every choice the other settings accept."""
         config = self.config
         if config.gate not in GATE_CHOICES:
             raise self._choice_error("gate", "a gate convention", GATE_CHOICES, model)
@@ -99,6 +100,25 @@ class ConfigChecks(LayerChecks):
                 raise self._choice_error(name, "true or false", (True, False), model)
         if config.mode not in ROUTER_MODES:
             raise self._choice_error("mode", "a router mode", ROUTER_MODES, model)
+        if config.log_metrics not in LOG_METRICS_CHOICES:
+            raise self._refuse_log_metrics(model)
+
+    def _refuse_log_metrics(self, model: ModelShape | None) -> ConfigError:
+        """Refuse a ``log_metrics`` that is none of its choices, saying what each one logs."""
+        meaning = {
+            "layers": "every layer's routing metrics where the framework logs per layer, and the layer means",
+            "means": "the layer means only",
+            "off": "none",
+        }
+        old = "; true and false read as layers and off" if self._spelling("log_metrics").reads_text else ""
+
+        def message(fixes: tuple[dict, ...]) -> str:
+            choices = [f"{self._spell_fix(fix)} ({meaning[fix['log_metrics']]})" for fix in fixes]
+            expected = ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else "".join(choices)
+            return f"{self.spell('log_metrics')} is not a metrics layout: expected {expected}{old}."
+
+        candidates = [{"log_metrics": choice} for choice in LOG_METRICS_CHOICES]
+        return self._refuse("log_metrics", message, candidates, model, limit=len(LOG_METRICS_CHOICES))
 
     def _choice_error(self, name: str, what: str, choices: tuple, model: ModelShape | None) -> ConfigError:
         return self._refuse(

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from elastic_moe_plugin.core.config_values import ALL_LAYERS, BOOLEAN_FIELDS
+from elastic_moe_plugin.core.config_values import ALL_LAYERS, BOOLEAN_FIELDS, LOG_METRICS_BOOLEANS, LOG_METRICS_CHOICES
 from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.core.spelling import CLI_PREFIX, ENV_PREFIX, Spelling
 
@@ -43,7 +43,8 @@ def parse_text(name: str, text: str, spelling: Spelling) -> Any:
     """The value of field ``name`` written as ``text`` (environment, flag or YAML string): the one
     rule every text entry point reads with. Words: ``auto`` (``center``), ``all`` / empty
     (``layers``), ``none`` / ``all`` (``top_p_max_experts``), 1/0, true/false, yes/no, on/off
-    (booleans), numbers for ``sigma`` and ``top_p``; other fields keep the text.
+    (booleans; for ``log_metrics`` the old spellings of ``layers`` / ``off``), numbers for ``sigma``
+    and ``top_p``; other fields keep the text.
 
     Raises:
         ConfigError: text that is none of those, naming the setting as typed and the fixes.
@@ -60,6 +61,20 @@ def parse_text(name: str, text: str, spelling: Spelling) -> Any:
         return _parse_number(name, text, value, spelled)
     if name == "layers" and value.lower() in ("", ALL_LAYERS):
         return None
+    if name == "log_metrics":
+        return _parse_log_metrics(value)
+    return value
+
+
+def _parse_log_metrics(value: str) -> str:
+    """``log_metrics``: ``layers`` / ``means`` / ``off`` in any case, and the booleans of the Megatron-LM
+    entry point's old ``--elastic-moe-log-metrics true|false`` (true: ``layers``, false: ``off``);
+    anything else is kept, for the choice check to refuse with every choice."""
+    word = value.lower()
+    if word in LOG_METRICS_CHOICES:
+        return word
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return LOG_METRICS_BOOLEANS[word in TRUE_WORDS]
     return value
 
 

@@ -23,6 +23,15 @@ AUTO_HALF_WIDTH = 2
 ALL_LAYERS = "all"
 BOOLEAN_FIELDS = ("enabled", "allow_off_center", "allow_uncovered_routers")
 
+LogMetrics = Literal["layers", "means", "off"]
+#: what a logging step writes of the routing metrics: every layer's values and the layer means
+#: (where the framework logs per layer), the layer means only, or nothing (no hook installed)
+LOG_METRICS_CHOICES: tuple[str, ...] = ("layers", "means", "off")
+DEFAULT_LOG_METRICS: LogMetrics = "layers"
+#: ``log_metrics`` written as a boolean, the Megatron-LM entry point's old ``--elastic-moe-log-metrics
+#: true|false``: true is the per-layer layout it always logged, false nothing
+LOG_METRICS_BOOLEANS: dict[bool, LogMetrics] = {True: "layers", False: "off"}
+
 _LAYER_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
@@ -99,3 +108,12 @@ def parse_layers(spec: str, spelling: Spelling = PYTHON, name: str = "layers") -
             fixes=({name: parsed.repaired},),
         )
     raise ConfigError(layer_problem_text(setting, parsed) + ".")
+
+
+def log_layout(log_metrics: LogMetrics | None, framework_per_layer: bool = True) -> LogMetrics:
+    """What a logging step writes: ``"layers"`` (every layer's values and the layer means), ``"means"``
+    or ``"off"``, for ``ElasticConfig.log_metrics`` (None: :data:`DEFAULT_LOG_METRICS`) and the
+    framework's own per-layer switch (Megatron's ``moe_per_layer_logging``; transformers has none, so
+    True): ``layers`` logs per layer only where that switch is on, ``means`` never does."""
+    chosen = DEFAULT_LOG_METRICS if log_metrics is None else log_metrics
+    return "means" if chosen == "layers" and not framework_per_layer else chosen

@@ -50,7 +50,7 @@ from packaging.version import Version
 
 from elastic_moe_plugin.core import plan as core_plan
 from elastic_moe_plugin.core import records as core_records
-from elastic_moe_plugin.core.config import ElasticConfig
+from elastic_moe_plugin.core.config import ElasticConfig, log_layout
 from elastic_moe_plugin.core.errors import ConfigError, UnsupportedTransformersError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
 from elastic_moe_plugin.core.plan import LayerPlan, warn_if_top1_gate_is_constant
@@ -70,7 +70,7 @@ from elastic_moe_plugin.hf.families import (
     set_layer_index,
     uncovered_moe,
 )
-from elastic_moe_plugin.hf.records import router_sites
+from elastic_moe_plugin.hf.records import router_sites, routing_metrics
 from elastic_moe_plugin.hf.routing import dispatched_slots, patched_forward, realised_load_balancing_loss
 from elastic_moe_plugin.hf.rules import family_gate, family_rule
 
@@ -389,6 +389,19 @@ def log_plan(model: torch.nn.Module) -> str | None:
     """Log (rank 0, once) and return the start-up line of :func:`~elastic_moe_plugin.core.plan.describe_plans`
     for ``model``; None when no config is active."""
     return core_plan.log_plan(*model_plans(model), "transformers", _PATCH.active_config())
+
+
+def logged_metrics(model: torch.nn.Module) -> dict[str, float]:
+    """The routing metrics a training log gets, as the active config's ``log_metrics`` says (the
+    default when none is active): every layer's and the layer means (``layers``: transformers has
+    no per-layer switch of its own), the layer means only (``means``), or ``{}`` with nothing read
+    (``off``); :func:`.records.routing_metrics` otherwise. Call
+    :func:`.records.reset_budget_histograms` after logging."""
+    config = _PATCH.active_config()
+    layout = log_layout(None if config is None else config.log_metrics)
+    if layout == "off":
+        return {}
+    return routing_metrics(model, per_layer=layout == "layers")
 
 
 # ---------------------------------------------------------------------------------- models

@@ -52,18 +52,20 @@ def static_layers(model: torch.nn.Module) -> dict[int, int]:
     return records.static_layers(router_sites(model))
 
 
-def routing_metrics(model: torch.nn.Module) -> dict[str, float]:
+def routing_metrics(model: torch.nn.Module, *, per_layer: bool = True) -> dict[str, float]:
     """Scalars for a trainer's logs from the records and κ histograms (one device read for all
-    layers; top-p κ histograms one more each).
+    layers; top-p κ histograms one more each). A logging hook calls
+    :func:`~elastic_moe_plugin.hf.patch.logged_metrics`, which follows ``ElasticConfig.log_metrics``.
 
     ``{"elastic_moe/layer_<i>/<name>": ..., "elastic_moe/<name>": ...}`` as computed by
     :func:`elastic_moe_plugin.core.metrics.routing_metrics` (mean κ, κ shares, exposure per rank,
     retained weight sums, expert load imbalance), static layers at κ = k, named after the schedule
     the elastic routers trained with (:func:`elastic_moe_plugin.core.records.trained_schedule`);
-    empty before the first training forward. Call :func:`reset_budget_histograms` after logging to
-    make each log cover its own steps.
+    empty before the first training forward. ``per_layer=False``: only ``elastic_moe/<name>``, the
+    layer mean of every name but the schedule's constants. Call :func:`reset_budget_histograms`
+    after logging to make each log cover its own steps.
     """
-    return metrics.model_routing_metrics(router_sites(model))
+    return metrics.model_routing_metrics(router_sites(model), per_layer=per_layer)
 
 
 __all__ = [

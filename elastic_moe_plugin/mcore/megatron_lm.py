@@ -9,10 +9,11 @@ entry point, :mod:`elastic_moe_plugin.megatron_lm`; :func:`run` does the Megatro
 2. applies :func:`elastic_moe_plugin.mcore.apply` (a class-level patch of ``TopKRouter``, so routers
    built later by the script route elastically in training);
 3. prints the start-up plan line once Megatron-LM has built the model
-   (:func:`.training_log.install_plan_line`) and, unless told not to, installs
-   :mod:`elastic_moe_plugin.mcore.training_log`: at every ``--log-interval`` step the routing metrics
-   go to Megatron-LM's TensorBoard / W&B writers and its console line (both installed when the
-   script imports ``megatron.training``);
+   (:func:`.training_log.install_plan_line`) and, unless ``ElasticConfig.log_metrics`` is ``off``,
+   installs :mod:`elastic_moe_plugin.mcore.training_log`: at every ``--log-interval`` step the
+   routing metrics go to Megatron-LM's TensorBoard / W&B writers (every layer's too with ``layers``
+   and ``--moe-per-layer-logging``) and its console line (both installed when the script imports
+   ``megatron.training``);
 4. runs the script as ``__main__`` (``runpy.run_path``), with ``sys.argv`` set to the script and
    Megatron's own arguments.
 """
@@ -26,11 +27,15 @@ from collections.abc import Sequence
 
 from elastic_moe_plugin.core.config import ElasticConfig
 
-#: the entry point's option that keeps the routing metrics out of Megatron-LM's log (named in the banner)
-LOG_METRICS_FLAG = "--elastic-moe-log-metrics"
+#: what the banner says Megatron-LM's log gets, per ``ElasticConfig.log_metrics``
+_LOGGED = {
+    "layers": "routing metrics in Megatron-LM's log: layer means, every layer's too with --moe-per-layer-logging",
+    "means": "routing metrics in Megatron-LM's log: layer means",
+    "off": "no routing metrics in Megatron-LM's log",
+}
 
 
-def run(config: ElasticConfig, script: str, megatron_args: Sequence[str], log_metrics: bool = True) -> None:
+def run(config: ElasticConfig, script: str, megatron_args: Sequence[str]) -> None:
     """Steps 1-4 of the module docstring. ``script`` must exist (the entry point checks it)."""
     script_dir = os.path.dirname(os.path.abspath(script))
     if not sys.path or sys.path[0] != script_dir:
@@ -40,13 +45,13 @@ def run(config: ElasticConfig, script: str, megatron_args: Sequence[str], log_me
 
     mcore.apply(config)
     training_log.install_plan_line()
-    if log_metrics:
+    if config.log_metrics != "off":
         training_log.install()
     if int(os.environ.get("RANK", "0")) == 0:
-        logged = "routing metrics in Megatron-LM's log" if log_metrics else f"{LOG_METRICS_FLAG} false"
+        logged = f"{_LOGGED[config.log_metrics]} ({config.spell('log_metrics')})"
         print(f"elastic-moe: {config}; {logged}; running {script}", file=sys.stderr, flush=True)
     sys.argv = [script, *megatron_args]
     runpy.run_path(script, run_name="__main__")
 
 
-__all__ = ["LOG_METRICS_FLAG", "run"]
+__all__ = ["run"]

@@ -57,7 +57,7 @@ import torch
 from elastic_moe_plugin.compat import megatron_tracker
 from elastic_moe_plugin.core import metrics
 from elastic_moe_plugin.core import records as core_records
-from elastic_moe_plugin.core.config import ElasticConfig
+from elastic_moe_plugin.core.config import ElasticConfig, log_layout
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.mcore import hybrid_pattern, patch
 from elastic_moe_plugin.mcore.patch import log_plan, model_plans
@@ -206,9 +206,16 @@ def record_routing_metrics(model, *, loss_scale: float = 1.0) -> list[str]:
     whose ``track_names`` include the returned names.
 
     Returns:
-        the tracker names written (sorted); ``[]`` when there is nothing to record.
+        the tracker names written (sorted); ``[]`` when there is nothing to record, or
+        ``ElasticConfig.log_metrics`` is ``"off"``. The tracker needs every layer's value to
+        report a mean, so they are recorded under ``"means"`` too: the report's own
+        ``per_layer_logging`` decides what is written; under ``"means"`` report with it off, as
+        :func:`log_routing_metrics` does.
     """
     chunks = model_chunks(model)
+    elastic = _elastic_config(router_sites(chunks))
+    if elastic is not None and elastic.log_metrics == "off":
+        return []
     return _record(chunks, routing_metrics(chunks, include_static=False), loss_scale)
 
 
@@ -296,7 +303,8 @@ def log_routing_metrics(
         writer: a TensorBoard ``SummaryWriter`` (anything with ``add_scalar(tag, value, step)``);
             ``None`` takes Megatron-LM's global writer when ``megatron.training`` has one.
         wandb_writer: a W&B run (``log(dict, step)``); ``None`` likewise.
-        per_layer_logging: also write ``moe/elastic_moe/<metric>_layer_<i>``.
+        per_layer_logging: also write ``moe/elastic_moe/<metric>_layer_<i>``, if ``log_metrics`` is
+            ``"layers"``; ``"means"``: layer means only, without the schedule's constants; ``"off"``: ``{}``.
         reset_histograms: zero the κ histograms afterwards (each log covers its own steps).
         pg_collection: passed to the report (0.17+) as Megatron's own loop does.
 
@@ -310,8 +318,10 @@ def log_routing_metrics(
     sites = router_sites(chunks)
     resolved = resolve_schedule(chunks)
     elastic = _elastic_config(sites)
-    if resolved is None or elastic is None or (resolved[0].is_static and elastic.mode != "top_p"):
+    static = resolved is not None and resolved[0].is_static and elastic is not None and elastic.mode != "top_p"
+    if resolved is None or elastic is None or elastic.log_metrics == "off" or static:
         return {}  # the same answer on every rank: the config is global
+    per_layer_logging = log_layout(elastic.log_metrics, per_layer_logging) == "layers"
     schedule, num_experts, model_config = resolved
     values = routing_metrics(chunks, include_static=False)
     if not values and _pipeline_world_size() == 1:
@@ -321,11 +331,10 @@ def log_routing_metrics(
     records, histograms = _records_and_histograms(sites)
     pattern = hybrid_pattern.pattern_of_modules(module for chunk in chunks for module in chunk.modules())
     divisor = num_elastic_moe_layers(model_config, elastic, set(records) | set(histograms), pattern)
-    with_capacity = getattr(model_config, "moe_expert_capacity_factor", None) is not None
-    names = [TRACKER_PREFIX + name for name in metrics.metric_names(schedule, num_experts, with_capacity)]
+    recorded, names = _reported(values, schedule, num_experts, model_config, per_layer_logging)
     device = _device(records, histograms)
     with megatron_tracker.isolated():
-        _record(chunks, values, 1.0)
+        _record(chunks, recorded, 1.0)
         # A stage without elastic layers reports every name too (zeros, which the pipeline sum
         # leaves unchanged): the report all-reduces each name, and the other stages would wait.
         for name in names:
@@ -335,6 +344,19 @@ def log_routing_metrics(
     if reset_histograms:
         reset(chunks)
     return values
+
+
+def _reported(
+    values: dict[str, float], schedule: BudgetSchedule, num_experts: int, model_config: Any, per_layer: bool
+) -> tuple[dict[str, float], list[str]]:
+    """(the flat values to record, the tracker names to report): every metric name, the schedule's
+    constants (``core.metrics.SCHEDULE_CONSTANTS``) only where every layer's values are written. Both
+    are filtered: megatron-core 0.16's report writes every entry of the tracker, not only its names."""
+    capacity = getattr(model_config, "moe_expert_capacity_factor", None) is not None
+    every = metrics.metric_names(schedule, num_experts, capacity, with_survival=per_layer)
+    kept = set(every)
+    recorded = {key: value for key, value in values.items() if key.rpartition("/")[2] in kept}
+    return recorded, [TRACKER_PREFIX + name for name in every]
 
 
 def _elastic_config(sites: Sequence[core_records.RouterSite]) -> ElasticConfig | None:

@@ -1,7 +1,8 @@
 """Routing metrics in Megatron-LM's own log: a wrap of ``megatron.training.training.training_log``.
 
-``python -m elastic_moe_plugin.megatron_lm`` installs it by default (``--elastic-moe-log-metrics
-false`` turns it off); a script of one's own can call :func:`install` before training. At every
+``python -m elastic_moe_plugin.megatron_lm`` installs it unless ``ElasticConfig.log_metrics`` is
+``off`` (``--elastic-moe-log-metrics off``); a script of one's own can call :func:`install` before
+training (a step under ``off`` then writes nothing). At every
 step on which Megatron-LM prints its console line (``iteration % --log-interval == 0``, and the
 first iteration), on every rank, before Megatron's own logging:
 
@@ -12,9 +13,10 @@ first iteration), on every rank, before Megatron's own logging:
    pipeline stages, averaged over data parallelism (all names in two collectives:
    ``compat.megatron_tracker.isolated``), written to Megatron-LM's TensorBoard and W&B
    writers as ``elastic_moe/<name>`` (mean over the model's elastic MoE layers), and with
-   ``--moe-per-layer-logging`` (Megatron's switch for its aux losses) also as
-   ``moe/elastic_moe/<name>_layer_<i>``; a run without ``--tensorboard-dir`` or
-   ``--wandb-project`` reports only the console's metrics (:func:`reported_metrics`);
+   ``--moe-per-layer-logging`` (Megatron's switch for its aux losses) and ``log_metrics`` ``layers``
+   (the default; ``means``: the layer means only) also as ``moe/elastic_moe/<name>_layer_<i>``; a
+   run without ``--tensorboard-dir`` or ``--wandb-project`` reports only the console's metrics
+   (:func:`reported_metrics`);
 2. a few of them (:data:`CONSOLE_METRICS`, layer means) are appended to the MoE section of
    Megatron's console line, next to ``load_balancing_loss``: megatron-core >= 0.17 builds that
    section from ``MoEMetricsTracker.report``'s return value, which a second wrap extends while
@@ -56,6 +58,7 @@ import torch
 
 from elastic_moe_plugin.compat import megatron_tracker
 from elastic_moe_plugin.core import metrics
+from elastic_moe_plugin.core.config import ElasticConfig, log_layout
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 from elastic_moe_plugin.core.patching import AttributePatches, PatchSwitch
 from elastic_moe_plugin.core.schedule import BudgetSchedule
@@ -110,7 +113,7 @@ def _install(patches: AttributePatches, module: types.ModuleType) -> None:
         raise UnsupportedMegatronError(
             f"elastic-moe logs its routing metrics by wrapping {TRAINING_MODULE}.training_log(..., iteration, ...), "
             f"but this Megatron-LM has {'no such function' if stock is None else 'no iteration argument there'}. "
-            f"Pass --elastic-moe-log-metrics false, and log with elastic_moe_plugin.mcore.log_routing_metrics."
+            f"Pass --elastic-moe-log-metrics off, and log with elastic_moe_plugin.mcore.log_routing_metrics."
         )
     patches.wrap(module, "training_log", _logging_step)
     if megatron_tracker.has_metrics_tracker():
@@ -206,17 +209,26 @@ def _schedule(config, megatron_args) -> BudgetSchedule | None:
     return None if schedule.is_static and config.mode != "top_p" else schedule
 
 
-def reported_metrics(schedule: BudgetSchedule, megatron_args) -> Sequence[str]:
+def writes_per_layer(megatron_args, config: ElasticConfig | None = None) -> bool:
+    """Whether a logging step writes every layer's values: ``--moe-per-layer-logging`` and
+    ``ElasticConfig.log_metrics`` ``layers`` (``config``: the active one by default)."""
+    config = patch.active_config() if config is None else config
+    switch = bool(getattr(megatron_args, "moe_per_layer_logging", False))
+    return log_layout(None if config is None else config.log_metrics, switch) == "layers"
+
+
+def reported_metrics(schedule: BudgetSchedule, megatron_args, per_layer_values: bool | None = None) -> Sequence[str]:
     """The metric names a logging step reports: all of ``core.metrics.metric_names`` when the run
     writes TensorBoard or W&B (``--tensorboard-dir``, ``--wandb-project``; the schedule's constants,
-    ``core.metrics.SCHEDULE_CONSTANTS``, only with ``--moe-per-layer-logging``), else only
+    ``core.metrics.SCHEDULE_CONSTANTS``, only where every layer's values are written:
+    ``per_layer_values``, by default :func:`writes_per_layer`), else only
     :data:`CONSOLE_METRICS`, the ones the console line shows (the rest would be reduced and then
     dropped). Decided from Megatron-LM's arguments, identical on every rank, not from the writers,
     which only the last rank holds: every rank must enter the same all-reduces."""
     with_capacity = getattr(megatron_args, "moe_expert_capacity_factor", None) is not None
-    # the schedule's constants only where a layer's values are written (--moe-per-layer-logging)
-    per_layer = bool(getattr(megatron_args, "moe_per_layer_logging", False))
-    every = metrics.metric_names(schedule, int(megatron_args.num_experts), with_capacity, with_survival=per_layer)
+    # the schedule's constants only where a layer's values are written
+    layers = writes_per_layer(megatron_args) if per_layer_values is None else per_layer_values
+    every = metrics.metric_names(schedule, int(megatron_args.num_experts), with_capacity, with_survival=layers)
     if getattr(megatron_args, "tensorboard_dir", None) or getattr(megatron_args, "wandb_project", None):
         return every
     return [name for name in every if name in CONSOLE_METRICS]
@@ -231,13 +243,14 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
     """
     config = patch.active_config()
     schedule = _schedule(config, megatron_args) if megatron_args.num_experts else None
-    if schedule is None:
+    if schedule is None or config is None or config.log_metrics == "off":
         return ""
     from megatron.training import get_tensorboard_writer, get_wandb_writer
 
     routers = [router for router in patch.built_routers() if router.training]
     routers = tracking.router_sites(routers) if routers else routers  # enumerated once for the metrics and the reset
-    reported = reported_metrics(schedule, megatron_args)
+    layers = writes_per_layer(megatron_args, config)
+    reported = reported_metrics(schedule, megatron_args, layers)
     per_layer = tracking.per_layer_metrics(routers) if routers else {}
     per_layer = {
         layer: {name: value for name, value in values.items() if name in reported}
@@ -258,7 +271,7 @@ def log_step(iteration: int, megatron_args, *, pg_collection: Any = None) -> str
             iteration,
             writer=writer,
             wandb_writer=get_wandb_writer(),
-            per_layer_logging=bool(getattr(megatron_args, "moe_per_layer_logging", False)),
+            per_layer_logging=layers,
             num_layers=divisor,
             pg_collection=pg_collection,
         )
@@ -280,4 +293,5 @@ __all__ = [
     "log_step",
     "remove",
     "reported_metrics",
+    "writes_per_layer",
 ]

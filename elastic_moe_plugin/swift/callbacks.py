@@ -6,12 +6,15 @@ covered router, and adds the routing metrics to every training log.
 ``swift.megatron.callbacks.mapping.megatron_callbacks_map``. ``--callbacks`` is a plain list of
 names looked up when the trainer is built, i.e. after the plugin file ran.
 
-What the callbacks log, at every training log step (see :mod:`elastic_moe_plugin.core.metrics`):
-``elastic_moe/mean_kappa`` and per layer ``elastic_moe/layer_{i}/mean_kappa``,
-``.../kappa_frac_{r}`` (the κ histogram since the previous log), exposure per rank, retained gate
-weight sums and ``tokens_per_expert_max_over_mean`` / ``_cv`` (load imbalance of the latest
-micro-batch). ``swift sft`` writes them to ``<output_dir>/logging.jsonl``, to TensorBoard
-(``--report_to tensorboard``, under ``<output_dir>/runs``) and to ``trainer_state.json``'s
+What the callbacks log, at every training log step (see :mod:`elastic_moe_plugin.core.metrics`),
+as ``ElasticConfig.log_metrics`` (``ELASTIC_MOE_LOG_METRICS``) says: ``elastic_moe/mean_kappa`` and
+per layer ``elastic_moe/layer_{i}/mean_kappa``, ``.../kappa_frac_{r}`` (the κ histogram since the
+previous log), exposure per rank, retained gate weight sums and ``tokens_per_expert_max_over_mean``
+/ ``_cv`` (load imbalance of the latest micro-batch) with ``layers`` (the default; ``megatron sft``:
+per layer only with ``moe_per_layer_logging``), the layer means only with ``means``, nothing with
+``off`` (the plan line and the start-up check stay). ``swift sft`` writes them to
+``<output_dir>/logging.jsonl``, to TensorBoard (``--report_to tensorboard``, under
+``<output_dir>/runs``) and to ``trainer_state.json``'s
 ``log_history``; ``megatron sft`` to its ``logging.jsonl`` and its report backends. Values are
 those of the process that logs (rank 0 for ``swift sft``; Megatron-SWIFT's last rank, which holds
 the last pipeline stage's layers), not reduced across ranks.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from elastic_moe_plugin.core.config import log_layout
 from elastic_moe_plugin.swift.entry import importable
 from elastic_moe_plugin.swift.model_check import require_covered_routers
 from elastic_moe_plugin.swift.names import CALLBACK_NAME
@@ -80,8 +84,9 @@ def hf_callback_class() -> type:
         """Adds the routing metrics to every training log (swift's logging.jsonl, TensorBoard, ...).
 
         Logged: realised mean κ and its histogram per layer, retained gate weight sums, and the
-        tokens-per-expert imbalance (max/mean); see :mod:`elastic_moe_plugin.core.metrics`. The κ
-        histograms are reset after each log, so each log covers the steps since the previous one.
+        tokens-per-expert imbalance (max/mean); see :mod:`elastic_moe_plugin.core.metrics`. With
+        ``log_metrics`` ``layers`` or ``means`` the κ histograms are reset after each log, so each log
+        covers the steps since the previous one; ``off`` reads and resets nothing.
         """
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -102,12 +107,13 @@ def hf_callback_class() -> type:
                 callbacks.insert(0, self)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs is None or not _is_training_log(logs):
+            config = hf.active_config()
+            if logs is None or not _is_training_log(logs) or (config is not None and config.log_metrics == "off"):
                 return
             model = kwargs.get("model")
             if model is None:
                 model = self.trainer.model
-            values = hf.routing_metrics(model)
+            values = hf.logged_metrics(model)  # every layer's, or the layer means (ElasticConfig.log_metrics)
             hf.reset_budget_histograms(model)
             if not values:
                 return
@@ -128,6 +134,7 @@ def megatron_callback_class() -> type:
         return _MEGATRON_CALLBACK
     from swift.megatron.callbacks.base import MegatronCallback
 
+    from elastic_moe_plugin import mcore
     from elastic_moe_plugin.mcore import tracking
 
     class ElasticMoeMegatronCallback(MegatronCallback):
@@ -137,7 +144,8 @@ def megatron_callback_class() -> type:
         stages) of this rank count together, by global layer index. As Megatron-SWIFT's own MoE
         losses, a log holds the layer means (``elastic_moe/<name>``), and every layer's values
         too when the model's config sets ``moe_per_layer_logging``
-        (``--megatron_extra_kwargs '{"moe_per_layer_logging": true}'``)."""
+        (``--megatron_extra_kwargs '{"moe_per_layer_logging": true}'``) and ``log_metrics`` is
+        ``layers`` (the default); ``means``: the layer means only; ``off``: nothing."""
 
         # The model's routers, enumerated at the first log (a walk over every module) and kept: the
         # modules of a training run do not change; and whether it logs per layer.
@@ -145,19 +153,19 @@ def megatron_callback_class() -> type:
         per_layer = False
 
         def on_train_begin(self):
-            from elastic_moe_plugin import mcore
-
             chunks = list(self.trainer.unwrapped_models)
             require_covered_routers(chunks, mcore.active_config(), "megatron-core", tracking.model_plans(chunks)[0])
             tracking.log_plan(chunks)
 
         def on_log(self, logs: dict[str, Any]):
-            if not _is_training_log(logs):
+            config = mcore.active_config()
+            if not _is_training_log(logs) or (config is not None and config.log_metrics == "off"):
                 return
             if self.routers is None:
                 self.routers = tracking.router_sites(list(self.trainer.unwrapped_models))
                 self.per_layer = tracking.per_layer_logging(self.routers)
-            logs.update(tracking.routing_metrics(self.routers, per_layer=self.per_layer))
+            layout = log_layout(None if config is None else config.log_metrics, self.per_layer)
+            logs.update(tracking.routing_metrics(self.routers, per_layer=layout == "layers"))
             tracking.reset(self.routers)
 
     _MEGATRON_CALLBACK = ElasticMoeMegatronCallback

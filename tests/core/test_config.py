@@ -56,6 +56,8 @@ def test_disabled_config_routes_nothing_elastically():
         ({"mode": "top_p", "top_p": 0.0}, r"top_p=0.0 is invalid: expected a number in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p=1.5 is invalid"),
         ({"top_p_max_experts": 0}, r"top_p_max_experts=0 is invalid"),
+        ({"log_metrics": "verbose"}, r"log_metrics='verbose' is not a metrics layout: expected log_metrics='layers'"),
+        ({"log_metrics": False}, r"log_metrics=False is not a metrics layout.*log_metrics='off' \(none\)\.$"),
     ],
 )
 def test_bad_values_raise_config_error(kwargs, message):
@@ -133,6 +135,7 @@ def test_env_variables_cover_every_field():
         "ELASTIC_MOE_SCHEDULE", "ELASTIC_MOE_CENTER", "ELASTIC_MOE_SIGMA", "ELASTIC_MOE_LAYERS",
         "ELASTIC_MOE_GATE", "ELASTIC_MOE_SAMPLING", "ELASTIC_MOE_ENABLED", "ELASTIC_MOE_ALLOW_OFF_CENTER",
         "ELASTIC_MOE_MODE", "ELASTIC_MOE_TOP_P", "ELASTIC_MOE_TOP_P_MAX_EXPERTS", "ELASTIC_MOE_ALLOW_UNCOVERED_ROUTERS",
+        "ELASTIC_MOE_LOG_METRICS",
     }
 
 
@@ -197,3 +200,48 @@ def test_cli_flags_map_onto_the_same_config(tmp_path):
     bad = parser.parse_args(["--elastic-moe-schedule", "11-5"])
     with pytest.raises(ConfigError, match=r"command line: --elastic-moe-schedule 11-5 has low=11 > high=5"):
         config_from_cli(bad, environ={})
+
+
+def test_log_metrics_reads_the_same_in_every_entry_point(tmp_path):
+    """``layers`` (the default) / ``means`` / ``off``; the Megatron-LM entry point's old booleans read as
+    ``layers`` (true) and ``off`` (false) in every text entry point, YAML's typed booleans too (YAML reads
+    a bare ``off`` as false); Python takes the words only."""
+    assert ElasticConfig().log_metrics == "layers"
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    for text, expected in [("layers", "layers"), ("Means", "means"), ("off", "off"), ("true", "layers"),
+                           ("1", "layers"), ("on", "layers"), ("false", "off"), ("0", "off"), ("no", "off")]:
+        assert ElasticConfig.from_env({"ELASTIC_MOE_LOG_METRICS": text}).log_metrics == expected, text
+        flags = parser.parse_args(["--elastic-moe-log-metrics", text])
+        assert config_from_cli(flags, environ={}).log_metrics == expected, text
+        path = tmp_path / "c.yaml"
+        path.write_text(f"log_metrics: {text}\n")
+        assert ElasticConfig.from_yaml(path).log_metrics == expected, text
+    with pytest.raises(ConfigError, match=r"^environment: ELASTIC_MOE_LOG_METRICS=verbose is not a metrics layout: "
+                                          r"expected ELASTIC_MOE_LOG_METRICS=layers .*; true and false read as layers"):
+        ElasticConfig.from_env({"ELASTIC_MOE_LOG_METRICS": "verbose"})
+    with pytest.raises(ConfigError, match=r"--elastic-moe-log-metrics maybe is not a metrics layout") as caught:
+        config_from_cli(parser.parse_args(["--elastic-moe-log-metrics", "maybe"]), environ={})
+    assert caught.value.field == "log_metrics"
+    assert caught.value.fixes == ({"log_metrics": "layers"}, {"log_metrics": "means"}, {"log_metrics": "off"})
+    help_text = " ".join(parser.format_help().split())
+    assert "ElasticConfig.log_metrics: layers, means, off (env ELASTIC_MOE_LOG_METRICS)" in help_text
+
+
+def test_log_metrics_is_operational_it_changes_no_routing():
+    """Every value resolves the same schedule and layers, reads back from the variables the recipes render,
+    and configs that differ only in it differ as configs (so that applying one of them takes effect)."""
+    from elastic_moe_plugin.core.config import OPERATIONAL_ENV_VARS, log_layout
+
+    base = ElasticConfig(schedule="6-10", layers="3-7")
+    for layout in ("layers", "means", "off"):
+        config = base.replace(log_metrics=layout)
+        assert config.resolve(num_experts=64, topk=8, num_layers=16) == base.resolve(num_experts=64, topk=8, num_layers=16)
+        assert config.layer_set == base.layer_set and config.budget_schedule(8) == base.budget_schedule(8)
+        assert ElasticConfig.from_env({"ELASTIC_MOE_LOG_METRICS": layout}).log_metrics == layout
+        assert (config == base) == (layout == "layers")
+    assert "ELASTIC_MOE_LOG_METRICS" not in OPERATIONAL_ENV_VARS  # a field, read with the others
+    # what a logging step writes: `layers` follows the framework's per-layer switch, `means` never logs per layer
+    assert [log_layout("layers", True), log_layout("layers", False)] == ["layers", "means"]
+    assert [log_layout("means", True), log_layout("off", True), log_layout(None, True)] == ["means", "off", "layers"]
+

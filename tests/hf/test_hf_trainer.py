@@ -2,8 +2,11 @@
 
 The recipe: ``hf.apply`` before the model is built, ``output_router_logits=True`` so the aux loss
 (on realised counts) joins the loss, and a ``Trainer`` subclass whose ``log`` adds
-``hf.routing_metrics``. A few steps must train (finite, decreasing-capable loss, weights move),
-the realised κ must vary, and its mean must sit near the model's k.
+``hf.logged_metrics`` (as ``ElasticConfig.log_metrics`` says). A few steps must train (finite,
+decreasing-capable loss, weights move), the realised κ must vary, and its mean must sit near the
+model's k. A 48-layer model logging through transformers' ``TensorBoardCallback`` writes, per logging
+step, 31 names x 48 layers + the layer means with ``layers`` (the default), the 21 layer means with
+``means``, nothing with ``off``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from elastic_moe_plugin import ElasticConfig, hf
+from elastic_moe_plugin.core import metrics
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 
@@ -39,7 +43,7 @@ class _TokenDataset(torch.utils.data.Dataset):
 class ElasticTrainer(transformers.Trainer):
     def log(self, logs, *args, **kwargs):
         if self.model.training:  # training logs only; evaluation routes static top-k
-            logs.update(hf.routing_metrics(self.model))  # mean κ, κ shares, load imbalance, ...
+            logs.update(hf.logged_metrics(self.model))  # mean κ, κ shares, load imbalance, ... (log_metrics)
             hf.reset_budget_histograms(self.model)  # so each log covers the steps since the last
         super().log(logs, *args, **kwargs)
 
@@ -73,3 +77,55 @@ def test_trainer_recipe_trains_with_varying_budgets(tiny, tmp_path):
     for record in records.values():
         assert set(record.budgets.tolist()) == {1, 2, 3}
     assert len({entry["elastic_moe/mean_kappa"] for entry in logged}) > 1  # varies between steps
+
+
+class CountingWriter:
+    """A ``SummaryWriter`` for transformers' ``TensorBoardCallback``: the tags of each log (one list per
+    ``on_log``, which ends with ``flush()``)."""
+
+    def __init__(self):
+        self.logs: list[list[str]] = [[]]
+
+    def add_scalar(self, tag, value, global_step=None, *args, **kwargs):
+        self.logs[-1].append(tag)
+
+    def add_text(self, *args, **kwargs):
+        pass
+
+    def flush(self):
+        self.logs.append([])
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("log_metrics", ["layers", "means", "off"])
+def test_a_logging_step_of_48_moe_layers_writes_what_log_metrics_says(tiny, tmp_path, log_metrics):
+    """The recipe's Trainer on a 48-layer OLMoE (16 experts, top-8, schedule 6-10, hidden 32), TensorBoard
+    through transformers' own callback into a writer that counts: a logging step writes 31 names x 48
+    layers + the 5 layer means next to them (``layers``), the 21 layer means (``means``: <= 40), or
+    nothing of ours (``off``)."""
+    from transformers.integrations import TensorBoardCallback
+
+    hf.apply(ElasticConfig(schedule="6-10", log_metrics=log_metrics))
+    model = tiny.model("olmoe", num_hidden_layers=48, num_experts=16, num_experts_per_tok=8, hidden_size=32,
+                       intermediate_size=32, num_attention_heads=2, num_key_value_heads=2)
+    writer = CountingWriter()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0,
+    )
+    trainer = ElasticTrainer(model=model, args=args, train_dataset=_TokenDataset(2, model.config.vocab_size),
+                             callbacks=[TensorBoardCallback(tb_writer=writer)])
+    trainer.train()
+
+    names = metrics.metric_names(ElasticConfig(schedule="6-10").budget_schedule(8), 16)
+    means = [name for name in names if not metrics.is_schedule_constant(name)]
+    beside_layers = [name for name in metrics.SUMMARY_NAMES if name in names]
+    assert (len(names), len(means), len(beside_layers)) == (31, 21, 5)
+    ours = [tag for tag in writer.logs[0] if tag.startswith("train/elastic_moe/")]  # the step's log
+    expected = {"layers": len(names) * 48 + len(beside_layers), "means": len(means), "off": 0}[log_metrics]
+    assert "train/loss" in writer.logs[0] and len(ours) == len(set(ours)) == expected
+    if log_metrics == "means":
+        assert set(ours) == {f"train/elastic_moe/{name}" for name in means} and len(ours) <= 40
+

@@ -178,3 +178,32 @@ def test_model_chunks_count_together_and_mtp_routers_are_not_decoder_layers(make
     layers = {key.split("/")[1] for key in tracking.routing_metrics(chunks) if key.startswith("elastic_moe/layer_")}
     assert layers == {"layer_0", "layer_1"}
     assert set(tracking.per_layer_metrics(chunks)) == {1}  # the tracker path: elastic layers only
+
+
+@pytest.mark.parametrize("log_metrics, per_layer_logging, layout", [
+    ("layers", True, "layers"), ("layers", False, "means"), ("means", True, "means"), ("off", True, "off"),
+])
+def test_log_routing_metrics_of_48_moe_layers_writes_what_log_metrics_says(log_metrics, per_layer_logging, layout,
+                                                                            make_config, make_router):
+    """A loop's own ``log_routing_metrics`` on 48 MoE layers (schedule 6-10 around top-8, tiny hidden size)
+    into a recording writer: ``layers`` follows the loop's ``per_layer_logging`` (31 names x (48 layers +
+    the layer mean)), ``means`` writes the 21 layer means whatever it says (<= 40 scalars), ``off`` nothing."""
+    from elastic_moe_plugin.core import metrics
+
+    mcore.apply(ElasticConfig(schedule="6-10", log_metrics=log_metrics))
+    config = make_config(num_layers=48, num_moe_experts=16, moe_router_topk=8)
+    routers = torch.nn.ModuleList(make_router(config, layer_number=number, weight_std=0.5).train() for number in range(1, 49))
+    for router in routers:
+        router(torch.randn(16, 1, config.hidden_size))
+    writer = RecordingWriter()
+    returned = tracking.log_routing_metrics(routers, iteration=3, writer=writer, per_layer_logging=per_layer_logging)
+
+    names = metrics.metric_names(ElasticConfig(schedule="6-10").budget_schedule(8), 16)
+    means = [name for name in names if not metrics.is_schedule_constant(name)]
+    expected = {"layers": len(names) * 49, "means": len(means), "off": 0}[layout]
+    assert (len(names), len(means), len(writer.scalars)) == (31, 21, expected)
+    if layout == "means":
+        assert set(writer.scalars) == {f"elastic_moe/{name}" for name in means} and len(writer.scalars) <= 40
+    assert bool(returned) == (layout != "off")
+    if layout == "off":  # nor is anything recorded for a report of the loop's own
+        assert tracking.record_routing_metrics(routers) == []

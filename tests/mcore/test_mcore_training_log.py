@@ -2,11 +2,13 @@
 
 Its end-to-end behaviour (Megatron-LM's console line and TensorBoard event files, on every rank,
 through ``python -m elastic_moe_plugin.megatron_lm``) is in ``test_megatron_lm.py``; here the names
-every rank reports and the version guard.
+every rank reports, the version guard, and what a logging step writes under each ``log_metrics``.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
 import types
 
 import pytest
@@ -77,8 +79,64 @@ def test_a_training_log_without_an_iteration_argument_is_refused_with_the_way_ou
     module = types.ModuleType("megatron.training.training")
     module.training_log = lambda loss_dict, total_loss_dict: None
     with pytest.raises(UnsupportedMegatronError, match=r"training_log\(\.\.\., iteration, \.\.\.\).*no iteration argument"
-                                                      r".*--elastic-moe-log-metrics false"):
+                                                      r".*--elastic-moe-log-metrics off"):
         training_log._install(AttributePatches(), module)
     del module.training_log
     with pytest.raises(UnsupportedMegatronError, match="no such function"):
         training_log._install(AttributePatches(), module)
+
+
+# ---------------------------------------------------------------------------------- what a logging step writes
+MOE_LAYERS, EXPERTS, TOPK = 48, 16, 8  # a 48-layer MoE model, tiny hidden sizes, schedule 6-10 around top-8
+
+
+class CountingWriter:
+    """A TensorBoard ``SummaryWriter`` stand-in that keeps every tag written."""
+
+    def __init__(self):
+        self.tags: list[str] = []
+
+    def add_scalar(self, tag, value, step, *args, **kwargs):
+        self.tags.append(tag)
+
+
+def routed_moe_layers(make_config, make_router, log_metrics: str) -> list:
+    """48 routers of one 48-layer model, each after one training forward, built under the patch."""
+    gc.collect()  # routers of earlier tests, still in the patch's list of built routers until collected
+    mcore.apply(ElasticConfig(schedule="6-10", log_metrics=log_metrics))
+    config = make_config(num_layers=MOE_LAYERS, num_moe_experts=EXPERTS, moe_router_topk=TOPK)
+    routers = [make_router(config, layer_number=number, weight_std=0.5).train() for number in range(1, MOE_LAYERS + 1)]
+    for router in routers:
+        router(torch.randn(16, 1, config.hidden_size))
+    return routers
+
+
+@pytest.mark.parametrize("log_metrics, per_layer_switch, layout", [
+    ("layers", True, "layers"), ("layers", False, "means"), ("means", True, "means"), ("off", True, "off"),
+])
+def test_a_logging_step_of_48_moe_layers_writes_what_log_metrics_says(log_metrics, per_layer_switch, layout,
+                                                                      make_config, make_router, monkeypatch):
+    """Megatron-LM's hook (``log_step``, what the wrap of ``training_log`` runs at a logging step) into a
+    writer that counts: ``layers`` with ``--moe-per-layer-logging`` writes 31 names x (48 layers + the
+    layer mean); ``layers`` without it, and ``means`` even with it, the 21 layer means (no schedule
+    constant); ``off`` nothing, no console fragment, and the κ histograms are left alone."""
+    routers = routed_moe_layers(make_config, make_router, log_metrics)
+    writer = CountingWriter()
+    fake_training = types.ModuleType("megatron.training")  # log_step's writers, without importing Megatron-LM
+    fake_training.get_tensorboard_writer, fake_training.get_wandb_writer = (lambda: writer), (lambda: None)
+    monkeypatch.setitem(sys.modules, "megatron.training", fake_training)
+    megatron_args = types.SimpleNamespace(num_experts=EXPERTS, moe_router_topk=TOPK, num_layers=MOE_LAYERS,
+                                          moe_layer_freq=1, moe_expert_capacity_factor=None, tensorboard_dir="/tmp/tb",
+                                          wandb_project="", moe_per_layer_logging=per_layer_switch, log_interval=1)
+    fragment = training_log.log_step(5, megatron_args)
+
+    names = metrics.metric_names(ElasticConfig(schedule="6-10").budget_schedule(TOPK), EXPERTS)
+    means = [name for name in names if not metrics.is_schedule_constant(name)]
+    assert (len(names), len(means)) == (31, 21)
+    expected = {"layers": len(names) * (MOE_LAYERS + 1), "means": len(means), "off": 0}[layout]
+    assert len(writer.tags) == len(set(writer.tags)) == expected
+    assert sum("_layer_" in tag for tag in writer.tags) == (len(names) * MOE_LAYERS if layout == "layers" else 0)
+    if layout == "means":
+        assert len(writer.tags) <= 40 and set(writer.tags) == {f"elastic_moe/{name}" for name in means}
+    assert ("elastic_moe/mean_kappa" in fragment) == (layout != "off")
+    assert all(int(histogram.sum()) == (16 if layout == "off" else 0) for histogram in mcore.budget_histograms(routers).values())

@@ -30,6 +30,7 @@ import pytest
 
 from elastic_moe_plugin import ConfigError
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
+# _parser: "the mirror" below is the unit test of this private parser itself (its flags against Megatron's)
 from elastic_moe_plugin.mcore.megatron_args import _parser, check_megatron_args, megatron_options, model_shape
 from elastic_moe_plugin.megatron_lm import parse_argv
 
