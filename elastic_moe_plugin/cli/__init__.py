@@ -46,11 +46,13 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command(
         "elastic_moe_plugin.cli.bench",
-        "benchmark elastic against stock: router, MoE layer, training step; --only e2e: each launcher end to end",
-        "Time forward+backward of stock, elastic iid and elastic balanced routing, interleaved in one process; "
-        "report median ratios, peak memory, device-to-host syncs and dispatched pairs. --only e2e trains with "
-        "swift sft, megatron sft and Megatron-LM's trainer, static against elastic in alternating rounds, and "
-        "reports steps/s, their ratio, peak RSS, host syncs per step and the realised mean κ.",
+        "every measurement of the package, one mode each (--only MODE; elastic-moe bench --help lists them)",
+        "Measure elastic routing against stock, one mode at a time (--only MODE ...; the modes are listed below). "
+        "router, routing, layer, gpt and hf time forward+backward of stock, elastic iid and elastic balanced "
+        "routing, interleaved in one process, and report median ratios, peak memory, device-to-host syncs and "
+        "dispatched pairs; e2e trains with swift sft, megatron sft and Megatron-LM's trainer, static against "
+        "elastic, and reports steps/s, their ratio, peak RSS, host syncs per step and the realised mean κ. "
+        "--json prints one report, in one schema, for every mode.",
     ),
     "demo": Command(
         "elastic_moe_plugin.cli.demo",

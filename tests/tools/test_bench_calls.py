@@ -12,7 +12,7 @@ import json
 import pytest
 
 from elastic_moe_plugin.cli import main
-from elastic_moe_plugin.tools.bench import calls
+from elastic_moe_plugin.tools.bench import calls, schema
 
 pytestmark = [pytest.mark.megatron, pytest.mark.hf]
 
@@ -25,15 +25,24 @@ def _bench(*extra):
 
 
 def test_every_door_and_variant_is_timed_and_the_elastic_call_counted(mp_world):
-    rows = {(row["door"], row["variant"]): row for row in json.loads(_bench("--json"))["router_calls"]}
-    assert set(rows) == {(door, variant) for door in ("megatron", "transformers") for variant in calls.VARIANTS}
-    for (_, variant), row in rows.items():
-        assert 0 < row["min_us"] <= row["median_us"] <= row["max_us"]
-        assert row["tokens"] == calls.QUICK_TOKENS
-        if variant == "elastic":
-            assert row["package_calls"] > 0 and 1 <= row["package_modules"] <= 5
+    report = json.loads(_bench("--json"))
+    schema.validate(report)
+    rows = {(row["params"]["door"], row["variant"]): row for row in report["rows"]}
+    assert set(rows) == {(door, variant) for door in calls.DOORS for variant in calls.VARIANTS}
+    for (door, variant), row in rows.items():
+        metrics = row["metrics"]
+        assert row["mode"] == "calls" and row["params"]["tokens"] == calls.QUICK_TOKENS
+        assert 0 < metrics["min_us"] <= metrics["median_us"] <= metrics["max_us"]
+        if variant == "stock":
+            assert row["baseline"] is None
         else:
-            assert row["package_calls"] is None and row["package_modules"] is None
+            assert row["baseline"] == "stock"
+            stock = rows[door, "stock"]["metrics"]["median_us"]
+            assert row["ratios"]["added_us"] == pytest.approx(metrics["median_us"] - stock)
+        if variant == "elastic":
+            assert metrics["package_calls"] > 0 and 1 <= metrics["package_modules"] <= 5
+        else:
+            assert metrics["package_calls"] is None and metrics["package_modules"] is None
     text = _bench()
     assert "one router call, training forward" in text
     assert len([line for line in text.splitlines() if line.startswith(("megatron ", "transformers "))]) == 6

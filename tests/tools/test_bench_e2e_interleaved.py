@@ -1,6 +1,6 @@
 """How the e2e bench reads an interleaved run (``tools/bench/e2e_interleaved.py``), from hand-written
-timing files of the start-up module (``step_probe/sitecustomize.py``), and the start-up module's own
-block order and timing, driven on a plain function."""
+timing files of the step probe (``tools/bench/step_probe.py``), and the step probe's own block order
+and timing, switched on by the child bootstrap and driven on a plain function."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic_moe_plugin.tools.bench import e2e_interleaved
-from elastic_moe_plugin.tools.bench.e2e_child import step_probe_dir
+from elastic_moe_plugin.tools import child_bootstrap
 from elastic_moe_plugin.tools.bench.e2e_megatron import MegatronLM
 
 
@@ -63,8 +63,9 @@ def test_megatron_lm_logs_at_the_recipes_interval_when_every_block_holds_whole_i
     assert MegatronLM().log_interval(7, 2, interleave_block=2) == 1
 
 
-def test_the_start_up_module_alternates_blocks_and_times_call_to_call(tmp_path):
-    """The start-up module on a stand-in trainer module: calls alternate static/elastic in blocks
+def test_the_step_probe_alternates_blocks_and_times_call_to_call(tmp_path):
+    """The step probe, switched on by the child bootstrap (``EMOE_BOOTSTRAP=step_probe``), on a
+    stand-in trainer module: calls alternate static/elastic in blocks
     (switching the real mcore patch, from the run's own config); after a warm-up of 2 the first call
     of each mode is sync-counted and carries no time; every other call's time runs to the next
     call's entry, the switch left out (a switch made 30 ms slower by a stand-in ``mcore.apply`` /
@@ -88,7 +89,7 @@ def test_the_start_up_module_alternates_blocks_and_times_call_to_call(tmp_path):
         "    fake_trainer.train_step(); modes.append(mcore.is_applied()); time.sleep(0.005)\n"
         "print(modes)\n"
     ) % str(tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(step_probe_dir()), str(Path.cwd())]),
+    env = {**os.environ, **child_bootstrap.environment(["step_probe"], str(Path.cwd())),
            "E2E_BENCH_TARGET": "fake_trainer:train_step", "E2E_BENCH_INTERLEAVE_BLOCK": "2",
            "E2E_BENCH_INTERLEAVE_OUT": str(out), "E2E_BENCH_SYNC_STEP": "2"}
     env.pop("RANK", None)

@@ -10,6 +10,7 @@ import math
 import pytest
 
 from elastic_moe_plugin.cli import main
+from elastic_moe_plugin.tools.bench import schema
 
 pytest.importorskip("transformers")
 
@@ -34,28 +35,44 @@ def report():
     return json.loads(out.getvalue())
 
 
+class _Entry:
+    """One block under one implementation: ``variants`` (metrics), ``ratios`` (against stock), ``shape``."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        self.variants = {row["variant"]: row["metrics"] for row in rows}
+        self.ratios = {row["variant"]: row["ratios"] for row in rows if row["baseline"] == "stock"}
+        (self.shape,) = {row["shape"] for row in rows}
+
+
 def _entries(report):
-    return {(entry["scenario"], entry["implementation"]): entry for entry in report["scenarios"]}
+    grouped = {}
+    for row in report["rows"]:
+        grouped.setdefault((row["scenario"], row["params"]["implementation"]), []).append(row)
+    return {key: _Entry(rows) for key, rows in grouped.items()}
 
 
 def test_every_block_and_implementation_is_reported(report):
-    assert report["transformers"] and "megatron_core" not in report
+    schema.validate(report)
+    assert report["modes"] == ["hf"] and report["environment"]["transformers"]
     entries = _entries(report)
     assert set(entries) == {(block, impl) for block in BLOCKS for impl in IMPLEMENTATIONS}
-    for entry in entries.values():
-        assert set(entry["variants"]) == {"stock", "iid", "balanced"}
-        for variant in entry["variants"].values():
+    for (_, impl), entry in entries.items():
+        assert set(entry.variants) == {"stock", "iid", "balanced"} and set(entry.ratios) == {"iid", "balanced"}
+        assert entry.shape.startswith(f"experts_implementation={impl}: E=")
+        for variant in entry.variants.values():
             assert variant["min_ms"] <= variant["median_ms"] <= variant["max_ms"]
             assert variant["peak_bytes"] > 0
-        for ratios in entry["ratios"].values():
+        for ratios in entry.ratios.values():
             assert math.isfinite(ratios["time_ratio"]) and ratios["time_ratio"] > 0
             assert math.isfinite(ratios["memory_ratio"]) and ratios["memory_ratio"] > 0
 
 
 def test_rows_multiplied_equal_sum_of_budgets_in_every_implementation(report):
     for (block, impl), entry in _entries(report).items():
-        stock, iid, balanced = (entry["variants"][name] for name in ("stock", "iid", "balanced"))
-        tokens = int(entry["shape"].split("T=")[1].split()[0])
+        stock, iid, balanced = (entry.variants[name] for name in ("stock", "iid", "balanced"))
+        tokens = entry.rows[0]["params"]["tokens"]
+        assert tokens == int(entry.shape.split("T=")[1].split()[0])
         assert stock["expected_pairs"] == tokens * 8  # every block is top-8
         assert stock["realised_pairs"] == stock["dispatched_pairs"] == stock["expected_pairs"], (block, impl)
         for variant in (iid, balanced):
@@ -72,9 +89,9 @@ def test_syncs_added_per_implementation(report):
     # stock and elastic alike (before issue 25: eager (1, 1), batched_mm (1, 0)).
     added = {"eager": (0, 0), "grouped_mm": (0, 0), "batched_mm": (0, 0)}
     for (_block, impl), entry in _entries(report).items():
-        assert (entry["ratios"]["iid"]["syncs_added"], entry["ratios"]["balanced"]["syncs_added"]) == added[impl]
+        assert (entry.ratios["iid"]["syncs_added"], entry.ratios["balanced"]["syncs_added"]) == added[impl]
     for block in BLOCKS:
-        assert _entries(report)[(block, "grouped_mm")]["variants"]["iid"]["syncs_per_forward"] == 0
+        assert _entries(report)[(block, "grouped_mm")].variants["iid"]["syncs_per_forward"] == 0
 
 
 @pytest.mark.parametrize("shapes", ["FULL_SHAPES", "QUICK_SHAPES"])

@@ -25,14 +25,16 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 import elastic_moe_plugin
 from elastic_moe_plugin.core.config import ElasticConfig
+from elastic_moe_plugin.tools.bench.schema import BenchRow, row
 
 VARIANTS = ("stock", "static", "elastic")
+DOORS = ("megatron", "transformers")
 HIDDEN, EXPERTS, TOPK, SCHEDULE = 64, 32, 8, "6-10"
 TOKENS, QUICK_TOKENS = 256, 64
 _PACKAGE = os.path.dirname(elastic_moe_plugin.__file__)
@@ -66,11 +68,12 @@ def package_calls(call: Callable[[], object]) -> tuple[int, int]:
             calls += 1
             modules.add(path)
 
+    previous = sys.getprofile()
     sys.setprofile(profile)
     try:
         call()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(previous)
     return calls, len(modules)
 
 
@@ -123,8 +126,10 @@ def _transformers_router(tokens: int) -> tuple[Callable[[], torch.nn.Module], Ca
     return build, lambda router: router(hidden)
 
 
-def _door(name: str):
-    """(the door's patch module, its router factory)."""
+def door(name: str):
+    """(the door's patch module, its router factory: ``factory(tokens)`` -> (``build()``, ``forward(router)``)),
+    the frameworks set up (Megatron: :func:`~.megatron.megatron_setup`). Raises ImportError where the
+    door's framework is not installed."""
     if name == "megatron":
         from elastic_moe_plugin import mcore
         from elastic_moe_plugin.tools.bench.megatron import megatron_setup
@@ -137,7 +142,7 @@ def _door(name: str):
 
 
 def _time_door(name: str, tokens: int, rounds: int, calls: int) -> list[RouterCallResult]:
-    patch, router_factory = _door(name)
+    patch, router_factory = door(name)
     build, forward = router_factory(tokens)
     configs = {"stock": None, "static": ElasticConfig(schedule="static"), "elastic": ElasticConfig(schedule=SCHEDULE)}
     routers = {}
@@ -176,12 +181,37 @@ def run_suite(quick: bool, threads: int) -> list[RouterCallResult]:
         torch.set_num_threads(threads)
     tokens, rounds, calls = (QUICK_TOKENS, 4, 20) if quick else (TOKENS, 30, 50)
     results: list[RouterCallResult] = []
-    for door in ("megatron", "transformers"):
+    for name in DOORS:
         try:
-            results += _time_door(door, tokens, rounds, calls)
+            results += _time_door(name, tokens, rounds, calls)
         except ImportError:
             continue
     return results
+
+
+def rows(results: list[RouterCallResult]) -> list[BenchRow]:
+    """The schema rows (:mod:`.schema`): one per (door, variant); ``static`` and ``elastic`` against ``stock``."""
+    stock = {r.door: r.median_us for r in results if r.variant == "stock"}
+    out = []
+    for r in results:
+        compared = r.variant != "stock" and r.door in stock
+        out.append(
+            row(
+                "calls",
+                "router-call",
+                f"{r.door}: training forward, T={r.tokens} E={EXPERTS} top-{TOPK} elastic {SCHEDULE}",
+                r.variant,
+                params=dict(door=r.door, tokens=r.tokens, experts=EXPERTS, topk=TOPK, schedule=SCHEDULE),
+                metrics={k: v for k, v in asdict(r).items() if k not in ("door", "variant", "tokens")},
+                baseline="stock" if compared else None,
+                ratios=(
+                    {"time_ratio": r.median_us / stock[r.door], "added_us": r.median_us - stock[r.door]}
+                    if compared
+                    else None
+                ),
+            )
+        )
+    return out
 
 
 def format_table(results: list[RouterCallResult]) -> str:
@@ -202,4 +232,4 @@ def format_table(results: list[RouterCallResult]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["VARIANTS", "RouterCallResult", "format_table", "package_calls", "run_suite"]
+__all__ = ["DOORS", "VARIANTS", "RouterCallResult", "door", "format_table", "package_calls", "rows", "run_suite"]

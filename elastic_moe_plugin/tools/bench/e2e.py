@@ -38,8 +38,8 @@ separate run:
   ``.tolist()``, data-dependent shapes: :class:`~.measure.SyncCounter`, which on a CPU-only machine
   counts each read as the device read it would be on a GPU) during training step ``warmup``, the
   last warm-up step, so the counter's own cost stays out of the timed steps; counted by a second
-  plugin file for ``swift sft`` (:mod:`.e2e_swift_plugin`) and by a start-up module that wraps the
-  trainer's ``train_step`` for the two Megatron launchers (``step_probe/sitecustomize.py``), on
+  plugin file for ``swift sft`` (``swift_plugin/bench_callbacks.py``) and by the step probe that wraps
+  the trainer's ``train_step`` for the two Megatron launchers (:mod:`.step_probe`), on
   rank 0. The whole step counts: the trainer's own reads (loss logging, gradient clipping, ...)
   as well as the router's and the dispatcher's, static and elastic alike;
 - mean κ: the realised experts per token the launcher logged (``elastic_moe/mean_kappa``), averaged
@@ -63,7 +63,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -82,7 +82,8 @@ class E2EOptions:
     """What ``--only e2e`` runs: ``steps`` and ``warmup`` per run (None: each launcher's default),
     ``hidden``: the ``swift sft`` rows' hidden size H (and their experts' width, H as well; None: 256),
     ``separate``: the Megatron launchers too in a static and an elastic run per round (their
-    default is one interleaved run per round, :mod:`.e2e_interleaved`)."""
+    default is one interleaved run per round, :mod:`.e2e_interleaved`), ``experts_impl``: the
+    ``swift sft`` rows' ``--experts_impl``. The table and the schema rows: :mod:`.e2e_report`."""
 
     rounds: int = DEFAULT_ROUNDS
     steps: int | None = None
@@ -91,6 +92,7 @@ class E2EOptions:
     hidden: int | None = None
     work: Path | None = None
     separate: bool = False
+    experts_impl: str | None = None  # the swift sft rows' --experts_impl (None: transformers' default)
 
     def check(self) -> None:
         """Raises ValueError naming the flag, the value, what is accepted and a fix."""
@@ -312,7 +314,7 @@ def _interleaved_runs(
     ]
 
 
-def _run_plan(launcher: Launcher, options: E2EOptions, quick: bool) -> tuple[int, int, int | None]:
+def run_plan(launcher: Launcher, options: E2EOptions, quick: bool) -> tuple[int, int, int | None]:
     """(steps, warm-up, block or None) of the launcher's runs. Raises ValueError naming the flags."""
     if launcher.interleaves and not options.separate:
         block = e2e_interleaved.QUICK_BLOCK if quick else launcher.interleave_block
@@ -337,14 +339,16 @@ def _run_plan(launcher: Launcher, options: E2EOptions, quick: bool) -> tuple[int
     return steps, warmup, None
 
 
-def _launchers(options: E2EOptions, quick: bool = False) -> list[Launcher]:
+def launchers(options: E2EOptions, quick: bool = False) -> list[Launcher]:
     """The launchers of ``options``, in :data:`LAUNCHERS`' order (``quick``: the DeepSeek-V3 row on its
     smaller model, :data:`.e2e_swift.DEEPSEEK_V3_QUICK`)."""
     from elastic_moe_plugin.tools.bench import e2e_megatron, e2e_swift
 
     make: dict[str, Callable[[], Launcher]] = {
-        "swift_sft": lambda: e2e_swift.SwiftSft(hidden=options.hidden),
-        "swift_sft_deepseek_v3": lambda: e2e_swift.SwiftSft(hidden=options.hidden, family="deepseek_v3", quick=quick),
+        "swift_sft": lambda: e2e_swift.SwiftSft(hidden=options.hidden, experts_impl=options.experts_impl),
+        "swift_sft_deepseek_v3": lambda: e2e_swift.SwiftSft(
+            hidden=options.hidden, experts_impl=options.experts_impl, family="deepseek_v3", quick=quick
+        ),
         "megatron_sft": e2e_megatron.MegatronSft,
         "megatron_lm": e2e_megatron.MegatronLM,
     }
@@ -359,9 +363,9 @@ def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None 
     rounds = 1 if quick else options.rounds
     work = options.work or Path(tempfile.mkdtemp(prefix="elastic_moe_bench_e2e_"))
     results = []
-    launchers = _launchers(options, quick)
-    plans = [_run_plan(launcher, options, quick) for launcher in launchers]  # every launcher's check, first
-    for launcher, (steps, warmup, block) in zip(launchers, plans, strict=True):
+    chosen = launchers(options, quick)
+    plans = [run_plan(launcher, options, quick) for launcher in chosen]  # every launcher's check, first
+    for launcher, (steps, warmup, block) in zip(chosen, plans, strict=True):
         started = time.perf_counter()
         launcher.prepare(work / launcher.key / "assets", steps)
         timing = e2e_interleaved.TIMING.format(block=block) if block is not None else launcher.timing
@@ -406,76 +410,14 @@ def _or_na(value) -> str:
     return "n/a" if value is None else str(value)
 
 
-# ------------------------------------------------------------------------------------ output
-COLUMNS = ("launcher", "schedule", "steps/s", "x static", "min-max x", "peak RSS MiB", "syncs/step", "mean κ")
-
-
-def format_table(results: list[E2EResult]) -> str:
-    """One row per launcher and schedule; the ratio columns on the elastic row."""
-    widths = (14, 8, 8, 8, 13, 12, 10, 7)
-    header = " ".join(
-        f"{name:{width}s}" if i < 2 else f"{name:>{width}s}"
-        for i, (name, width) in enumerate(zip(COLUMNS, widths, strict=True))
-    )
-    lines = [header]
-    for result in results:
-        summary = result.summary()
-        lines.append(
-            f"-- {result.label}: {result.model}; {result.steps} steps, {result.warmup} warm-up, "
-            f"{summary['rounds']} round(s); steps/s {result.timing}"
-        )
-        for schedule, column in ((result.static, summary["static"]), (result.elastic, summary["elastic"])):
-            elastic = schedule == result.elastic
-            cells = [
-                f"{result.label:14s}",
-                f"{schedule:8s}",
-                f"{column['median_steps_per_second']:8.4f}",
-                f"{summary['ratio_median']:8.3f}" if elastic else f"{'1':>8s}",
-                (f"{summary['ratio_min']:6.3f}-{summary['ratio_max']:6.3f}" if elastic else f"{'':13s}"),
-                f"{column['peak_rss_bytes'] / 2**20:12.0f}",
-                f"{_or_na(column['syncs_per_step']):>10s}",
-                f"{column['mean_kappa']:7.3f}" if column["mean_kappa"] is not None else f"{'-':>7s}",
-            ]
-            lines.append(" ".join(cells))
-    lines.append(
-        "steps/s: median over rounds, steady state (after the warm-up steps), from the launcher's own "
-        "timings, or for an interleaved row from the one process's step times; x static: median of the "
-        "rounds' elastic/static ratios (an interleaved round's: the median of its block pairs'), min-max "
-        "across rounds; peak RSS: largest process of the run (ru_maxrss); syncs/step: host reads of device "
-        "values in one training step (step = warm-up's last; interleaved: each mode's first after the "
-        "warm-up); mean κ: the realised experts per token the run logged"
-    )
-    return "\n".join(lines)
-
-
-def to_json(results: list[E2EResult]) -> list[dict]:
-    """Per launcher: its settings, ``schedules`` (``static`` and ``elastic``: the schedule names),
-    every run, and the summary (``static`` / ``elastic``: the columns of the table's two rows)."""
-    return [
-        {
-            "launcher": r.launcher,
-            "label": r.label,
-            "model": r.model,
-            "schedules": {"static": r.static, "elastic": r.elastic},
-            "steps": r.steps,
-            "warmup": r.warmup,
-            "timing": r.timing,
-            "runs": [asdict(run) for run in r.runs],
-            **r.summary(),
-        }
-        for r in results
-    ]
-
-
 __all__ = [
-    "COLUMNS",
     "DEFAULT_ROUNDS",
     "LAUNCHERS",
     "E2EOptions",
     "E2EResult",
     "E2ERun",
     "Launcher",
-    "format_table",
+    "launchers",
     "run_e2e",
-    "to_json",
+    "run_plan",
 ]

@@ -1,5 +1,5 @@
 """A launcher's run in ``elastic-moe bench --only e2e`` (:mod:`.e2e`): its command, its environment,
-and the variables of the host-sync probes (:mod:`.e2e_swift`, :mod:`.e2e_megatron` build on it)."""
+and the variables of the step probe, :mod:`.step_probe` (:mod:`.e2e_swift`, :mod:`.e2e_megatron` build on it)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ class RunReading:
 
 def child_env(**extra: str) -> dict[str, str]:
     """This environment for a launcher's child: offline, CPU-only, one torch thread, this package
-    first on ``PYTHONPATH``, and nothing of a surrounding run (``ELASTIC_MOE_*``, torchrun's
-    variables) that would change what the child does."""
-    drop = ("ELASTIC_MOE_", "MASTER_", "TORCHELASTIC_", "PET_", "E2E_BENCH_")
+    first on ``PYTHONPATH``, and nothing of a surrounding run (``ELASTIC_MOE_*``, the child
+    bootstrap's ``EMOE_BOOTSTRAP``, torchrun's variables) that would change what the child does."""
+    drop = ("ELASTIC_MOE_", "EMOE_", "MASTER_", "TORCHELASTIC_", "PET_", "E2E_BENCH_")
     env = {
         key: value
         for key, value in os.environ.items()
@@ -59,12 +59,6 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def step_probe_dir() -> Path:
-    """The folder whose ``sitecustomize`` wraps a Megatron trainer's ``train_step`` (env-gated): it
-    counts one step's host syncs, or interleaves static and elastic blocks of steps and times them."""
-    return Path(__file__).resolve().parent / "step_probe"
-
-
 def console_script(name: str) -> str:
     """``swift`` / ``megatron`` of this interpreter's environment."""
     script = Path(sys.executable).with_name(name)
@@ -83,5 +77,4 @@ __all__ = [
     "RunReading",
     "child_env",
     "console_script",
-    "step_probe_dir",
 ]

@@ -2,9 +2,9 @@
 
 The house rule for speed, end to end: one Megatron trainer (``megatron sft`` or Megatron-LM's),
 started elastic, switches its routing between blocks of ``b`` training iterations, stock top-k
-(``mcore.remove()``) then elastic (``mcore.apply`` of its own config), and so on; the start-up
-module ``step_probe/sitecustomize.py`` times every iteration (start of one ``train_step`` to the
-start of the next: the logging step included, the switch left out) and counts host syncs on the
+(``mcore.remove()``) then elastic (``mcore.apply`` of its own config), and so on; the step probe
+(:mod:`.step_probe`, switched on by the child bootstrap) times every iteration (start of one
+``train_step`` to the start of the next: the logging step included, the switch left out) and counts host syncs on the
 first iteration of each mode after the warm-up (left out of the times). Blocks are short where
 they can be: ``megatron sft`` logs every step and takes blocks of 5 (8 pairs), Megatron-LM logs
 every 10 (its recipe's interval) and takes blocks of 10 (4 pairs). Both Megatron rows' batches

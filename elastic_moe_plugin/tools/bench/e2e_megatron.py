@@ -2,8 +2,8 @@
 
 - :class:`MegatronSft`: real ``megatron sft`` (Megatron-SWIFT, mcore-bridge) on one CPU process, as
   ``tests/swift/test_megatron_sft.py`` and ``elastic-moe launch RECIPE --rehearse`` run it: the CPU
-  runtime's start-up bootstrap first on ``PYTHONPATH``
-  (:func:`~elastic_moe_plugin.tools.recipes.rehearse.cpu_bootstrap_dir`),
+  runtime switched on in every process by the child bootstrap
+  (:mod:`elastic_moe_plugin.tools.child_bootstrap`, ``megatron_swift``),
   its :data:`~elastic_moe_plugin.cpu_runtime.megatron_swift.CPU_FLAGS`, the plugin file with
   ``--callbacks elastic_moe``; a tiny Qwen3-MoE (2 layers, hidden 64, 16 experts of width 16,
   top-8, renormalised gate) built with the recipes' tiny-asset builders; micro-batch 2 of at most 192
@@ -41,7 +41,6 @@ from elastic_moe_plugin.tools.bench.e2e_child import (
     RunReading,
     child_env,
     console_script,
-    step_probe_dir,
 )
 from elastic_moe_plugin.tools.bench.e2e_swift import logged_mean_kappa, read_syncs, steady_steps_per_second
 
@@ -57,7 +56,7 @@ def _free_port() -> int:
 
 
 def _probe_env(out: Path, step: int, target: str, interleave_block: int | None) -> dict[str, str]:
-    """The start-up module's variables: count the syncs of call ``step``, or interleave blocks
+    """The step probe's variables (:mod:`.step_probe`): count the syncs of call ``step``, or interleave blocks
     (and count the syncs of each mode's first call after the warm-up of ``step`` calls)."""
     if interleave_block:
         return {
@@ -129,12 +128,11 @@ class MegatronSft:
         """One run; with ``interleave_block`` an interleaved one (``schedule`` the elastic one)."""
         from elastic_moe_plugin.cpu_runtime.megatron_swift import CPU_FLAGS
         from elastic_moe_plugin.swift import plugin_path
-        from elastic_moe_plugin.tools.recipes.rehearse import cpu_bootstrap_dir
+        from elastic_moe_plugin.tools import child_bootstrap
 
-        base = child_env()
-        path = [str(cpu_bootstrap_dir()), str(step_probe_dir()), base["PYTHONPATH"]]
+        startup = child_bootstrap.environment(("megatron_swift", "step_probe"), child_env()["PYTHONPATH"])
         env = child_env(
-            PYTHONPATH=":".join(path),
+            **startup,
             NPROC_PER_NODE="1",
             MASTER_PORT=str(_free_port()),
             HF_DATASETS_CACHE=str(out / "hf_datasets"),
@@ -337,9 +335,11 @@ class MegatronLM:
         self, schedule: str, steps: int, out: Path, sync_step: int, interleave_block: int | None = None
     ) -> Command:
         """One run; with ``interleave_block`` an interleaved one (``schedule`` the elastic one)."""
-        base = child_env()
+        from elastic_moe_plugin.tools import child_bootstrap
+
+        startup = child_bootstrap.environment(("step_probe",), child_env()["PYTHONPATH"])
         env = child_env(
-            PYTHONPATH=":".join([str(step_probe_dir()), base["PYTHONPATH"]]),
+            **startup,
             NO_VCS_VERSION="1",
             **_probe_env(out, sync_step, "megatron_lm", interleave_block),
         )

@@ -1,4 +1,4 @@
-"""The ``swift sft`` rows of ``elastic-moe bench --only e2e``, and ``scripts/swift_sft_speed.py``.
+"""The ``swift sft`` rows of ``elastic-moe bench --only e2e`` (and the model and runs of ``--only swift-profile``).
 
 A tiny OLMoE-shaped model (4 layers, hidden 256, 64 experts of width 256, top-8,
 ``norm_topk_prob=False``, the full-softmax gate; row ``swift_sft``) or a tiny DeepSeek-V3 (4 MoE
@@ -17,9 +17,8 @@ DeepSeek-V3 has none (its correction bias balances the load).
 Steps/s are steady-state, from ms-swift's logged cumulative ``train_speed(s/it)`` (seconds since the
 first step began over steps done): ``(last - warmup) / (last·s_last - warmup·s_warmup)``.
 
-:func:`profile_differences` (``scripts/swift_sft_speed.py --profile FIRST:COUNT``) runs each schedule
-once under torch.profiler (a second plugin file, :data:`CALLBACKS_PLUGIN`) and prints the ops whose
-self CPU time differs most between the two.
+``elastic-moe bench --only swift-profile`` (:mod:`.swift_profile`) runs each schedule once under
+torch.profiler instead (a second plugin file, :data:`CALLBACKS_PLUGIN`: :func:`command`'s ``profile``).
 """
 
 from __future__ import annotations
@@ -316,41 +315,6 @@ class SwiftSft:
         return read_syncs(out / "syncs.json")
 
 
-def run_once(cmd: Command, log: Path) -> None:
-    import subprocess
-
-    with log.open("wb") as sink:
-        code = subprocess.call(cmd.argv, cwd=cmd.cwd, env=cmd.env, stdout=sink, stderr=subprocess.STDOUT)
-    if code != 0:
-        raise RuntimeError(f"swift sft exited {code}; see {log}")
-
-
-def profile_differences(
-    model_dir: Path, dataset: Path, work: Path, steps: int, experts_impl: str | None, profile: str, top: int = 15
-) -> dict:
-    """One profiled run per schedule; prints and returns the largest self-CPU differences by op."""
-    tables = {}
-    for schedule in SCHEDULES:
-        out = work / f"profile_{schedule}"
-        out.mkdir(parents=True)
-        run_once(command(model_dir, dataset, schedule, steps, out, experts_impl, profile=profile), out / "output.log")
-        tables[schedule] = json.loads((out / "profile.json").read_text())
-    static, elastic = tables["static"], tables["6-10"]
-    totals = {schedule: sum(us for us, _ in table.values()) / 1e3 for schedule, table in tables.items()}
-    rows = sorted(
-        ((elastic.get(op, [0, 0])[0] - static.get(op, [0, 0])[0]) / 1e3, op) for op in set(static) | set(elastic)
-    )
-    print(
-        f"self CPU over steps {profile}: static {totals['static']:.0f} ms, 6-10 {totals['6-10']:.0f} ms "
-        f"({totals['6-10'] - totals['static']:+.0f} ms)"
-    )
-    print(f"{'op':42s} {'static ms':>10s} {'6-10 ms':>10s} {'diff ms':>9s} {'calls':>13s}")
-    for diff, op in sorted(rows, key=lambda row: -abs(row[0]))[:top]:
-        (s_us, s_calls), (e_us, e_calls) = static.get(op, [0, 0]), elastic.get(op, [0, 0])
-        print(f"{op:42s} {s_us / 1e3:10.1f} {e_us / 1e3:10.1f} {diff:+9.1f} {s_calls:6d}/{e_calls:<6d}")
-    return {"totals_ms": totals, "top": [(op, diff) for diff, op in sorted(rows, key=lambda row: -abs(row[0]))[:top]]}
-
-
 __all__ = [
     "CALLBACKS_PLUGIN",
     "DEEPSEEK_V3_MODEL",
@@ -363,8 +327,6 @@ __all__ = [
     "command",
     "logged_mean_kappa",
     "logged_rows",
-    "profile_differences",
     "read_syncs",
-    "run_once",
     "steady_steps_per_second",
 ]

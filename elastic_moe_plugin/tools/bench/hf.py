@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_moe_plugin.tools.bench.measure import ScenarioResult, Step, VariantResult, measure
+from elastic_moe_plugin.tools.bench.schema import BenchRow, Scalar
 
 if TYPE_CHECKING:
     from elastic_moe_plugin.core.schedule import SamplingMode
@@ -158,6 +159,13 @@ class ExpertsVariantResult(VariantResult):
 @dataclasses.dataclass
 class ExpertsScenarioResult(ScenarioResult):
     implementation: str = ""
+
+    def rows(self) -> list[BenchRow]:
+        """The schema rows; the shape names the experts implementation (a block has one per implementation)."""
+        rows = super().rows()
+        for item in rows:
+            item["shape"] = f"experts_implementation={self.implementation}: {self.shape}"
+        return rows
 
 
 # ------------------------------------------------------------------------------------ counting
@@ -332,7 +340,14 @@ def measure_block(shape: BlockShape, implementation: str, warmup: int, repeats: 
     steps, dispatched = block_scenario(shape, implementation)
     with _patch_state_restored():
         measured = measure(f"{shape.family}-block", shape.describe(implementation), steps, warmup, repeats)
-    result = ExpertsScenarioResult(scenario=measured.scenario, shape=measured.shape, implementation=implementation)
+    size = shape.sizes[implementation]
+    params: dict[str, Scalar] = dict(
+        family=shape.family, implementation=implementation, experts=shape.experts, topk=shape.topk,
+        schedule=shape.schedule, tokens=size.tokens, hidden=size.hidden, ffn=size.ffn,
+    )  # fmt: skip
+    result = ExpertsScenarioResult(
+        scenario=measured.scenario, shape=measured.shape, implementation=implementation, params=params, mode="hf"
+    )
     for name, variant in measured.variants.items():
         result.variants[name] = ExpertsVariantResult(**dataclasses.asdict(variant), dispatched_pairs=dispatched[name])
     return result

@@ -21,12 +21,14 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from elastic_moe_plugin.tools.bench.schema import BenchRow, Scalar, row
 
 if TYPE_CHECKING:
     from elastic_moe_plugin.core.schedule import SamplingMode
@@ -122,6 +124,10 @@ class ScenarioResult:
     scenario: str
     shape: str
     variants: dict[str, VariantResult] = field(default_factory=dict)
+    #: the configuration's settings (the schema's ``params``)
+    params: dict[str, Scalar] = field(default_factory=dict)
+    #: the ``--only`` mode that measured it
+    mode: str = ""
 
     def ratios(self) -> dict[str, dict[str, float | int]]:
         stock = self.variants["stock"]
@@ -134,6 +140,23 @@ class ScenarioResult:
             for name, result in self.variants.items()
             if name != "stock"
         }
+
+    def rows(self) -> list[BenchRow]:
+        """One schema row per variant (:mod:`.schema`); the elastic ones against ``stock``."""
+        ratios = self.ratios()
+        return [
+            row(
+                self.mode,
+                self.scenario,
+                self.shape,
+                name,
+                params=self.params,
+                metrics=asdict(variant),
+                baseline=None if name == "stock" else "stock",
+                ratios=ratios.get(name),
+            )
+            for name, variant in self.variants.items()
+        ]
 
 
 @dataclass
@@ -163,6 +186,8 @@ def measure(
     *,
     reset: Callable[[], None] = _nothing,
     between_runs: Callable[[], None] = _nothing,
+    params: dict[str, Scalar] | None = None,
+    mode: str = "",
 ) -> ScenarioResult:
     """Interleaved timing, then memory, syncs and pairs of each variant.
 
@@ -170,6 +195,7 @@ def measure(
         reset: called once before the warm-up (Megatron: size its metrics tracker afresh).
         between_runs: called after the warm-up, after each timed round and after each variant's
             memory and sync runs (Megatron: zero its metrics tracker).
+        params: the configuration's settings; mode: the ``--only`` mode (both for the JSON rows).
     """
     reset()
     for _ in range(warmup):
@@ -189,7 +215,7 @@ def measure(
             _synchronize()
             times[name].append((time.perf_counter() - start) * 1e3)
         between_runs()
-    result = ScenarioResult(scenario=scenario, shape=shape)
+    result = ScenarioResult(scenario=scenario, shape=shape, params=dict(params or {}), mode=mode)
     for name in names:
         gc.collect()
         steps[name].setup()

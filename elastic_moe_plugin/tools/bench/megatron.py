@@ -9,15 +9,21 @@ Variants, built from the same weights and fed the same inputs:
 The elastic variants use :class:`ElasticTopKRouter` (the explicit-spec route, the same
 ``elastic_routing`` the monkey-patch runs), so all three live side by side in one process.
 
-Scenarios (forward + backward):
+Scenarios (forward + backward), by mode (``--only``):
 
 - ``router``: the router alone (gating GEMM, selection, weights, aux loss);
-- ``layer-allgather`` / ``layer-alltoall``: a MoE layer with SequentialMLP experts (single
+- ``routing``: ``router.routing(logits)`` alone, from leaf logits (no gating GEMM): the part
+  elastic routing changes;
+- ``layer-allgather`` / ``layer-alltoall`` (``layer``): a MoE layer with SequentialMLP experts (single
   process, so the all-to-all is local; what it measures is the permute/unpermute bookkeeping);
 - ``layer-droppad``: the same layer with drop-and-pad (``moe_expert_capacity_factor=1``,
   ``moe_pad_expert_input_to_capacity``): every expert buffer holds get_capacity(T·k, E, 1) rows,
   stock's, whatever κ;
-- ``gpt-step``: a training step (forward, backward) of a tiny GPTModel with MoE in every layer.
+- ``gpt-step`` (``gpt``): a training step (forward, backward) of a tiny GPTModel with MoE in every
+  layer.
+
+Every router has an aux loss of :data:`AUX_COEFF` (``aux_loss``, as OLMoE), or none with
+``--no-aux``: stock's aux loss builds a second top-k map, which elastic routing does not.
 
 Timing, memory and sync counting are :mod:`.measure`'s. Pairs: (token, expert) rows per forward,
 expected against realised. Router and GPT step: T·k against Σκ (the routing records); the MoE
@@ -29,12 +35,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elastic_moe_plugin.compat import megatron_tracker
 from elastic_moe_plugin.tools.bench.measure import SAMPLINGS, ScenarioResult, Step, measure
+from elastic_moe_plugin.tools.bench.schema import Scalar
+
+#: the aux loss of every scenario (``moe_router_load_balancing_type="aux_loss"``), as OLMoE's;
+#: ``--no-aux``: 0
+AUX_COEFF = 0.01
 
 if TYPE_CHECKING:
     from elastic_moe_plugin.core.schedule import SamplingMode
@@ -107,38 +118,68 @@ def _records_pairs(module: torch.nn.Module, fallback: int) -> int:
     return int(sum(int(record.budgets.sum()) for record in records.values()))
 
 
-def router_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hidden: int) -> dict[str, Step]:
+def _routers(num_experts: int, topk: int, schedule: str, hidden: int, aux_coeff: float) -> dict[str, Any]:
+    """Stock ``TopKRouter`` and the two elastic ones, the same weights, in training mode on the bench's device."""
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.router import TopKRouter
 
     from elastic_moe_plugin import mcore
 
     config = transformer_config(
-        hidden_size=hidden, ffn_hidden_size=4 * hidden, num_moe_experts=num_experts, moe_router_topk=topk
+        hidden_size=hidden,
+        ffn_hidden_size=4 * hidden,
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_aux_loss_coeff=aux_coeff,
     )
     pg_collection = get_default_pg_collection()
     torch.manual_seed(0)
-    device = bench_device()
     routers = {"stock": TopKRouter(config=config, pg_collection=pg_collection)}
     for sampling in SAMPLINGS:
         router_class = mcore.ElasticTopKRouter.with_config(_elastic_config(schedule, sampling))
         routers[sampling] = router_class(config=config, pg_collection=pg_collection)
         routers[sampling].load_state_dict(routers["stock"].state_dict())
+    for router in routers.values():
+        router.to(bench_device()).set_layer_number(1)
+        router.train()
+    return routers
+
+
+def router_scenario(
+    num_experts: int, topk: int, schedule: str, tokens: int, hidden: int, aux_coeff: float = AUX_COEFF
+) -> dict[str, Step]:
+    """``router``: ``router(x)`` and the backward of ``(probs * g).sum()``, the gating GEMM included:
+    what a training step pays per MoE layer."""
+    routers = _routers(num_experts, topk, schedule, hidden, aux_coeff)
+    device = bench_device()
     x = torch.randn(tokens, 1, hidden, device=device)
     grad_probs = torch.randn(tokens, num_experts, device=device)
-    steps = {}
-    for name, router in routers.items():
-        router.to(device).set_layer_number(1)
-        router.train()
-        steps[name] = _router_step(router, x, grad_probs, tokens * topk)
-    return steps
+    return {name: _router_step(router, x, grad_probs, tokens * topk) for name, router in routers.items()}
 
 
-def _router_step(router, x, grad_probs, expected_pairs) -> Step:
+def routing_scenario(
+    num_experts: int, topk: int, schedule: str, tokens: int, hidden: int, aux_coeff: float = AUX_COEFF
+) -> dict[str, Step]:
+    """``routing``: ``router.routing(logits)`` and its backward from leaf logits (the gating GEMM left
+    out): the part elastic routing changes."""
+    routers = _routers(num_experts, topk, schedule, hidden, aux_coeff)
+    device = bench_device()
+    x = torch.randn(tokens, 1, hidden, device=device)
+    with torch.no_grad():
+        logits = routers["stock"].gating(x)  # [T, 1, E], as the router's forward passes it
+    grad_probs = torch.randn(tokens, num_experts, device=device)
+    return {
+        name: _router_step(router, logits, grad_probs, tokens * topk, routing=True) for name, router in routers.items()
+    }
+
+
+def _router_step(router, inputs: torch.Tensor, grad_probs, expected_pairs: int, routing: bool = False) -> Step:
+    """``router(inputs)``, or with ``routing`` ``router.routing(inputs)`` (inputs: logits), from a leaf."""
     state = {}
 
     def forward():
-        probs, routing_map = router(x.detach().requires_grad_())
+        leaf = inputs.detach().requires_grad_()
+        probs, routing_map = router.routing(leaf) if routing else router(leaf)
         state["pairs"] = routing_map
         return probs
 
@@ -169,6 +210,7 @@ def layer_scenario(
     hidden: int,
     ffn: int,
     drop_and_pad: bool = False,
+    aux_coeff: float = AUX_COEFF,
 ) -> dict[str, Step]:
     import dataclasses
 
@@ -185,6 +227,7 @@ def layer_scenario(
         num_moe_experts=num_experts,
         moe_router_topk=topk,
         moe_token_dispatcher_type=dispatcher,
+        moe_aux_loss_coeff=aux_coeff,
         **capacity,
     )
     device = bench_device()
@@ -227,7 +270,9 @@ def _layer_step(layer, x, grad_out, expected_rows) -> Step:
     return Step(run=run, forward=forward, pairs=lambda: rows.get("rows", expected_rows))
 
 
-def gpt_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hidden: int, layers: int) -> dict[str, Step]:
+def gpt_scenario(
+    num_experts: int, topk: int, schedule: str, tokens: int, hidden: int, layers: int, aux_coeff: float = AUX_COEFF
+) -> dict[str, Step]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -242,6 +287,7 @@ def gpt_scenario(num_experts: int, topk: int, schedule: str, tokens: int, hidden
         moe_ffn_hidden_size=2 * hidden,
         num_moe_experts=num_experts,
         moe_router_topk=topk,
+        moe_aux_loss_coeff=aux_coeff,
     )
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     device = bench_device()
@@ -282,67 +328,66 @@ def _gpt_step(model: torch.nn.Module, call: Callable[[torch.nn.Module], torch.Te
 
 
 # ------------------------------------------------------------------------------------ running
-class _LayerShape(TypedDict):
-    num_experts: int
-    topk: int
-    schedule: str
-    tokens: int
-    hidden: int
-    ffn: int
+#: the modes this module runs, each a ``--only`` choice
+MODES = ("router", "routing", "layer", "gpt")
+#: (E, k, schedule, T, H) of the ``router`` and ``routing`` scenarios: quick, full
+ROUTER_SHAPES = {True: [(64, 8, "6-10", 1024, 256)], False: [(64, 8, "6-10", 8192, 2048), (128, 8, "6-10", 8192, 2048)]}
+LAYER_SHAPES = {
+    True: dict(num_experts=16, topk=4, schedule="2-6", tokens=512, hidden=128, ffn=256),
+    False: dict(num_experts=64, topk=8, schedule="6-10", tokens=4096, hidden=512, ffn=256),
+}
+GPT_SHAPES = {
+    True: dict(num_experts=16, topk=4, schedule="2-6", tokens=256, hidden=64, layers=2),
+    False: dict(num_experts=16, topk=4, schedule="2-6", tokens=1024, hidden=128, layers=4),
+}
 
 
-class _GptShape(TypedDict):
-    num_experts: int
-    topk: int
-    schedule: str
-    tokens: int
-    hidden: int
-    layers: int
-
-
-def _measure(scenario: str, shape: str, steps: dict[str, Step], warmup: int, repeats: int) -> ScenarioResult:
-    return measure(
-        scenario, shape, steps, warmup, repeats, reset=megatron_tracker.reset, between_runs=megatron_tracker.zero
-    )
-
-
-def run_suite(quick: bool, threads: int, only: list[str] | None = None) -> list[ScenarioResult]:
-    """The Megatron scenarios named in ``only`` (``router``, ``layer``, ``gpt``; all when None)."""
+def run_suite(
+    quick: bool, threads: int, only: list[str] | None = None, aux_coeff: float = AUX_COEFF
+) -> list[ScenarioResult]:
+    """The Megatron scenarios of the modes named in ``only`` (:data:`MODES`; all when None), every
+    router with the aux loss ``aux_coeff`` (0: none)."""
     megatron_setup(threads)
-    if quick:
-        router_shapes = [(64, 8, "6-10", 1024, 256)]
-        layer_shape = _LayerShape(num_experts=16, topk=4, schedule="2-6", tokens=512, hidden=128, ffn=256)
-        gpt_shape = _GptShape(num_experts=16, topk=4, schedule="2-6", tokens=256, hidden=64, layers=2)
-        warmup, repeats = 1, 5
-    else:
-        router_shapes = [(64, 8, "6-10", 8192, 2048), (128, 8, "6-10", 8192, 2048)]
-        layer_shape = _LayerShape(num_experts=64, topk=8, schedule="6-10", tokens=4096, hidden=512, ffn=256)
-        gpt_shape = _GptShape(num_experts=16, topk=4, schedule="2-6", tokens=1024, hidden=128, layers=4)
-        warmup, repeats = 2, 11
-    wanted = set(only or ("router", "layer", "gpt"))
-    results = []
-    if "router" in wanted:
-        for experts, topk, schedule, tokens, hidden in router_shapes:
-            shape = f"E={experts} k={topk} {schedule} T={tokens} H={hidden}"
-            results.append(
-                _measure("router", shape, router_scenario(experts, topk, schedule, tokens, hidden), warmup, repeats)
-            )
-    if "layer" in wanted:
-        shape = "E={num_experts} k={topk} {schedule} T={tokens} H={hidden} F={ffn}".format(**layer_shape)
-        for dispatcher in ("allgather", "alltoall"):
-            results.append(
-                _measure(f"layer-{dispatcher}", shape, layer_scenario(dispatcher, **layer_shape), warmup, repeats)
-            )
-        results.append(
-            _measure(
-                "layer-droppad",
-                "alltoall " + shape + " cf=1 pad",
-                layer_scenario("alltoall", **layer_shape, drop_and_pad=True),
-                warmup,
-                repeats,
-            )
+    warmup, repeats = (1, 5) if quick else (2, 11)
+    wanted = [mode for mode in MODES if mode in (only or MODES)]
+    aux: dict[str, Scalar] = {"aux_coeff": aux_coeff}
+    suffix = "" if aux_coeff == AUX_COEFF else f" aux {aux_coeff:g}"
+
+    def run(mode: str, scenario: str, shape: str, steps: dict[str, Step], params: dict[str, Scalar]) -> ScenarioResult:
+        return measure(
+            scenario,
+            shape + suffix,
+            steps,
+            warmup,
+            repeats,
+            reset=megatron_tracker.reset,
+            between_runs=megatron_tracker.zero,
+            params={**params, **aux},
+            mode=mode,
         )
+
+    results = []
+    for mode in ("router", "routing"):
+        if mode not in wanted:
+            continue
+        build = router_scenario if mode == "router" else routing_scenario
+        for experts, topk, schedule, tokens, hidden in ROUTER_SHAPES[quick]:
+            params: dict[str, Scalar] = dict(
+                experts=experts, topk=topk, schedule=schedule, tokens=tokens, hidden=hidden
+            )
+            shape = f"E={experts} k={topk} {schedule} T={tokens} H={hidden}"
+            results.append(run(mode, mode, shape, build(experts, topk, schedule, tokens, hidden, aux_coeff), params))
+    if "layer" in wanted:
+        layer: dict[str, Any] = LAYER_SHAPES[quick]
+        shape = "E={num_experts} k={topk} {schedule} T={tokens} H={hidden} F={ffn}".format(**layer)
+        for dispatcher in ("allgather", "alltoall"):
+            steps = layer_scenario(dispatcher, **layer, aux_coeff=aux_coeff)
+            results.append(run("layer", f"layer-{dispatcher}", shape, steps, {**layer, "dispatcher": dispatcher}))
+        steps = layer_scenario("alltoall", **layer, drop_and_pad=True, aux_coeff=aux_coeff)
+        params = {**layer, "dispatcher": "alltoall", "capacity_factor": 1.0, "pad_to_capacity": True}
+        results.append(run("layer", "layer-droppad", "alltoall " + shape + " cf=1 pad", steps, params))
     if "gpt" in wanted:
-        shape = "L={layers} E={num_experts} k={topk} {schedule} T={tokens} H={hidden}".format(**gpt_shape)
-        results.append(_measure("gpt-step", shape, gpt_scenario(**gpt_shape), warmup, repeats))
+        gpt: dict[str, Any] = GPT_SHAPES[quick]
+        shape = "L={layers} E={num_experts} k={topk} {schedule} T={tokens} H={hidden}".format(**gpt)
+        results.append(run("gpt", "gpt-step", shape, gpt_scenario(**gpt, aux_coeff=aux_coeff), dict(gpt)))
     return results

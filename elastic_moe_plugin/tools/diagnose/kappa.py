@@ -104,8 +104,9 @@ def load_kappa(path: str | os.PathLike[str], label: str | None = None) -> dict[s
         means_only = any(_LAYER_MEAN_SHARE_KEY.fullmatch(key) for entry in entries for key in entry)
         hint = (
             " It holds layer means only ('elastic_moe/kappa_frac_<r>'), as megatron sft and Megatron-LM log "
-            "unless Megatron's per-layer switch is on: train with --megatron_extra_kwargs "
-            "'{\"moe_per_layer_logging\": true}' (megatron sft) or --moe-per-layer-logging (Megatron-LM)."
+            "unless Megatron's per-layer switch is on, and every launcher with log_metrics 'means': train with "
+            "--megatron_extra_kwargs '{\"moe_per_layer_logging\": true}' (megatron sft) or --moe-per-layer-logging "
+            "(Megatron-LM), with log_metrics 'layers', the default (ELASTIC_MOE_LOG_METRICS=layers)."
             if means_only
             else ""
         )

@@ -1,5 +1,5 @@
-"""ms-swift plugin file of the ``swift sft`` bench (``elastic-moe bench --only e2e``,
-``scripts/swift_sft_speed.py --profile``): a profiler and a sync counter over training steps.
+"""ms-swift plugin file of the ``swift sft`` bench (``elastic-moe bench --only e2e`` and
+``--only swift-profile``): a profiler and a sync counter over training steps.
 
 Loaded next to the elastic-moe plugin by ``--external_plugins`` (``swift sft`` imports it before the
 model is built); it registers two callbacks, each enabled by ``--callbacks NAME``:

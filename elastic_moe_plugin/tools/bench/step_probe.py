@@ -1,11 +1,12 @@
-"""Start-up module of ``elastic-moe bench --only e2e``'s Megatron runs: it wraps one trainer's ``train_step``.
+"""The bench's step probe: it wraps one Megatron trainer's ``train_step`` (``elastic-moe bench --only e2e``).
 
-On ``PYTHONPATH`` of the bench's ``megatron sft`` and Megatron-LM runs (after the CPU runtime's
-bootstrap, which runs this module after itself), it does nothing unless the bench sets one of its
-variables. Then it wraps the trainer's ``train_step`` as soon as its module is imported
-(``$E2E_BENCH_TARGET``: ``megatron_lm`` for ``megatron.training.training.train_step``,
-``megatron_swift`` for ``swift.megatron.trainers.base.BaseMegatronTrainer.train_step``, or any
-``module:function``); one call
+Switched on in the children of the bench's ``megatron sft`` and Megatron-LM runs by the child
+bootstrap (:mod:`elastic_moe_plugin.tools.child_bootstrap`, feature ``step_probe``) and configured
+by its own variables; :func:`install` does nothing unless one of them is set. It wraps the
+trainer's ``train_step`` as soon as its module is imported (``$E2E_BENCH_TARGET``: ``megatron_lm``
+for ``megatron.training.training.train_step``, ``megatron_swift`` for
+``swift.megatron.trainers.base.BaseMegatronTrainer.train_step``, or any ``module:function``),
+through the package's one import finder (:mod:`elastic_moe_plugin.core.import_hooks`); one call
 is one training iteration (every micro-batch's forward and backward, the optimizer step).
 
 - ``E2E_BENCH_SYNC_STEP=n`` (separate runs): call ``n`` runs under
@@ -26,18 +27,18 @@ is one training iteration (every micro-batch's forward and backward, the optimiz
   "syncs": {"static": n, "elastic": n}}`` to ``$E2E_BENCH_INTERLEAVE_OUT`` at exit (null: a
   sync-counted call, and the last call, which no call follows).
 
-A ``sitecustomize`` this folder shadows (one later on ``sys.path`` than this folder) is run afterwards.
+Standard library only at import (the frameworks are imported when a wrapped call first runs).
 """
+
+from __future__ import annotations
 
 import atexit
 import functools
 import gc
-import importlib.machinery
-import importlib.util
 import json
 import os
-import sys
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -161,36 +162,18 @@ def _target(name: str) -> tuple:
     return module, owner or None, function
 
 
-def _install() -> None:
-    step, block = os.environ.get("E2E_BENCH_SYNC_STEP"), os.environ.get("E2E_BENCH_INTERLEAVE_BLOCK")
+def install(environ: Mapping[str, str]) -> None:
+    """Wrap the target's ``train_step`` as ``environ``'s ``E2E_BENCH_*`` variables say (nothing when
+    neither ``E2E_BENCH_SYNC_STEP`` nor ``E2E_BENCH_INTERLEAVE_BLOCK`` is set)."""
+    step, block = environ.get("E2E_BENCH_SYNC_STEP"), environ.get("E2E_BENCH_INTERLEAVE_BLOCK")
     if not step and not block:
         return
-    module, owner, function = _target(os.environ["E2E_BENCH_TARGET"])
+    module, owner, function = _target(environ["E2E_BENCH_TARGET"])
     if block:
-        wrap = _Interleaving(int(block), os.environ["E2E_BENCH_INTERLEAVE_OUT"], int(step or 0)).wrap
-    elif step:
-        wrap = functools.partial(_counted, step=int(step), out=os.environ["E2E_BENCH_SYNC_OUT"])
+        wrap = _Interleaving(int(block), environ["E2E_BENCH_INTERLEAVE_OUT"], int(step or 0)).wrap
+    else:
+        wrap = functools.partial(_counted, step=int(step or 0), out=environ["E2E_BENCH_SYNC_OUT"])
     _wrap_on_import(module, owner, function, wrap)
 
 
-def _run_shadowed_sitecustomize() -> None:
-    # only the entries after this folder: the CPU runtime's bootstrap, before it, has already run
-    here = os.path.dirname(os.path.abspath(__file__))
-    absolute = [os.path.abspath(entry) if entry else "" for entry in sys.path]
-    after = absolute.index(here) + 1 if here in absolute else 0
-    entries = [entry for entry in sys.path[after:] if entry and os.path.abspath(entry) != here]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", entries)
-    if (
-        spec is None
-        or spec.loader is None
-        or spec.origin is None
-        or os.path.abspath(spec.origin) == os.path.abspath(__file__)
-    ):
-        return
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["_elastic_moe_bench_shadowed_sitecustomize"] = module
-    spec.loader.exec_module(module)
-
-
-_install()
-_run_shadowed_sitecustomize()
+__all__ = ["MODES", "TARGETS", "install"]
