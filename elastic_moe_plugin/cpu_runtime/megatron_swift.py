@@ -67,10 +67,11 @@ Megatron-SWIFT's distributed initialisation), and ``--megatron_extra_kwargs
 '{"persist_layer_norm": false}'`` (the persistent LayerNorm kernel is apex/CUDA).
 
 Usage: :func:`enable` before ``mcore_bridge`` is imported, in every process of the run (``megatron
-sft`` re-launches itself, and torchrun starts one process per rank):
-``elastic_moe_plugin.tools.recipes.cpu_bootstrap`` is the start-up module the rehearsal and the
-tests put on the children's ``PYTHONPATH``. Explicit and opt-in: nothing in a GPU run imports this
-module, and :func:`enable` refuses to run where CUDA is available (``force=True`` in tests only).
+sft`` re-launches itself, and torchrun starts one process per rank): the child bootstrap
+``elastic_moe_plugin.tools.child_bootstrap`` (on the children's ``PYTHONPATH`` with
+``EMOE_BOOTSTRAP=megatron_swift``) calls it in each, for the rehearsal, the bench and the tests.
+Explicit and opt-in: nothing in a GPU run imports this module, and :func:`enable` refuses to run
+where CUDA is available (``force=True`` in tests only).
 """
 
 from __future__ import annotations
@@ -424,8 +425,8 @@ def _install(patches: AttributePatches) -> None:
     if already:
         raise MegatronCPUError(
             f"mcore_bridge is already imported ({already[0]}, ...): enable the Megatron-SWIFT CPU runtime before "
-            "anything imports mcore_bridge (e.g. through elastic_moe_plugin.tools.recipes.cpu_bootstrap on "
-            "PYTHONPATH)."
+            "anything imports mcore_bridge (e.g. through elastic_moe_plugin.tools.child_bootstrap on "
+            "PYTHONPATH with EMOE_BOOTSTRAP=megatron_swift)."
         )
     scope = _BridgeImportScope(lambda module: _fix_bridge_module(patches, module))
     scope.install()

@@ -26,7 +26,7 @@ import yaml
 from elastic_moe_plugin import cli
 from elastic_moe_plugin.core.config import ENV_VARS, ElasticConfig
 from elastic_moe_plugin.megatron_lm import parse_argv, split_argv
-from elastic_moe_plugin.tools.recipes.load import _load_tree, list_recipe_files, load_recipe, setting_dirs
+from elastic_moe_plugin.tools.recipes.load import list_recipe_files, load_recipe, load_tree, setting_dirs
 from elastic_moe_plugin.tools.recipes.recipe import CONFIGS_DIR, display_path
 from elastic_moe_plugin.tools.recipes.render import prepare_model_override, render
 from elastic_moe_plugin.tools.recipes.schema import RecipeError
@@ -148,7 +148,7 @@ def test_every_setting_has_the_eleven_schedules():
 
 @pytest.mark.parametrize("path", OWN_YAML, ids=[f"{p.parent.name}/{p.name}" for p in OWN_YAML])
 def test_every_yaml_file_loads(path):
-    data, origin = _load_tree(path, ())
+    data, origin = load_tree(path)
     assert data
     if path.parent.name != "overlays":
         recipe = load_recipe(path)
@@ -369,7 +369,7 @@ def test_paper_table_row_matches_the_yaml(file, row):
     item, key, paper, recipe_cell, source = row
     key = key.strip("`")
     assert source in SOURCES, f"{key}: source {source!r} is not one of {sorted(SOURCES)}"
-    data, _ = _load_tree(REPO / file, ())
+    data, _ = load_tree(REPO / file)
     actual = _get(data, key)
     expected = _value(recipe_cell)
     assert _same(actual, expected), f"{file}: {key} is {actual!r} in the YAML but {expected!r} in docs/recipes.md"
@@ -383,7 +383,7 @@ def test_paper_table_row_matches_the_yaml(file, row):
 
 @pytest.mark.parametrize("file", sorted({f for f, _ in KEY_ROWS if f.endswith("base.yaml")}))
 def test_paper_table_covers_every_key_of_the_base(file):
-    data, _ = _load_tree(REPO / file, ())
+    data, _ = load_tree(REPO / file)
     documented = {row[1].strip("`") for f, row in KEY_ROWS if f == file}
     missing = sorted(set(_leaves(data)) - documented)
     extra = sorted(documented - set(_leaves(data)))
@@ -415,7 +415,7 @@ def test_unspecified_rows_and_yaml_comments_agree():
     in_docs = set()
     for file, row in KEY_ROWS:
         if row[4] == "unspecified":
-            _, origin = _load_tree(REPO / file, ())
+            _, origin = load_tree(REPO / file)
             key = row[1].strip("`")
             in_docs.add((origin[tuple(key.split("."))], key))
     rel = lambda items: sorted(f"{os.path.relpath(f, REPO)}:{k}" for f, k in items)  # noqa: E731
@@ -696,11 +696,15 @@ def test_entry_point_takes_the_elastic_flags_out():
 
 
 def test_entry_point_logs_routing_metrics_unless_told_not_to():
-    assert parse_argv(["train.py", "--lr", "1"], environ={}).log_metrics is True
+    # ElasticConfig.log_metrics; the entry point's old true/false read as layers/off
+    assert parse_argv(["train.py", "--lr", "1"], environ={}).config.log_metrics == "layers"
     launch = parse_argv(["train.py", "--elastic-moe-log-metrics", "false", "--lr", "1"], environ={})
-    assert launch.log_metrics is False and launch.megatron_args == ["--lr", "1"]
-    assert parse_argv(["train.py", "--elastic-moe-log-metrics=off"], environ={}).log_metrics is False
-    with pytest.raises(ValueError, match=r"--elastic-moe-log-metrics maybe is invalid: expected true or false"):
+    assert launch.config.log_metrics == "off" and launch.megatron_args == ["--lr", "1"]
+    assert parse_argv(["train.py", "--elastic-moe-log-metrics=off"], environ={}).config.log_metrics == "off"
+    assert parse_argv(["train.py", "--elastic-moe-log-metrics", "true"], environ={}).config.log_metrics == "layers"
+    assert parse_argv(["train.py", "--elastic-moe-log-metrics", "means"], environ={}).config.log_metrics == "means"
+    with pytest.raises(ValueError, match=r"--elastic-moe-log-metrics maybe is not a metrics layout: expected "
+                                         r"--elastic-moe-log-metrics layers"):
         parse_argv(["train.py", "--elastic-moe-log-metrics", "maybe"], environ={})
     with pytest.raises(ValueError, match="did you mean --elastic-moe-log-metrics"):
         parse_argv(["train.py", "--elastic-moe-log-metric", "false"], environ={})
@@ -745,9 +749,7 @@ def test_a_rehearsal_changes_only_what_it_lists(name, tmp_path, monkeypatch):
     topology = resolve_topology(recipe, environ={})
     original = _flag_values(framework_args(render(recipe, topology, megatron_lm_dir="/nonexistent")))
     plan = plan_rehearsal(name, work_dir=tmp_path / "work", build_assets=False)
-    argv = plan.command.argv
-    entry = "elastic_moe_plugin.tools.recipes.megatron_lm_cpu"
-    rehearsed = _flag_values(argv[argv.index(entry) + 2:] if entry in argv else framework_args(plan.command))
+    rehearsed = _flag_values(framework_args(plan.command))
     listed = {item.key.removeprefix("args.") for item in plan.replacements}
     changed = {flag for flag in original.keys() | rehearsed.keys() if original.get(flag) != rehearsed.get(flag)}
     unexplained = changed - listed - _STRUCTURED
@@ -768,23 +770,104 @@ def test_a_rehearsal_changes_only_what_it_lists(name, tmp_path, monkeypatch):
 
 
 def test_rehearsal_of_the_megatron_sft_recipe_runs_every_process_under_the_cpu_bootstrap(tmp_path):
-    from elastic_moe_plugin.tools.recipes.rehearse import cpu_bootstrap_dir, plan_rehearsal
+    from elastic_moe_plugin.tools import child_bootstrap
+    from elastic_moe_plugin.tools.recipes.rehearse import plan_rehearsal
 
     plan = plan_rehearsal("qwen3_sft/6-10", work_dir=tmp_path / "work", build_assets=False)
-    assert plan.command.env["PYTHONPATH"].split(os.pathsep)[0] == str(cpu_bootstrap_dir())
-    assert (cpu_bootstrap_dir() / "sitecustomize.py").is_file()
+    assert plan.command.env["PYTHONPATH"].split(os.pathsep)[0] == str(child_bootstrap.directory())
+    assert plan.command.env[child_bootstrap.BOOTSTRAP_ENV] == "megatron_swift"
+    assert (child_bootstrap.directory() / "sitecustomize.py").is_file()
     assert plan.command.env["NPROC_PER_NODE"] == "4"  # PP 2 x EP 2 (x DP 2) on one node
     assert plan.command.argv[:2] == ["megatron", "sft"]
 
 
-def test_rehearsal_layer_ranges_scale_to_the_tiny_depth():
-    from elastic_moe_plugin.tools.recipes.rehearse import _scaled_layers
+def test_rehearsal_of_the_pretraining_recipe_runs_the_one_megatron_lm_entry_point_with_its_cpu_flag(tmp_path):
+    """``python -m elastic_moe_plugin.megatron_lm --cpu SCRIPT`` under torchrun, the recipe's own entry
+    point and flags after it; the child bootstrap adds host-tensor clipping for the recipe's --clip-grad."""
+    from elastic_moe_plugin.tools import child_bootstrap
+    from elastic_moe_plugin.tools.recipes.rehearse import plan_rehearsal
+    from elastic_moe_plugin.tools.recipes.render import framework_args
 
-    assert _scaled_layers("3-7", 16) == "0-1"
-    assert _scaled_layers("8-12", 16) == "2-3"
-    assert _scaled_layers("3-7", 48) == "0"
-    assert _scaled_layers("0,15", 16) == "0,3"
-    assert _scaled_layers(None, 16) is None
+    plan = plan_rehearsal("pretrain/6-10", work_dir=tmp_path / "work", build_assets=False)
+    argv = plan.command.argv
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    entry = argv.index("elastic_moe_plugin.megatron_lm")
+    assert argv[entry - 1:entry + 2] == ["-m", "elastic_moe_plugin.megatron_lm", "--cpu"]
+    assert argv[entry + 2].endswith(".py") and framework_args(plan.command) == argv[entry + 3:]
+    assert "--clip-grad" in framework_args(plan.command)
+    assert not any("megatron_lm_cpu" in word for word in argv)
+    assert plan.command.env[child_bootstrap.BOOTSTRAP_ENV] == "grad_clip"
+    assert plan.command.env["PYTHONPATH"].split(os.pathsep)[0] == str(child_bootstrap.directory())
+
+
+def test_the_package_has_one_cpu_start_up_bootstrap_and_one_megatron_lm_cpu_entry_point():
+    """One ``sitecustomize`` in the package, the child bootstrap's; no second Megatron-LM CPU entry."""
+    from elastic_moe_plugin.tools import child_bootstrap
+
+    package = REPO / "elastic_moe_plugin"
+    assert sorted(package.rglob("sitecustomize.py")) == [child_bootstrap.directory() / "sitecustomize.py"]
+    assert not (package / "tools" / "recipes" / "megatron_lm_cpu.py").exists()
+    entries = [path for path in package.rglob("*.py") if "runpy.run_module" in path.read_text()]
+    assert entries == [], entries
+
+
+def _bootstrapped(code: str, features: str) -> subprocess.CompletedProcess:
+    from elastic_moe_plugin.tools import child_bootstrap
+
+    env = {key: value for key, value in os.environ.items() if key != child_bootstrap.BOOTSTRAP_ENV}
+    env.update(child_bootstrap.environment([], str(REPO)), CUDA_VISIBLE_DEVICES="")
+    if features:
+        env[child_bootstrap.BOOTSTRAP_ENV] = features
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_the_child_bootstrap_switches_on_what_its_variable_names_and_nothing_without_it():
+    probe = ("import json, sys; from elastic_moe_plugin.cpu_runtime import grad_clip; "
+             "print(json.dumps([grad_clip.is_enabled(), 'torch' in sys.modules]))")
+    done = _bootstrapped(probe, "grad_clip")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, True]
+    # on the path, the variable unset: nothing switched on, not even torch imported
+    idle = "import json, sys; print(json.dumps(['elastic_moe_plugin.cpu_runtime' in sys.modules, 'torch' in sys.modules]))"
+    done = _bootstrapped(idle, "")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [False, False]
+
+
+def test_the_child_bootstrap_refuses_a_feature_it_does_not_know():
+    from elastic_moe_plugin.tools import child_bootstrap
+
+    done = _bootstrapped("print('ran')", "grad_clip,megatron-swift")
+    assert done.returncode != 0 and "ran" not in done.stdout
+    assert ("EMOE_BOOTSTRAP='grad_clip,megatron-swift': megatron-swift is no start-up feature; expected a "
+            "comma-separated list of megatron_swift, grad_clip, step_probe.") in done.stderr
+    with pytest.raises(ValueError, match="megatron-swift is no start-up feature"):
+        child_bootstrap.environment(["megatron-swift"])
+    # in the order they run, whatever the variable's
+    assert child_bootstrap.requested({child_bootstrap.BOOTSTRAP_ENV: " step_probe, megatron_swift"}) == [
+        "megatron_swift", "step_probe"]
+
+
+def test_the_child_bootstrap_runs_the_sitecustomize_it_shadows(tmp_path):
+    from elastic_moe_plugin.tools import child_bootstrap
+
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_SITECUSTOMIZE_RAN'] = '1'\n")
+    env = {key: value for key, value in os.environ.items() if key != child_bootstrap.BOOTSTRAP_ENV}
+    env.update(child_bootstrap.environment([], os.pathsep.join([str(tmp_path), str(REPO)])))
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('SHADOWED_SITECUSTOMIZE_RAN'))"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "1"
+
+
+def test_rehearsal_layer_ranges_scale_to_the_tiny_depth():
+    from elastic_moe_plugin.tools.recipes.rehearsal_replacements import scaled_layers
+
+    assert scaled_layers("3-7", 16) == "0-1"
+    assert scaled_layers("8-12", 16) == "2-3"
+    assert scaled_layers("3-7", 48) == "0"
+    assert scaled_layers("0,15", 16) == "0,3"
+    assert scaled_layers(None, 16) is None
 
 
 def test_rehearse_dry_run_through_the_cli(capsys, tmp_path):

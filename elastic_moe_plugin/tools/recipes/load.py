@@ -153,6 +153,12 @@ def _load_tree(path: Path, stack: tuple[Path, ...]) -> tuple[dict, dict]:
     return merged, origin
 
 
+def load_tree(path: str | os.PathLike[str]) -> tuple[dict, dict]:
+    """A recipe or overlay file merged over its ``extends`` chain, not yet validated as a recipe:
+    ``(data, origin)``, origin mapping every key path (a tuple) to the file that set it."""
+    return _load_tree(Path(path), ())
+
+
 def _parents(path: Path, data: Mapping[str, Any]) -> list[str]:
     """The file names ``data``'s ``extends`` lists (one name may stand alone)."""
     parents = data.get("extends") or []

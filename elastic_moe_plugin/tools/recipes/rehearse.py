@@ -7,13 +7,15 @@ with the recipe's own flags and its ``ELASTIC_MOE_*`` overlay, through the launc
 
 - ``swift_sft`` (OLMoE): ``swift sft``, ms-swift's transformers trainer;
 - ``megatron_sft`` (Qwen3): ``megatron sft``, Megatron-SWIFT with mcore-bridge, every process under
-  the CPU runtime (:mod:`elastic_moe_plugin.cpu_runtime.megatron_swift`, switched on by the start-up
-  bootstrap :func:`cpu_bootstrap_dir` on ``PYTHONPATH``);
+  the CPU runtime (:mod:`elastic_moe_plugin.cpu_runtime.megatron_swift`, switched on by the child
+  bootstrap, :mod:`elastic_moe_plugin.tools.child_bootstrap`, on ``PYTHONPATH`` with
+  ``EMOE_BOOTSTRAP=megatron_swift``);
 - ``megatron_lm`` (pretraining): torchrun of ``python -m elastic_moe_plugin.megatron_lm SCRIPT``
   (Megatron-LM's ``megatron.training``: the recipe's ``pretrain_gpt.py`` of ``--megatron-lm-dir`` when
   given, else the megatron-core wheel's trainer with this repository's
-  ``examples/megatron_lm/pretrain_gpt_moe.py``), through
-  :mod:`elastic_moe_plugin.tools.recipes.megatron_lm_cpu`, which switches the CPU runtime on first.
+  ``examples/megatron_lm/pretrain_gpt_moe.py``) with the entry point's own ``--cpu``, which switches
+  the CPU runtime on in every rank; the child bootstrap adds host-tensor gradient clipping
+  (``EMOE_BOOTSTRAP=grad_clip``), so the recipe keeps its ``--clip-grad``.
 
 Only what cannot apply on this machine is replaced, each replacement printed with its reason
 (:class:`Replacement`): the checkpoint by a random one of the same family (router, gate convention,
@@ -41,13 +43,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastic_moe_plugin.tools import child_bootstrap
 from elastic_moe_plugin.tools.recipes.load import load_recipe
 from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
 from elastic_moe_plugin.tools.recipes.rehearsal_assets import write_tiny_assets
 from elastic_moe_plugin.tools.recipes.rehearsal_replacements import (
     TINY_LAYERS,
     Replacement,
-    scaled_layers,
     tiny_settings,
 )
 from elastic_moe_plugin.tools.recipes.render import LaunchCommand, render
@@ -59,23 +61,14 @@ __all__ = [
     "TINY_LAYERS",
     "Rehearsal",
     "Replacement",
-    "cpu_bootstrap_dir",
     "plan_rehearsal",
     "rehearse",
 ]
 
 DEFAULT_STEPS = 3
 MEGATRON_LM_ENTRY = "elastic_moe_plugin.megatron_lm"
-MEGATRON_LM_CPU_ENTRY = "elastic_moe_plugin.tools.recipes.megatron_lm_cpu"
-#: its old name here (the replacements moved to :mod:`.rehearsal_replacements`)
-_scaled_layers = scaled_layers
-
-
-def cpu_bootstrap_dir() -> Path:
-    """The folder whose ``sitecustomize`` switches the Megatron-SWIFT CPU runtime on at interpreter
-    start (``elastic_moe_plugin/tools/recipes/cpu_bootstrap``): first on ``PYTHONPATH`` of a CPU
-    ``megatron sft``, it reaches every process the launcher starts."""
-    return Path(__file__).resolve().parent / "cpu_bootstrap"
+#: what the child bootstrap switches on in every process of a rehearsal, per launcher
+BOOTSTRAP_FEATURES = {"megatron_sft": ("megatron_swift",), "megatron_lm": ("grad_clip",)}
 
 
 @dataclass
@@ -168,20 +161,24 @@ def _adapt_command(command: LaunchCommand, recipe: Recipe, work: Path) -> None:
         HF_DATASETS_CACHE=str(work / "cache" / "hf_datasets"),
         MODELSCOPE_CACHE=str(work / "cache" / "modelscope"),
     )
+    features = BOOTSTRAP_FEATURES.get(recipe.launcher)
+    if features:
+        env.update(child_bootstrap.environment(features, os.environ.get("PYTHONPATH")))
     if recipe.launcher == "megatron_sft":
-        env["PYTHONPATH"] = os.pathsep.join([str(cpu_bootstrap_dir()), *filter(None, [os.environ.get("PYTHONPATH")])])
         command.notes.append(
-            f"CPU runtime: {cpu_bootstrap_dir()} first on PYTHONPATH switches "
-            "elastic_moe_plugin.cpu_runtime.megatron_swift on in every process megatron sft starts"
+            f"CPU runtime: {child_bootstrap.directory()} first on PYTHONPATH with "
+            f"{child_bootstrap.BOOTSTRAP_ENV}=megatron_swift switches elastic_moe_plugin.cpu_runtime.megatron_swift "
+            "on in every process megatron sft starts"
         )
     elif recipe.launcher == "megatron_lm":
         argv = command.argv
-        index = argv.index(MEGATRON_LM_ENTRY)
-        argv[index] = MEGATRON_LM_CPU_ENTRY
+        argv.insert(argv.index(MEGATRON_LM_ENTRY) + 1, "--cpu")
         argv[: argv.index("--nnodes")] = [sys.executable, "-m", "torch.distributed.run"]
         command.notes.append(
-            f"CPU runtime: -m {MEGATRON_LM_CPU_ENTRY} switches elastic_moe_plugin.cpu_runtime on, then "
-            f"runs -m {MEGATRON_LM_ENTRY} (the recipe's entry point) unchanged"
+            f"CPU runtime: -m {MEGATRON_LM_ENTRY} --cpu (the recipe's entry point, its CPU flag) switches "
+            f"elastic_moe_plugin.cpu_runtime on in every rank; {child_bootstrap.directory()} first on PYTHONPATH "
+            f"with {child_bootstrap.BOOTSTRAP_ENV}=grad_clip adds gradient clipping on host tensors, so the "
+            "recipe keeps its --clip-grad"
         )
 
 

@@ -325,8 +325,10 @@ def framework_args(command: LaunchCommand) -> list[str]:
     Megatron-LM script of a torchrun command (the script path itself excluded)."""
     if command.argv[0] in ("swift", "megatron"):
         return command.argv[2:]
-    index = command.argv.index("elastic_moe_plugin.megatron_lm")
-    return command.argv[index + 2 :]
+    index = command.argv.index("elastic_moe_plugin.megatron_lm") + 1
+    if command.argv[index] == "--cpu":  # the entry point's own flag, before the script (a rehearsal)
+        index += 1
+    return command.argv[index + 1 :]
 
 
 def prepare_model_override(source: str, overrides: Mapping[str, Any], dest: str | os.PathLike[str]) -> Path:
