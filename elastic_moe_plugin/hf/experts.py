@@ -202,7 +202,9 @@ def _grouped_mm(experts, original, hidden_states, top_k_index, top_k_weights, sl
     sorted_tokens = tokens[order]
     weights = weights[order]
     tail = None
-    if experts._is_expert_parallel:
+    # older transformers (5.17) have no such flag (their grouped-GEMM forward checks the ids for the
+    # sentinel at every call): there the masked path runs, which is exact without sentinels too
+    if getattr(experts, "_is_expert_parallel", True):
         tail = sorted_ids >= num_experts  # [P]: pairs of another rank's experts, sorted last
         padded = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[-1])])  # [T+1, H]
         selected = padded[torch.where(tail, num_tokens, sorted_tokens)]  # [P, H]

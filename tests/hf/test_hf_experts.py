@@ -1,7 +1,7 @@
 """Expert compute follows κ in every experts implementation (``elastic_moe_plugin.hf.experts``), on CPU.
 
 The rows each implementation multiplies are read from the GEMMs that really run
-(``experts_support.ExpertRows``: the rows of eager's per-expert ``mm``, batched_mm's ``bmm`` batch,
+(``counters.ExpertRows``: the rows of eager's per-expert ``mm``, batched_mm's ``bmm`` batch,
 grouped_mm's last offset) and compared with Σκ from the routing records; outputs and gradients
 of grouped_mm and batched_mm are compared with transformers' eager loop on the same κ; the
 uninitialised tail of the grouped GEMM is filled with NaN on purpose.
@@ -10,11 +10,12 @@ uninitialised tail of the grouped GEMM is filled with NaN on purpose.
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import logging
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,6 +25,7 @@ from elastic_moe_plugin import ElasticConfig, hf  # noqa: E402
 from elastic_moe_plugin.hf import experts as hf_experts  # noqa: E402
 from elastic_moe_plugin.hf import budget_rng  # noqa: E402
 from elastic_moe_plugin.core.records import latest_record
+from counters import OpCounter, gemm_rows, host_syncs
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 
@@ -211,25 +213,22 @@ def test_outputs_and_gradients_match_the_eager_loop_on_the_same_budgets(tiny, im
     assert router_grad.abs().sum() > 0
 
 
+def test_grouped_gemm_without_the_expert_parallel_flag_of_older_transformers_equals_eager(tiny):
+    """transformers 5.17's experts have no ``_is_expert_parallel`` (seen on a GPU run of 5.17, where the
+    grouped-GEMM path raised AttributeError): without it the masked path runs, equal to eager."""
+    hf.apply(ElasticConfig(schedule=SCHEDULE))
+    eager = _train_step(tiny.model("olmoe", experts_implementation="eager"))
+    model = tiny.model("olmoe", experts_implementation="grouped_mm")
+    for layer in model.model.layers:
+        assert layer.mlp.experts.__dict__.pop("_is_expert_parallel") is False  # an instance flag from 5.19 on
+    ours = _train_step(model)
+    for name in ("logits", "loss", "hidden_grad"):
+        torch.testing.assert_close(ours[name], eager[name], **FP32, msg=name)
+    for name, grad in ours["grads"].items():
+        torch.testing.assert_close(grad, eager["grads"][name], **FP32, msg=name)
+
+
 # ------------------------------------------------------------------------------- host syncs
-class _Syncs(TorchDispatchMode):
-    """Counts the ops that make the host wait for the device, as tests/mcore/test_mcore_dispatch.py
-    counts them: explicit reads (``_local_scalar_dense``: ``.item()``, ``int(t)``, ``.tolist()``)
-    and ops whose output size is data (``nonzero``, ``masked_select``)."""
-
-    EXPLICIT = (torch.ops.aten._local_scalar_dense.default,)
-    IMPLICIT = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default)
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.EXPLICIT or func in self.IMPLICIT:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _eager_loop_syncs(expert_ids_per_layer) -> int:
     """The syncs of transformers' eager experts loop (5.19) over layers that hit h experts each:
     3 + 5·h per layer. Per layer: ``one_hot``'s two range checks (``.item()`` of its min and max)
@@ -249,13 +248,13 @@ def test_no_syncs_added_per_layer(tiny, impl, sampling):
     stock_ids = []
     hooks = [layer.mlp.experts.register_forward_pre_hook(lambda module, args: stock_ids.append(args[1].detach()))
              for layer in stock_model.model.layers]
-    with _Syncs() as stock, torch.no_grad():
+    with host_syncs() as stock, torch.no_grad():
         stock_model(**tiny.inputs("olmoe"))
     for hook in hooks:
         hook.remove()
     hf.apply(ElasticConfig(schedule=SCHEDULE, sampling=sampling))
     model = tiny.model("olmoe", experts_implementation=impl)
-    with _Syncs() as elastic, torch.no_grad():
+    with host_syncs() as elastic, torch.no_grad():
         model(**tiny.inputs("olmoe"))
     # Outside the experts the model syncs once per forward (the causal mask's packed-sequence test).
     stock_loop = _eager_loop_syncs(stock_ids) if impl == "eager" else 0
@@ -269,8 +268,13 @@ def test_no_syncs_added_per_layer(tiny, impl, sampling):
 
 
 # ------------------------------------------------------------------------------- rows and slots = Σκ
-class _ActivationRows(TorchDispatchMode):
-    """What one experts block does, op by op, counted at the ops that run (forward and backward):
+VIEWS = {"view", "_unsafe_view", "reshape", "expand", "t", "transpose", "permute", "unsqueeze", "squeeze",
+         "select", "slice", "split", "split_with_sizes", "chunk", "as_strided", "alias", "detach", "unbind"}
+
+
+class _ActivationRows:
+    """What one experts block does, op by op, counted at the ops that run (forward and backward),
+    by three nested ``counters.OpCounter``:
 
     - ``rows``: (op, rows) for every tensor an op writes that holds activations: 2-D with a last
       dimension of H, F or 2F, leaving out the weight shapes (a parameter's, one expert's slice of
@@ -278,15 +282,11 @@ class _ActivationRows(TorchDispatchMode):
     - ``gemm_rows``: the rows of every expert GEMM, forward and backward: ``offs[-1]`` of each
       ``_grouped_mm``, the batch of each ``bmm``, and for an ``mm`` with one expert's weight
       matrix (eager) the rows of its activation output (weight gradients left out);
-    - ``syncs``: as :class:`_Syncs`.
+    - ``syncs``: as ``counters.host_syncs``.
     """
 
-    VIEWS = {"view", "_unsafe_view", "reshape", "expand", "t", "transpose", "permute", "unsqueeze", "squeeze",
-             "select", "slice", "split", "split_with_sizes", "chunk", "as_strided", "alias", "detach", "unbind"}
-
     def __init__(self, block: torch.nn.Module, hidden: int, ffn: int):
-        super().__init__()
-        self.widths = {hidden, ffn, 2 * ffn}
+        widths = {hidden, ffn, 2 * ffn}
         shapes, expert_shapes = set(), set()
         for parameter in block.parameters():
             for shape in (tuple(parameter.shape), tuple(parameter.shape[1:])):
@@ -294,30 +294,47 @@ class _ActivationRows(TorchDispatchMode):
                     shapes |= {shape, shape[::-1]}
             if parameter.dim() == 3:  # [E, ., .]: one expert's matrix is a [., .] slice
                 expert_shapes |= {tuple(parameter.shape[1:]), tuple(parameter.shape[1:])[::-1]}
-        self.weight_shapes, self.expert_shapes = shapes, expert_shapes
-        self.rows: list[tuple[str, int]] = []
-        self.gemm_rows: list[tuple[str, int]] = []
-        self.syncs = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if func in _Syncs.EXPLICIT or func in _Syncs.IMPLICIT:
-            self.syncs += 1
-        if name == "_grouped_mm":
-            self.gemm_rows.append((name, int(kwargs.get("offs", args[2] if len(args) > 2 else None)[-1])))
-        elif name == "bmm":
-            self.gemm_rows.append((name, args[0].shape[0]))
-        out = func(*args, **kwargs)
-        if name == "mm" and any(tuple(a.shape) in self.expert_shapes for a in args[:2]) \
-                and tuple(out.shape) not in self.weight_shapes:
-            self.gemm_rows.append((name, out.shape[0]))
-        if name not in self.VIEWS:
-            for tensor in torch.utils._pytree.tree_leaves(out):
-                if (isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[-1] in self.widths
-                        and tuple(tensor.shape) not in self.weight_shapes):
-                    self.rows.append((name, tensor.shape[0]))
-        return out
+        def expert_gemm(func, args, kwargs):
+            return func.overloadpacket.__name__ != "mm" or any(tuple(a.shape) in expert_shapes for a in args[:2])
+
+        def expert_gemm_rows(func, args, kwargs, out):
+            if func.overloadpacket.__name__ == "mm" and tuple(out.shape) in shapes:
+                return None  # a weight gradient
+            return gemm_rows(func, args, kwargs, out)
+
+        def activation_rows(func, args, kwargs, out):
+            return [tensor.shape[0] for tensor in torch.utils._pytree.tree_leaves(out)
+                    if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[-1] in widths
+                    and tuple(tensor.shape) not in shapes]
+
+        # the GEMM counter reads offs[-1] on the host (an op and a read): entered first, the others
+        # never see them
+        self._gemms = OpCounter("mm", "bmm", "_grouped_mm", where=expert_gemm, measure=expert_gemm_rows)
+        self._activations = OpCounter(where=lambda func, args, kwargs: func.overloadpacket.__name__ not in VIEWS,
+                                      measure=activation_rows)
+        self._syncs = host_syncs()
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        for counter in (self._gemms, self._activations, self._syncs):
+            self._stack.enter_context(counter)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+    @property
+    def rows(self) -> list[tuple[str, int]]:
+        return self._activations.values
+
+    @property
+    def gemm_rows(self) -> list[tuple[str, int]]:
+        return self._gemms.values
+
+    @property
+    def syncs(self) -> int:
+        return self._syncs.count
 
 
 # A standalone OLMoE block whose sizes no count can be mistaken for: T = 16 tokens, b = 3 slots,
@@ -382,15 +399,26 @@ def test_rows_multiplied_and_elementwise_slots_processed_equal_sum_of_budgets(im
         assert max(rows for _, rows in stock.rows) == tokens * K
 
 
+@contextlib.contextmanager
+def _library_implementation():
+    """A library's own experts implementation (transformers' grouped_mm under another name),
+    registered under a name new to this process (the adapter warns once per name), then removed."""
+    name = f"library_grouped_mm_{next(_LIBRARY_NAMES)}"
+    moe.ALL_EXPERTS_FUNCTIONS[name] = lambda *args: moe.grouped_mm_experts_forward(*args)
+    try:
+        yield name
+    finally:
+        del moe.ALL_EXPERTS_FUNCTIONS[name]
+
+
+_LIBRARY_NAMES = itertools.count()
+
+
 def test_the_slot_count_sees_b_slot_shapes():
     """Control for the test above: an implementation the adapter cannot cut to κ computes every
     candidate slot, and the count shows T·b rows."""
-    moe.ALL_EXPERTS_FUNCTIONS["library_grouped_mm"] = lambda *args: moe.grouped_mm_experts_forward(*args)
-    try:
-        counted, total = _counted_block_step("library_grouped_mm", SCHEDULE)
-    finally:
-        del moe.ALL_EXPERTS_FUNCTIONS["library_grouped_mm"]
-        hf_experts._warned_implementations.discard("library_grouped_mm")
+    with _library_implementation() as name:
+        counted, total = _counted_block_step(name, SCHEDULE)
     assert total < BLOCK_TOKENS * WIDTH
     assert {rows for op, rows in counted.rows if op == "silu"} == {BLOCK_TOKENS * WIDTH}
 
@@ -451,19 +479,15 @@ def test_gradient_checkpointing_recomputes_the_same_rows(tiny, expert_rows, impl
 def test_an_unknown_implementation_computes_every_slot_correctly_and_says_so(tiny, expert_rows, caplog):
     """A library's own experts implementation may not honour the sentinel: it gets every slot
     (zero weights beyond κ), so the output is still top-κ routing, at b/k of the compute."""
-    moe.ALL_EXPERTS_FUNCTIONS["library_grouped_mm"] = lambda *args: moe.grouped_mm_experts_forward(*args)
-    try:
+    with _library_implementation() as name:
         hf.apply(ElasticConfig(schedule=SCHEDULE))
         reference = _train_step(tiny.model("olmoe", experts_implementation="eager"))
         model = tiny.model("olmoe", experts_implementation="grouped_mm")
-        model.config._experts_implementation = "library_grouped_mm"
+        model.config._experts_implementation = name
         with caplog.at_level(logging.WARNING, logger="elastic_moe_plugin.hf"), expert_rows(model) as counted:
             ours = _train_step(model)
-    finally:
-        del moe.ALL_EXPERTS_FUNCTIONS["library_grouped_mm"]
-        hf_experts._warned_implementations.discard("library_grouped_mm")
     assert set(counted.rows.values()) == {TOKENS * WIDTH}
-    assert sum("'library_grouped_mm'" in record.getMessage() for record in caplog.records) == 1
+    assert sum(f"'{name}'" in record.getMessage() for record in caplog.records) == 1
     torch.testing.assert_close(ours["logits"], reference["logits"], **FP32)
     torch.testing.assert_close(ours["hidden_grad"], reference["hidden_grad"], **FP32)
 
