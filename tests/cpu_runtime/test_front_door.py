@@ -92,15 +92,16 @@ def test_the_cpu_check_names_every_missing_flag_with_its_reason():
         assert f"{item.flag} (got {getattr(stock_defaults, item.attribute)!r}: {item.reason})" in message
     assert message.endswith("A CPU run passes all of: --distributed-backend gloo --transformer-impl local "
                             "--no-gradient-accumulation-fusion --no-persist-layer-norm --clip-grad 0 "
-                            "(README, 'Megatron-LM on the CPU').")
+                            "(docs/megatron.md, 'Megatron-LM on the CPU').")
 
 
-def test_the_readme_section_the_messages_cite_lists_every_checked_flag():
+def test_the_docs_section_the_messages_cite_lists_every_checked_flag():
     from elastic_moe_plugin.cpu_runtime.training_loop import CPU_ARGUMENTS
 
-    readme = (REPO / "README.md").read_text()
-    assert readme.count("#### Megatron-LM on the CPU") == 1
-    section = readme.split("#### Megatron-LM on the CPU", 1)[1].split("\n## ", 1)[0]
+    assert "(docs/megatron.md, 'Megatron-LM on the CPU')" in megatron_lm.CPU_HELP
+    page = (REPO / "docs" / "megatron.md").read_text()
+    assert page.count("\n## Megatron-LM on the CPU\n") == 1
+    section = page.split("\n## Megatron-LM on the CPU\n", 1)[1].split("\n## ", 1)[0]
     command = section.split("```bash", 1)[1].split("```", 1)[0]
     assert "-m elastic_moe_plugin.megatron_lm --cpu /path/to/Megatron-LM/pretrain_gpt.py" in command
     for item in CPU_ARGUMENTS:

@@ -1,7 +1,8 @@
 """κ's stream across the processes of a transformers ``Trainer`` run (DDP on gloo, CPU), each with
 a different padding-free T on every step (``tests/fixtures/hf/trainer_kappa_stream.py``).
 
-On 2 and 4 processes:
+On 2 processes (the 4-process world of the Megatron-LM twin, test_megatron_lm_kappa_stream.py, proves the
+same draw with more shards):
 
 - every process's κ is the closed form of ``core.budget_stream`` at (seed, counter, its shard =
   its data-parallel rank), the shards' uniforms are pairwise disjoint (before, every process drew
@@ -35,7 +36,7 @@ WORKER = REPO / "tests" / "fixtures" / "hf" / "trainer_kappa_stream.py"
 STEPS, SAVE_AT, LAYERS = 6, 3, 2
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"world{world}")
+@pytest.fixture(scope="module", params=[2], ids=lambda world: f"world{world}")
 def runs(request, tmp_path_factory):
     world = request.param
     output = tmp_path_factory.mktemp(f"trainer_world{world}")

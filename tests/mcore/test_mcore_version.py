@@ -70,9 +70,13 @@ def _imported_core_dir() -> Path:
 
 def _source_tree(root: Path, version: str | None = None) -> Path:
     """``root/megatron/core``: the imported megatron.core's files, symlinked; no package metadata.
-    With ``version``, ``package_info.py`` is a real file declaring it. Returns ``root``."""
+    With ``version``, ``package_info.py`` is a real file declaring it. Returns ``root``.
+
+    The byte-code caches come along (a symlinked source has its target's mtime and size, so the
+    cached code is valid; a probe would otherwise compile megatron.core from source): the folders
+    are real, so a cache Python writes for ``package_info.py`` replaces a link here, not the file."""
     core = root / "megatron" / "core"
-    shutil.copytree(_imported_core_dir(), core, copy_function=os.symlink, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(_imported_core_dir(), core, copy_function=os.symlink)
     if version is not None:
         info = core / "package_info.py"
         text = info.read_text()

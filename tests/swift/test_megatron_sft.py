@@ -4,7 +4,7 @@ Every run is the ``megatron`` console script of this environment, started as a u
 on a tiny random Qwen3-MoE built offline (``tests/swift/_tiny_assets.py``: ``qwen3_moe_k2``, 2
 layers, 8 experts, top-2, renormalised gate). ``megatron sft`` re-launches itself under torchrun
 (``NPROC_PER_NODE``); the CPU runtime reaches every one of those processes through the start-up
-bootstrap ``elastic_moe_plugin/tools/recipes/cpu_bootstrap`` first on ``PYTHONPATH``
+bootstrap ``elastic_moe_plugin/tools/child_bootstrap`` first on ``PYTHONPATH`` (``EMOE_BOOTSTRAP=megatron_swift``)
 (:mod:`elastic_moe_plugin.cpu_runtime.megatron_swift`). A second ``sitecustomize`` of the run
 (written below, run by the bootstrap after it) installs ``_megatron_observer.py``, which records
 every router forward, and, for the ``--plugin elastic_moe`` runs, activates the checkout's ms-swift
@@ -16,8 +16,9 @@ unless said otherwise):
 - ``stock``: no plugin; ``static``: the plugin with ``ELASTIC_MOE_SCHEDULE=static``;
 - ``elastic``: ``--plugin elastic_moe``, schedule 1-3 around top-2, saving after steps 2 and 4
   (with optimizer and RNG state); ``resume``: the same from the step-2 checkpoint, steps 3-4;
-- ``ep2``: 2 ranks, expert parallel 2; ``pp2``: 2 ranks, pipeline parallel 2 with only layer 1
-  (the second stage's) elastic; 2 steps each;
+- ``pp2``: 2 ranks, pipeline parallel 2 with only layer 1 (the second stage's) elastic, 2 steps
+  (expert parallelism under ``megatron sft`` runs in the rehearsal of the Qwen3 recipe,
+  ``test_rehearse.py``: PP 2 x EP 2 x DP 2);
 - ``export``: ``megatron export --to_hf`` (ms-swift 4.6's converter back to Hugging Face) of the
   elastic checkpoint; ``mg_forward``: Megatron's static forward of that checkpoint
   (``_megatron_forward.py``); ``hf``: the exported checkpoint in plain transformers, plugin
@@ -96,7 +97,7 @@ LR = "1e-3"  # large enough that 4 steps move every weight far beyond the export
 Z = 4.0  # per-budget z-bound of the κ histograms (below)
 EXPORT_ATOL = 1e-5  # fp32 logits, Megatron vs transformers (test_the_exported_checkpoint_...)
 
-BOOTSTRAP = ROOT / "elastic_moe_plugin" / "tools" / "recipes" / "cpu_bootstrap"
+BOOTSTRAP = ROOT / "elastic_moe_plugin" / "tools" / "child_bootstrap"  # with EMOE_BOOTSTRAP=megatron_swift
 OBSERVER = HERE / "_megatron_observer.py"
 
 
@@ -208,6 +209,8 @@ def _env(base: dict[str, str], work: Path, *, hook: bool = False, nproc: int | N
     bootstrap = [str(BOOTSTRAP)] if DEVICE == "cpu" else []  # the CPU runtime, in every process of the run
     path = [*bootstrap, str(_site(work, hook)), str(ROOT), *filter(None, [base.get("PYTHONPATH")])]
     env = {**base, "PYTHONPATH": os.pathsep.join(path), **extra}
+    if DEVICE == "cpu":
+        env["EMOE_BOOTSTRAP"] = "megatron_swift"
     if DEVICE == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(nproc or 1))
     if nproc is not None:
@@ -245,7 +248,7 @@ def _export_flags(checkpoint: Path) -> list[str]:
 def runs(tiny_assets, swift_base_env, tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("megatron_sft")
     base = swift_base_env
-    work = {name: tmp / name for name in ("stock", "static", "elastic", "resume", "ep2", "pp2", "export",
+    work = {name: tmp / name for name in ("stock", "static", "elastic", "resume", "pp2", "export",
                                            "mg_forward", "hf")}
     elastic_env = {"ELASTIC_MOE_SCHEDULE": SCHEDULE}
     static_env = {"ELASTIC_MOE_SCHEDULE": "static"}
@@ -272,9 +275,6 @@ def runs(tiny_assets, swift_base_env, tmp_path_factory) -> dict[str, Run]:
     ]
     if TWO_RANKS:
         jobs += [
-            Job("ep2", _sft(tiny_assets, work["ep2"], "path", steps=2, global_batch=2 * MICRO_BATCH,
-                            extra=("--expert_model_parallel_size", "2")),
-                _env(base, work["ep2"], nproc=2, **elastic_env), ROOT, weight=2),
             Job("pp2", _sft(tiny_assets, work["pp2"], "path", steps=2, extra=("--pipeline_model_parallel_size", "2"),
                             per_layer=True),
                 _env(base, work["pp2"], nproc=2, ELASTIC_MOE_LAYERS="1", **elastic_env), ROOT, weight=2),
@@ -411,40 +411,6 @@ def test_megatron_core_sees_no_transformer_engine_while_mcore_bridge_got_its_sta
     assert "mcore_bridge.model.modules.kernels.qsa_block_sparse_attn" in report["served"]
     assert report["megatron_TEGroupedLinear"] == "None"
     assert report["bridge_TEGroupedLinear"] == "<class 'elastic_moe_plugin.cpu_runtime.megatron_swift.TEGroupedLinear'>"
-
-
-@needs_two_ranks
-@needs_full_pass
-def test_two_ranks_with_expert_parallelism_route_elastically(runs):
-    ep2 = _ok(runs, "ep2")
-    schedule = _schedule()
-    records = ep2.records()
-    assert sorted(records) == [0, 1]
-    forwards = {rank: ep2.forwards(rank) for rank in records}
-    for layer in LAYERS:
-        pooled: dict[int, int] = {}
-        for rank in records:
-            for budget, n in _histogram(forwards[rank], layer).items():
-                pooled[budget] = pooled.get(budget, 0) + n
-        print(f"ep2 layer {layer}: κ histogram over both ranks {dict(sorted(pooled.items()))}")
-        assert set(pooled) <= set(schedule.budgets)
-        assert not _z_bound(pooled, schedule), _z_bound(pooled, schedule)
-    # the two data-parallel ranks hold other tokens and draw other κ (slices of one stream)
-    assert [r["checksum"] for r in forwards[0]] != [r["checksum"] for r in forwards[1]]
-    rows = ep2.rows()
-    assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)
-    # without moe_per_layer_logging a log holds the layer means only, as Megatron-SWIFT's MoE losses;
-    # the last rank writes it: per step, the mean over both layers of that rank's κ shares
-    assert not [key for row in rows for key in row if key.startswith("elastic_moe/layer_")]
-    assert not [key for row in rows for key in row if "survival_rank" in key]  # nor the schedule's a(r)
-    writer = forwards[max(records)]
-    for step, row in enumerate(rows):
-        for budget in schedule.budgets:
-            shares = []
-            for layer in LAYERS:
-                counts = [record for record in writer if record["layer"] == layer][step]["counts"]
-                shares.append(counts[budget] / sum(counts))
-            assert row[f"elastic_moe/kappa_frac_{budget}"] == pytest.approx(sum(shares) / len(LAYERS), abs=1e-8)
 
 
 @needs_two_ranks

@@ -4,8 +4,10 @@ Each run is the ``elastic-moe`` command line in a subprocess (``python -m elasti
 which plans the rehearsal (tiny same-family model, local data, the replacements it prints), then
 runs the recipe's own launcher: ``megatron sft`` for ``qwen3_sft/6-10`` (4 CPU processes: PP 2 x
 EP 2 x DP 2), ``swift sft`` for ``olmoe_sft/6-10``, Megatron-LM's trainer for ``pretrain/6-10`` (2
-processes, EP 2). Two steps each here (the default is 3). A user overlay with a flag ms-swift does
-not know must fail with ms-swift's own message before any step.
+processes, EP 2). Two steps each here (the default is 3), the OLMoE and pretraining recipes with
+``--set batch.global=16`` (their 256 sequences a step are 256 micro-batches a step on one CPU process;
+the accumulation code is the same at 16). A user overlay with a flag ms-swift does not know must fail
+with ms-swift's own message before any step.
 
 How close the logged mean κ must be to 8: with ``sampling=iid`` each token draws κ independently
 from the 6-10 pmf (mean 8, standard deviation σ_q), so one rank's per-step, per-layer mean over N
@@ -57,18 +59,20 @@ def _megatron_training_missing() -> str | None:
     return None
 
 
-#: name -> (recipe, what must be importable, extra launch options)
+#: the global batch of the OLMoE and pretraining rehearsals here (the recipes' own: 256)
+GLOBAL_BATCH = 16
+#: name -> (recipe, what must be importable, its weight in processes, recipe keys set on the command line)
 REHEARSALS = {
-    "qwen3": ("qwen3_sft/6-10", _missing("swift", "mcore_bridge", "megatron.core"), 2),
-    "olmoe": ("olmoe_sft/6-10", _missing("swift", "transformers"), 1),
-    "pretrain": ("pretrain/6-10", [m for m in [_megatron_training_missing()] if m], 2),
-    "broken": (None, _missing("swift", "mcore_bridge", "megatron.core"), 1),
+    "qwen3": ("qwen3_sft/6-10", _missing("swift", "mcore_bridge", "megatron.core"), 2, []),
+    "olmoe": ("olmoe_sft/6-10", _missing("swift", "transformers"), 1, [f"batch.global={GLOBAL_BATCH}"]),
+    "pretrain": ("pretrain/6-10", [m for m in [_megatron_training_missing()] if m], 2, [f"batch.global={GLOBAL_BATCH}"]),
+    "broken": (None, _missing("swift", "mcore_bridge", "megatron.core"), 1, []),
 }
 
 
-def _cli(recipe: str, work: Path) -> list[str]:
+def _cli(recipe: str, work: Path, sets: list[str]) -> list[str]:
     return [sys.executable, "-m", "elastic_moe_plugin.cli", "launch", recipe, "--rehearse", "--steps", str(STEPS),
-            "--rehearse-dir", str(work)]
+            "--rehearse-dir", str(work), *[option for item in sets for option in ("--set", item)]]
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +85,10 @@ def rehearsals(swift_base_env, tmp_path_factory):
         f"extends: [{str(ROOT / 'configs' / 'qwen3_sft' / '6-10.yaml')!r}]\n"
         "args:\n  nosuch_flag: 1\n")
     jobs = []
-    for name, (recipe, missing, weight) in REHEARSALS.items():
+    for name, (recipe, missing, weight, sets) in REHEARSALS.items():
         if missing:
             continue
-        jobs.append(_jobs.Job(name, _cli(recipe or str(broken), tmp / name / "work"), env, tmp / name, weight=weight,
+        jobs.append(_jobs.Job(name, _cli(recipe or str(broken), tmp / name / "work", sets), env, tmp / name, weight=weight,
                               timeout=300))
     results = _jobs.run_jobs(jobs, tmp / "logs")
     for name, result in results.items():
@@ -93,7 +97,7 @@ def rehearsals(swift_base_env, tmp_path_factory):
 
 
 def _get(rehearsals, name):
-    recipe, missing, _ = REHEARSALS[name]
+    recipe, missing, _, _ = REHEARSALS[name]
     if missing:
         pytest.skip(f"needs {', '.join(missing)}")
     return rehearsals[name]
@@ -154,8 +158,8 @@ def test_rehearsal_of_an_ms_swift_recipe_trains_and_logs_routing_metrics(rehears
     assert plan in output, result.describe()
     rows = _swift_rows(work)
     assert len(rows) == STEPS, rows
-    # qwen3: global batch 16 over 2 data-parallel ranks; olmoe: 256 rows on 1 rank (micro-batch 1)
-    tolerance = _tolerance(work, "qwen3_moe", 8) if name == "qwen3" else _tolerance(work, "olmoe", 256)
+    # qwen3: global batch 16 over 2 data-parallel ranks; olmoe: GLOBAL_BATCH rows on 1 rank (micro-batch 1)
+    tolerance = _tolerance(work, "qwen3_moe", 8) if name == "qwen3" else _tolerance(work, "olmoe", GLOBAL_BATCH)
     for row in rows:
         if name == "qwen3":
             # megatron sft logs as Megatron-SWIFT logs its MoE losses: layer means only (no
@@ -178,7 +182,9 @@ def test_rehearsal_of_the_megatron_lm_recipe_trains_and_logs_routing_metrics(reh
     assert "rehearsal: OK" in output
     _check_replacements(output, ["args.bf16: true -> removed  (bf16 is a GPU precision)",
                                  "args.transformer-impl: unset -> local  (Transformer Engine is GPU-only)"])
-    assert "-m elastic_moe_plugin.tools.recipes.megatron_lm_cpu" in output
+    # the one Megatron-LM CPU entry point: the recipe's own, with its --cpu flag
+    assert re.search(r"-m elastic_moe_plugin\.megatron_lm \\\s+--cpu \S+pretrain_gpt", output), output[:5000]
+    assert "megatron_lm_cpu" not in output and "EMOE_BOOTSTRAP=grad_clip" in output
     assert "--clip-grad 1.0" in output and "--moe-z-loss-coeff 0.001" in output
     lines = [line for line in output.splitlines() if re.search(r"\biteration\s+\d+/\s*\d+ \|", line)]
     assert len(lines) == STEPS, lines
@@ -186,8 +192,8 @@ def test_rehearsal_of_the_megatron_lm_recipe_trains_and_logs_routing_metrics(reh
         mean = float(re.search(r" elastic_moe/mean_kappa: ([^ |]+) \|", line).group(1))
         print(f"rehearsal pretrain: {line[line.index('iteration'):line.index('iteration') + 40]}... "
               f"elastic_moe/mean_kappa={mean}")
-        # 128 sequences x 256 tokens per rank and step: a standard error below 0.005; printed with 2 decimals
-        assert abs(mean - 8) <= Z * _pmf_std() / (128 * 256) ** 0.5 + 0.005
+        # GLOBAL_BATCH / 2 sequences x 256 tokens per rank (DP 2) and step; printed with 2 decimals
+        assert abs(mean - 8) <= Z * _pmf_std() / (GLOBAL_BATCH // 2 * 256) ** 0.5 + 0.005
         # elastic, not static: a static top-8 run changes no top-k set (this is 1 - q(8) ≈ 0.71)
         assert float(re.search(r" elastic_moe/topk_set_changed_frac: ([^ |]+) \|", line).group(1)) > 0.5
     assert (work / "checkpoints" / "pretrain" / "6-10" / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
@@ -205,19 +211,21 @@ def test_a_flag_ms_swift_does_not_know_fails_the_rehearsal_with_ms_swifts_messag
 def test_the_cpu_bootstrap_clears_transformer_engines_attention_switches():
     """A shell set up for GPUs (or a process that built a megatron-core model) may hold
     NVTE_FLASH_ATTN=1; megatron-core then asserts under the CPU flags' --attention_backend local.
-    Every process the bootstrap starts runs without the three switches."""
+    Every process the child bootstrap starts with ``megatron_swift`` runs without the three switches."""
     import os
     import subprocess
 
-    from elastic_moe_plugin.tools.recipes.rehearse import cpu_bootstrap_dir
+    from elastic_moe_plugin.tools import child_bootstrap
 
     names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cpu_bootstrap_dir()), str(Path(__file__).parents[2])]),
+    env = {**os.environ, **child_bootstrap.environment(["megatron_swift"], str(Path(__file__).parents[2])),
            "NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-c", f"import os, json; print(json.dumps([os.environ.get(n) for n in {names!r}]))"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    code = f"import os, json; print(json.dumps([os.environ.get(n) for n in {names!r}]))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [None, None, None]
-    control = subprocess.run([sys.executable, "-c", "import os; print(os.environ['NVTE_FLASH_ATTN'])"],
-                             capture_output=True, text=True, env={**env, "PYTHONPATH": ""}, timeout=120)
-    assert control.stdout.strip() == "1"  # without the bootstrap the variable reaches the process
+    # the bootstrap on the path without the feature named, and without the bootstrap: the variable stays
+    for control in ({**env, child_bootstrap.BOOTSTRAP_ENV: ""}, {**env, "PYTHONPATH": ""}):
+        kept = subprocess.run([sys.executable, "-c", "import os; print(os.environ['NVTE_FLASH_ATTN'])"],
+                              capture_output=True, text=True, env=control, timeout=120)
+        assert kept.stdout.strip() == "1", kept.stderr[-2000:]

@@ -1,6 +1,6 @@
-"""`elastic-moe bench --only e2e --quick`: one row per launcher (swift sft on OLMoE and on DeepSeek-V3,
-megatron sft, Megatron-LM's trainer), each column filled, from real runs of the three trainers on tiny
-models.
+"""`elastic-moe bench --only e2e --quick`: one row per launcher (swift sft on OLMoE, megatron sft,
+Megatron-LM's trainer; the DeepSeek-V3 row's command is checked without a run), each column filled,
+from real runs of the three trainers on tiny models.
 
 Nothing about time is asserted (the --quick runs overlap; speed is measured, not tested): only that
 every launcher ran static and elastic (swift sft in two runs, the Megatron launchers interleaved in
@@ -10,9 +10,7 @@ lies in [6, 10], a run's peak RSS is that of a process that imported torch, and 
 is a positive count (every trainer reads its loss on the host).
 """
 
-import contextlib
 import importlib.util
-import io
 import json
 import math
 import shutil
@@ -21,9 +19,13 @@ import statistics
 import pytest
 
 from elastic_moe_plugin.cli import main
+from elastic_moe_plugin.tools.bench import schema
 
 LABELS = {"swift_sft": "swift sft", "swift_sft_deepseek_v3": "swift sft DSv3", "megatron_sft": "megatron sft",
           "megatron_lm": "Megatron-LM"}
+#: the launchers the quick run here runs: swift sft on DeepSeek-V3 is the OLMoE row's launcher on another
+#: model, whose command is checked below without a run
+RUN = ("swift_sft", "megatron_sft", "megatron_lm")
 INTERLEAVED = {"megatron_sft", "megatron_lm"}  # one run per round, static and elastic blocks of 2 steps
 _MISSING = [name for name in ("swift", "mcore_bridge", "megatron.training", "transformers")
             if importlib.util.find_spec(name.split(".")[0]) is None or importlib.util.find_spec(name) is None]
@@ -41,58 +43,74 @@ def _megatron_core_016() -> bool:
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def sections(tmp_path_factory):
+    """The bench's e2e section (its table, its rows, its results), run once with --quick."""
     if _megatron_core_016():
         pytest.skip("megatron-core 0.16.1 pass: the 0.16.1 wheel ships no megatron.training (Megatron-LM's row); "
                     "the bench runs on 0.19.2")
+    from elastic_moe_plugin.tools import bench
+    from elastic_moe_plugin.tools.bench.e2e import E2EOptions
+
     work = tmp_path_factory.mktemp("bench_e2e")
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(["bench", "--only", "e2e", "--quick", "--json", "--work", str(work)]) == 0
-    return json.loads(out.getvalue())
+    return bench.run_suite(True, 1, ["e2e"], bench.BenchOptions(e2e=E2EOptions(work=work, launchers=RUN)))
+
+
+@pytest.fixture(scope="module")
+def report(sections):
+    from elastic_moe_plugin.tools import bench
+
+    return json.loads(json.dumps(bench.to_json(sections, True, 1)))  # what --json prints
+
+
+def _launcher_rows(report):
+    """{launcher: {schedule: row}}"""
+    rows = {}
+    for row in report["rows"]:
+        rows.setdefault(row["scenario"], {})[row["variant"]] = row
+    return rows
 
 
 def test_every_launcher_has_a_row_with_every_figure(report):
-    rows = {row["launcher"]: row for row in report["e2e"]}
-    assert list(rows) == list(LABELS)
-    for key, row in rows.items():
-        assert row["label"] == LABELS[key]
-        assert row["schedules"] == {"static": "static", "elastic": "6-10"}
-        assert (row["steps"], row["warmup"], row["rounds"]) == ((7, 2, 1) if key in INTERLEAVED else (4, 2, 1))
-        assert sorted((run["schedule"], run["round"]) for run in row["runs"]) == [("6-10", 0), ("static", 0)]
-        assert math.isfinite(row["ratio_median"]) and row["ratio_median"] > 0
-        assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
-        for schedule in ("static", "elastic"):
-            column = row[schedule]
-            assert math.isfinite(column["median_steps_per_second"]) and column["median_steps_per_second"] > 0
-            assert column["peak_rss_bytes"] > 100 * 2**20  # a process that imported torch and trained
-            assert isinstance(column["syncs_per_step"], int) and column["syncs_per_step"] > 0, (key, schedule)
+    schema.validate(report)
+    assert report["modes"] == ["e2e"] and report["environment"]["ms_swift"]
+    launchers = _launcher_rows(report)
+    assert list(launchers) == list(RUN)
+    for key, rows in launchers.items():
+        assert list(rows) == ["static", "6-10"]
+        static, elastic = rows["static"], rows["6-10"]
+        params = static["params"]
+        assert params == elastic["params"] and params["label"] == LABELS[key] and params["launcher"] == key
+        assert (params["steps"], params["warmup"], params["rounds"]) == ((7, 2, 1) if key in INTERLEAVED else (4, 2, 1))
+        assert (static["baseline"], elastic["baseline"]) == (None, "static")
+        ratios = elastic["ratios"]
+        assert math.isfinite(ratios["steps_per_second_ratio"]) and ratios["steps_per_second_ratio"] > 0
+        assert ratios["steps_per_second_ratio_min"] <= ratios["steps_per_second_ratio"] <= ratios["steps_per_second_ratio_max"]
+        for row in (static, elastic):
+            metrics = row["metrics"]
+            assert len(metrics["round_steps_per_second"]) == 1  # one round
+            assert math.isfinite(metrics["median_steps_per_second"]) and metrics["median_steps_per_second"] > 0
+            assert metrics["peak_rss_bytes"] > 100 * 2**20  # a process that imported torch and trained
+            assert isinstance(metrics["syncs_per_step"], int) and metrics["syncs_per_step"] > 0, (key, row["variant"])
         # static keeps every token's top-8: ms-swift logs exactly 8; the interleaved static blocks log nothing
-        assert row["static"]["mean_kappa"] == (None if key in INTERLEAVED else 8.0)
+        assert static["metrics"]["mean_kappa"] == (None if key in INTERLEAVED else 8.0)
         if key in INTERLEAVED:
-            (elastic,) = [run for run in row["runs"] if run["schedule"] == "6-10"]
-            assert len(elastic["pair_ratios"]) >= 1 and row["ratio_median"] == statistics.median(elastic["pair_ratios"])
-            assert len({run["peak_rss_bytes"] for run in row["runs"]}) == 1  # the one process's
-        assert 6 <= row["elastic"]["mean_kappa"] <= 10  # realised experts per token of a 6-10 schedule
+            pairs = elastic["metrics"]["pair_ratios"]
+            assert len(pairs) >= 1 and ratios["steps_per_second_ratio"] == statistics.median(pairs)
+            assert static["metrics"]["peak_rss_bytes"] == elastic["metrics"]["peak_rss_bytes"]  # the one process's
+        assert 6 <= elastic["metrics"]["mean_kappa"] <= 10  # realised experts per token of a 6-10 schedule
 
 
-def test_the_table_has_every_row_and_column(report, capsys):
-    from elastic_moe_plugin.tools.bench import e2e
+def test_the_table_has_every_row_and_column(sections):
+    from elastic_moe_plugin.tools import bench
+    from elastic_moe_plugin.tools.bench import e2e_report
 
-    results = []
-    for row in report["e2e"]:
-        result = e2e.E2EResult(row["launcher"], row["label"], row["model"], row["schedules"]["static"],
-                               row["schedules"]["elastic"],
-                               row["steps"], row["warmup"], row["timing"],
-                               [e2e.E2ERun(**run) for run in row["runs"]])
-        results.append(result)
-    table = e2e.format_table(results).splitlines()
+    table = bench.format_results(sections).splitlines()
     print("\n".join(table))
     header = table[0]
-    for column in e2e.COLUMNS:
+    for column in e2e_report.COLUMNS:
         assert column in header
-    for label in LABELS.values():
-        # "swift sft DSv3" starts with "swift sft ": a row's label is followed by its schedule
+    for label in (LABELS[key] for key in RUN):
+        # a row's label is followed by its schedule
         lines = [line for line in table if line.startswith(label + " ") and
                  line.split()[len(label.split())] in ("static", "6-10")]
         assert [line.split()[len(label.split())] for line in lines] == ["static", "6-10"], table
@@ -100,17 +118,19 @@ def test_the_table_has_every_row_and_column(report, capsys):
             assert len(line.split()) >= len(label.split()) + 6  # schedule, steps/s, x, peak, syncs, κ
 
 
-def test_the_cli_offers_every_launcher_of_the_bench():
-    from elastic_moe_plugin.cli import bench as cli_bench
+def test_the_cli_offers_every_launcher_of_the_bench(capsys):
     from elastic_moe_plugin.tools.bench import e2e
 
-    assert cli_bench.LAUNCHERS == e2e.LAUNCHERS == tuple(LABELS)
+    assert e2e.LAUNCHERS == tuple(LABELS)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "--launchers{" + ",".join(LABELS) + "}" in capsys.readouterr().out.replace("\n", "").replace(" ", "")
 
 
 def test_the_deepseek_v3_row_runs_swift_sft_on_deepseek_v3_with_its_template_and_no_aux_loss(tmp_path):
     from elastic_moe_plugin.tools.bench import e2e, e2e_swift
 
-    (launcher,) = e2e._launchers(e2e.E2EOptions(launchers=("swift_sft_deepseek_v3",), hidden=64))
+    (launcher,) = e2e.launchers(e2e.E2EOptions(launchers=("swift_sft_deepseek_v3",), hidden=64))
     assert (launcher.key, launcher.label) == ("swift_sft_deepseek_v3", "swift sft DSv3")
     assert launcher.model["hidden_size"] == launcher.model["moe_intermediate_size"] == 64  # --hidden sets both
     assert "DeepSeek-V3" in launcher.describe() and "8 groups (top 4)" in launcher.describe()
@@ -123,6 +143,11 @@ def test_the_deepseek_v3_row_runs_swift_sft_on_deepseek_v3_with_its_template_and
     olmoe.model_dir, olmoe.dataset = launcher.model_dir, launcher.dataset
     argv = olmoe.command("6-10", 4, tmp_path / "run", sync_step=2).argv
     assert argv[argv.index("--model_type") + 1] == "olmoe" and "--router_aux_loss_coef" in argv
+    assert "--experts_impl" not in argv  # transformers' own default
+    (eager,) = e2e.launchers(e2e.E2EOptions(launchers=("swift_sft",), experts_impl="eager"))  # --experts-impl
+    eager.model_dir, eager.dataset = launcher.model_dir, launcher.dataset
+    argv = eager.command("6-10", 4, tmp_path / "run", sync_step=2).argv
+    assert argv[argv.index("--experts_impl") + 1] == "eager" and "experts eager" in eager.describe()
 
 
 def test_bad_options_are_refused_before_anything_runs(capsys):
@@ -159,6 +184,33 @@ def test_an_interleaved_run_too_short_for_two_blocks_is_refused_with_a_fix_that_
                  "--warmup", "10"]) == 2  # swift sft's blocks of 4 fit in 21 steps; Megatron-LM's of 10 do not
     assert ("--steps 21 --warmup 10: Megatron-LM interleaves blocks of 10 steps and needs two whole blocks after "
             "the warm-up; pass --steps 31 or more (or --separate-runs).") in capsys.readouterr().err
-    (launcher,) = e2e._launchers(e2e.E2EOptions(launchers=("megatron_lm",)))
-    assert e2e._run_plan(launcher, e2e.E2EOptions(steps=31, warmup=10), quick=False) == (31, 10, 10)
-    assert e2e._run_plan(launcher, e2e.E2EOptions(steps=15, warmup=10, separate=True), quick=False) == (15, 10, None)
+    (launcher,) = e2e.launchers(e2e.E2EOptions(launchers=("megatron_lm",)))
+    assert e2e.run_plan(launcher, e2e.E2EOptions(steps=31, warmup=10), quick=False) == (31, 10, 10)
+    assert e2e.run_plan(launcher, e2e.E2EOptions(steps=15, warmup=10, separate=True), quick=False) == (15, 10, None)
+
+
+def test_swift_profile_reports_self_cpu_by_op_for_both_schedules(tmp_path):
+    """`--only swift-profile --quick`: two profiled swift sft runs; every op row has both schedules, the
+    elastic one against static, and the totals are the sums of the ops' self CPU."""
+    if _megatron_core_016():
+        pytest.skip("megatron-core 0.16.1 pass: swift sft does not use megatron-core; it runs on the 0.19.2 pass")
+    from elastic_moe_plugin.tools import bench
+    from elastic_moe_plugin.tools.bench.e2e import E2EOptions
+
+    (section,) = bench.run_suite(True, 1, ["swift-profile"], bench.BenchOptions(e2e=E2EOptions(work=tmp_path)))
+    report = json.loads(json.dumps(bench.to_json([section], True, 1)))
+    schema.validate(report)
+    (result,) = section.results
+    assert result.window == "2:1" and set(result.tables) == {"static", "6-10"}
+    assert all(table for table in result.tables.values())  # the profiler wrote each run's ops
+    rows = {(row["params"]["op"], row["variant"]): row for row in report["rows"]}
+    ops = {op for op, _ in rows}
+    assert "all ops" in ops and len(ops) > 5
+    for op in ops:
+        static, elastic = rows[op, "static"], rows[op, "6-10"]
+        assert elastic["baseline"] == "static" and static["baseline"] is None
+        assert elastic["ratios"]["self_cpu_ms_added"] == pytest.approx(
+            elastic["metrics"]["self_cpu_ms"] - static["metrics"]["self_cpu_ms"])
+    totals = result.totals_ms()
+    assert rows["all ops", "static"]["metrics"]["self_cpu_ms"] == pytest.approx(totals["static"])
+    assert "swift sft under torch.profiler" in section.table

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -36,21 +35,9 @@ LAYERS = 4
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _demo(out: Path, *extra: str) -> tuple[dict, str, str]:
-    env = dict(os.environ, TORCH_COMPILE_DISABLE="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "elastic_moe_plugin.cli", "demo", "--quick", "--out", str(out), *extra],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
-    )
-    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads((out / "summary.json").read_text()), proc.stdout, proc.stderr
-
-
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo_quick")
-    summary, stdout, stderr = _demo(out)
-    return out, summary, stdout, stderr
+def quick(demo_quick):
+    return demo_quick  # tests/tools/conftest.py: the one quick demo run of the session
 
 
 @slow_megatron
@@ -137,12 +124,12 @@ def _text_file(path: Path) -> Path:
 
 
 @slow_megatron
-def test_layer_subset_json_and_data_file(tmp_path):
+def test_layer_subset_json_and_data_file(run_demo, tmp_path):
     """--layers 1-2: layers 0 and 3 of the elastic run stay exactly top-k; --json prints the
     summary; --data trains on a text file as bytes."""
     text = _text_file(tmp_path / "text.txt")
     out = tmp_path / "out"
-    summary, stdout, _ = _demo(out, "--layers", "1-2", "--steps", "15", "--json", "--data", str(text))
+    summary, stdout, _ = run_demo(out, "--layers", "1-2", "--steps", "15", "--json", "--data", str(text))
     assert json.loads(stdout) == json.loads((out / "summary.json").read_text()) == summary
     assert summary["data"]["vocab_size"] == 256 and "byte-level" in summary["data"]["description"]
     assert summary["settings"]["steps"] == 15 and summary["settings"]["layers"] == "1-2"

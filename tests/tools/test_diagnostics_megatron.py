@@ -3,8 +3,8 @@
 The fast tests build demo-format folders themselves (``demo.model_config`` / ``demo.build_model``,
 a static and an elastic run of 3 Adam steps each, ``static.pt`` / ``elastic.pt``,
 ``model_config.json`` and the ``summary.json`` fields the κ plot reads), because the real
-``elastic-moe demo --quick`` takes minutes on shared CI cores. The ``slow`` test runs the real demo
-(2 steps) and diagnoses its output.
+``elastic-moe demo --quick`` takes minutes on shared CI cores. The ``slow`` test diagnoses the output
+of the session's one real quick demo (``demo_quick``, tests/tools/conftest.py).
 """
 
 from __future__ import annotations
@@ -193,12 +193,10 @@ def test_demo_layer_range_outside_the_model_fails_cleanly(demo_dir, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_cli_end_to_end_on_the_real_demo_output(tmp_path):
-    """``elastic-moe demo --quick --steps 2`` (≈30 s on 2 cores), then ``diagnose compare`` on it."""
-    folder = tmp_path / "demo_out"
+def test_cli_end_to_end_on_the_real_demo_output(demo_quick, tmp_path):
+    """``diagnose compare`` on the output of ``elastic-moe demo --quick`` (the session's one run)."""
+    folder = demo_quick[0]
     env = {"TORCH_COMPILE_DISABLE": "1"}
-    subprocess.run([sys.executable, "-m", "elastic_moe_plugin.cli", "demo", "--quick", "--steps", "2", "--out",
-                    str(folder)], check=True, env={**os.environ, **env}, capture_output=True)
     probe = tmp_path / "probe.pt"
     torch.save(demo.SyntheticLanguages().sequences(seed=9, count=16, length=64), probe)
     out = tmp_path / "diag"
