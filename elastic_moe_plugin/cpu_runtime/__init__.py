@@ -52,7 +52,7 @@ identity, removes the stand-in module and cancels pending installs. ``enable()``
 a real GPU.
 
 Flags a CPU run of ``megatron.training`` passes itself (choices of the run, not redirected; the
-README's "Megatron-LM on the CPU" says why each, and :data:`.training_loop.CPU_ARGUMENTS` refuses a
+docs/megatron.md, "Megatron-LM on the CPU", says why each, and :data:`.training_loop.CPU_ARGUMENTS` refuses a
 run without the first five, naming them): ``--distributed-backend gloo``, ``--transformer-impl
 local``, ``--no-gradient-accumulation-fusion``, ``--no-persist-layer-norm``, ``--clip-grad 0``;
 ``--disable-bias-linear`` for MoE layers at TP = EP = 1 (the experts' in-place bias add fails in

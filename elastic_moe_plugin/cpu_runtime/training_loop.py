@@ -124,7 +124,7 @@ def check_cpu_arguments(args: Any) -> None:
             + "; ".join(missing)
             + ". A CPU run passes all of: "
             + " ".join(item.flag for item in CPU_ARGUMENTS if item.attribute not in waived)
-            + " (README, 'Megatron-LM on the CPU')."
+            + " (docs/megatron.md, 'Megatron-LM on the CPU')."
         )
 
 

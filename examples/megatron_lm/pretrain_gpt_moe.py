@@ -14,9 +14,8 @@ With Elastic Expert Routing (every rank; the ``--elastic-moe-*`` flags never rea
         <megatron args> --elastic-moe-schedule 6-10 [--elastic-moe-layers 3-7]
 
 On a CPU-only machine, ``-m elastic_moe_plugin.megatron_lm --cpu examples/megatron_lm/pretrain_gpt_moe.py
-<megatron args>`` with the flags a CPU run needs (README, "Megatron-LM on the CPU");
-``tests/mcore/test_megatron_lm.py`` runs it so, on 1 and 2 gloo ranks (EP=2; TP=2 with sequence
-parallelism).
+<megatron args>`` with the flags a CPU run needs (docs/megatron.md, "Megatron-LM on the CPU");
+``tests/mcore/test_megatron_lm.py`` runs it so, on 1 and 2 gloo ranks (TP=2 with sequence parallelism).
 
 Stock Megatron-LM, for comparison: ``torchrun --nproc-per-node 8 examples/megatron_lm/pretrain_gpt_moe.py
 <megatron args>``. Written for the ``megatron.training`` of megatron-core 0.19, whose ``pretrain``

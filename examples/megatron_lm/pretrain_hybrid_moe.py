@@ -17,10 +17,10 @@ With Elastic Expert Routing (every rank; the ``--elastic-moe-*`` flags never rea
         --hybrid-layer-pattern "*E*E*E*E" <megatron args> --elastic-moe-schedule 6-10 [--elastic-moe-layers 3-5]
 
 On a CPU-only machine, ``-m elastic_moe_plugin.megatron_lm --cpu examples/megatron_lm/pretrain_hybrid_moe.py
-<megatron args>`` with the flags a CPU run needs (README, "Megatron-LM on the CPU"); without ``--spec``,
+<megatron args>`` with the flags a CPU run needs (docs/megatron.md, "Megatron-LM on the CPU"); without ``--spec``,
 ``--cpu`` adds ``--spec elastic_moe_plugin.cpu_runtime.hybrid hybrid_stack_spec``, the CPU runtime's
 local stack spec (no Mamba layers there: they need ``mamba_ssm``). ``tests/mcore/test_megatron_lm_hybrid.py``
-runs it so, on 1 and 2 gloo ranks (TP=2 with sequence parallelism).
+runs it so, on 1 gloo rank.
 
 Stock Megatron-LM, for comparison: ``torchrun --nproc-per-node 8 examples/megatron_lm/pretrain_hybrid_moe.py
 <megatron args>``. Written for the ``megatron.training`` of megatron-core 0.19, whose ``pretrain``

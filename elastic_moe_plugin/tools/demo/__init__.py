@@ -3,8 +3,8 @@
 Same data, seed and token budget for both runs, through the patch layer users use on GPUs
 (``mcore.patched(ElasticConfig(schedule="static"))``, then ``schedule="2-6", sigma=1.5``), on the
 real megatron-core code with the CPU compatibility layer (:mod:`elastic_moe_plugin.cpu_runtime`).
-The README describes the demo and its output; at this size elastic routing is not expected to
-beat static top-k (the paper's gains were measured on 1B-30B-parameter models).
+``docs/demo.md`` shows the demo's output; at this size elastic routing is not expected to beat
+static top-k (the paper's gains were measured on 1B-30B-parameter models).
 
 Modules, one job each:
 
