@@ -25,7 +25,9 @@ elastic_moe``, ``plugin: elastic_moe`` in a YAML), the checkout's start-up hook 
 :func:`with_start_up_hook`; the ``wheel_*`` runs use the installed wheel from a folder outside the
 checkout (``wheel_venv``). All: full fine-tuning,
 ``--max_steps 3 --logging_steps 1``, ``--router_aux_loss_coef 0.01``, ``--check_model false``,
-``--add_version false`` (a fixed output dir), TensorBoard reporting, one torch thread
+``--add_version false`` (a fixed output dir), TensorBoard reporting only where a test reads the
+event file (``olmoe_iid``, ``auto_gpt_oss``: at the end of a run ms-swift draws one PNG per logged
+scalar, about 0.25 s each, 46 of them for these 2-layer models), one torch thread
 (``OMP_NUM_THREADS=1``: a 2-core runner stalls a thread pool on these tiny tensors), no GPU
 (``CUDA_VISIBLE_DEVICES=""``) and ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` /
 ``TRANSFORMERS_OFFLINE=1`` with private caches. Without ms-swift installed, every test module in
@@ -101,9 +103,10 @@ PLUGIN_FORMS = {
 
 
 def sft_flags(assets: TinyAssets, model: str, output_dir: Path, plugin: str = "path", steps: int = 3,
-              save: bool = False) -> list[str]:
+              save: bool = False, tensorboard: bool = False) -> list[str]:
     """The ``swift sft`` flags after ``sft`` (one run: ``steps`` steps of one micro-batch of 8 rows;
-    ``save``: one model-only checkpoint, ``output_dir/checkpoint-<steps>``)."""
+    ``save``: one model-only checkpoint, ``output_dir/checkpoint-<steps>``; ``tensorboard``: report to
+    TensorBoard, else to nothing but ``logging.jsonl``, which every test reads)."""
     model_type, template = MODELS[model][:2]
     saving = (["--save_strategy", "steps", "--save_steps", str(steps), "--save_only_model", "true"] if save
               else ["--save_strategy", "no"])
@@ -113,7 +116,7 @@ def sft_flags(assets: TinyAssets, model: str, output_dir: Path, plugin: str = "p
         *PLUGIN_FORMS[plugin],
         "--tuner_type", "full", "--max_steps", str(steps), "--logging_steps", "1", "--router_aux_loss_coef", "0.01",
         "--per_device_train_batch_size", str(BATCH_SIZE), "--gradient_accumulation_steps", "1",
-        "--max_length", "512", *saving, "--report_to", "tensorboard",
+        "--max_length", "512", *saving, "--report_to", "tensorboard" if tensorboard else "none",
         "--dataloader_num_workers", "0", "--dataset_num_proc", "1",
         "--output_dir", str(output_dir), "--add_version", "false",
     ]
@@ -223,13 +226,14 @@ MAX_PARALLEL = 4
 
 
 #: run name -> how to build it (assets, work dir, env, and the fixtures or runs it ``needs``) -> RunSpec
-def _sft_run(model: str, env: dict[str, str], plugin: str = "path"):
+def _sft_run(model: str, env: dict[str, str], plugin: str = "path", tensorboard: bool = False):
     def build(assets: TinyAssets, work: Path, base: dict[str, str]) -> RunSpec:
         output_dir = work / "out"
         run_env = {**base, **env}
         if plugin != "path":
             run_env = with_start_up_hook(run_env, work)
-        return RunSpec([*swift_command(), "sft", *sft_flags(assets, model, output_dir, plugin)], run_env, output_dir)
+        flags = sft_flags(assets, model, output_dir, plugin, tensorboard=tensorboard)
+        return RunSpec([*swift_command(), "sft", *flags], run_env, output_dir)
 
     return build
 
@@ -278,12 +282,12 @@ def _wheel_run(model: str, env: dict[str, str], plugin: str = "--plugin", *, yam
     return build
 
 
-def _auto_run(model: str):
+def _auto_run(model: str, tensorboard: bool = False):
     """``swift sft ... --plugin elastic_moe`` from the checkout with no ``ELASTIC_MOE_*`` variable at all:
     the schedule comes from the model; 2 steps, one model-only checkpoint."""
     def build(assets: TinyAssets, work: Path, base: dict[str, str]) -> RunSpec:
         output_dir = work / "out"
-        flags = sft_flags(assets, model, output_dir, "--plugin", steps=AUTO_STEPS, save=True)
+        flags = sft_flags(assets, model, output_dir, "--plugin", steps=AUTO_STEPS, save=True, tensorboard=tensorboard)
         return RunSpec([*swift_command(), "sft", *flags], with_start_up_hook(dict(base), work), output_dir)
 
     return build
@@ -345,7 +349,7 @@ def _probe_run(mode: str):
 
 RUNS = {
     # transformers path, both models; the schedules are centred on each model's top-k
-    "olmoe_iid": _sft_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3"}),  # the documented fallback: a path
+    "olmoe_iid": _sft_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3"}, tensorboard=True),  # the documented fallback: a path
     # the schedule and the sampling come only from the YAML's ENV: block; the plugin's name where
     # ms-swift wants a path
     "qwen3_moe_yaml_balanced": _yaml_run("qwen3_moe", {"ELASTIC_MOE_SCHEDULE": "2-6",
@@ -366,7 +370,7 @@ RUNS = {
     # the transformers door's other routing styles, no settings either (test_swift_sft.py): DeepSeek-V3
     # (sigmoid + correction bias + groups) and GPT-OSS (top-k on the logits, at mlp.router), top-2
     "auto_deepseek_v3": _auto_run("deepseek_v3"),
-    "auto_gpt_oss": _auto_run("gpt_oss"),
+    "auto_gpt_oss": _auto_run("gpt_oss", tensorboard=True),
     # inference and export on those checkpoints need no training schedule, and no plugin
     "infer_top8": _checkpoint_run("auto_top8", "infer", plugin=True),
     "export_top8": _checkpoint_run("auto_top8", "export", plugin=True),

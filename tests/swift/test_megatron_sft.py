@@ -16,9 +16,8 @@ unless said otherwise):
 - ``stock``: no plugin; ``static``: the plugin with ``ELASTIC_MOE_SCHEDULE=static``;
 - ``elastic``: ``--plugin elastic_moe``, schedule 1-3 around top-2, saving after steps 2 and 4
   (with optimizer and RNG state); ``resume``: the same from the step-2 checkpoint, steps 3-4;
-- ``pp2``: 2 ranks, pipeline parallel 2 with only layer 1 (the second stage's) elastic, 2 steps
-  (expert parallelism under ``megatron sft`` runs in the rehearsal of the Qwen3 recipe,
-  ``test_rehearse.py``: PP 2 x EP 2 x DP 2);
+- expert and pipeline parallelism under ``megatron sft`` run in the rehearsal of the Qwen3 recipe
+  (``test_rehearse.py``: PP 2 x EP 2 x DP 2); the layers each stage routes, in ``test_mcore_parallel.py``;
 - ``export``: ``megatron export --to_hf`` (ms-swift 4.6's converter back to Hugging Face) of the
   elastic checkpoint; ``mg_forward``: Megatron's static forward of that checkpoint
   (``_megatron_forward.py``); ``hf``: the exported checkpoint in plain transformers, plugin
@@ -32,7 +31,7 @@ of the adapter, within the CI's time budget; the rest runs on 0.19.2.
 (``scripts/gpu_check.sh`` does): Transformer Engine and grouped-GEMM experts
 (``--moe_grouped_gemm true``), no CPU runtime; float32 weights, TE's unfused attention and no
 padding-free batches, so that the exact stock/static comparison and the float32 export tolerance
-keep their meaning. The two-rank runs need two visible GPUs (else they are skipped). Not run so far:
+keep their meaning. Not run so far:
 no GPU has been available to this project.
 """
 
@@ -69,8 +68,6 @@ def _gpus() -> int:
 
 if DEVICE == "cuda" and not _MISSING and _gpus() < 1:
     pytestmark.append(pytest.mark.skip(reason="MEGATRON_SFT_TEST_DEVICE=cuda but no GPU is visible"))
-TWO_RANKS = DEVICE == "cpu" or _gpus() >= 2
-needs_two_ranks = pytest.mark.skipif(not TWO_RANKS, reason="two ranks on GPUs need two visible GPUs")
 
 
 def _megatron_core_016() -> bool:
@@ -248,7 +245,7 @@ def _export_flags(checkpoint: Path) -> list[str]:
 def runs(tiny_assets, swift_base_env, tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("megatron_sft")
     base = swift_base_env
-    work = {name: tmp / name for name in ("stock", "static", "elastic", "resume", "pp2", "export",
+    work = {name: tmp / name for name in ("stock", "static", "elastic", "resume", "export",
                                            "mg_forward", "hf")}
     elastic_env = {"ELASTIC_MOE_SCHEDULE": SCHEDULE}
     static_env = {"ELASTIC_MOE_SCHEDULE": "static"}
@@ -273,12 +270,6 @@ def runs(tiny_assets, swift_base_env, tmp_path_factory) -> dict[str, Run]:
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_jobs.free_port()), **static_env),
             ROOT, after=("elastic",)),
     ]
-    if TWO_RANKS:
-        jobs += [
-            Job("pp2", _sft(tiny_assets, work["pp2"], "path", steps=2, extra=("--pipeline_model_parallel_size", "2"),
-                            per_layer=True),
-                _env(base, work["pp2"], nproc=2, ELASTIC_MOE_LAYERS="1", **elastic_env), ROOT, weight=2),
-        ]
     jobs += [
         Job("hf", [sys.executable, "-I", str(HERE / "_hf_logits.py"), str(work["mg_forward"] / "logits.pt"),
                    str(work["hf"] / "logits.pt"), f"exported={work['export'] / 'hf'}",
@@ -411,28 +402,6 @@ def test_megatron_core_sees_no_transformer_engine_while_mcore_bridge_got_its_sta
     assert "mcore_bridge.model.modules.kernels.qsa_block_sparse_attn" in report["served"]
     assert report["megatron_TEGroupedLinear"] == "None"
     assert report["bridge_TEGroupedLinear"] == "<class 'elastic_moe_plugin.cpu_runtime.megatron_swift.TEGroupedLinear'>"
-
-
-@needs_two_ranks
-@needs_full_pass
-def test_two_pipeline_stages_with_the_elastic_layer_on_the_second(runs):
-    """PP=2 puts layer 0 on rank 0 and layer 1 on rank 1; ``ELASTIC_MOE_LAYERS=1`` makes only layer 1
-    elastic: rank 0 routes every token to exactly 2 experts, rank 1 follows the pmf."""
-    pp2 = _ok(runs, "pp2")
-    schedule = _schedule()
-    first, second = pp2.forwards(0), pp2.forwards(1)
-    assert {r["layer"] for r in first} == {0} and {r["layer"] for r in second} == {1}
-    static = _histogram(first, 0)
-    assert set(static) == {TOPK}, static
-    elastic = _histogram(second, 1)
-    print(f"pp2: layer 0 (stage 0, static) {static}; layer 1 (stage 1, elastic) {dict(sorted(elastic.items()))}")
-    assert set(elastic) <= set(schedule.budgets)
-    assert not _z_bound(elastic, schedule), _z_bound(elastic, schedule)
-    # Megatron-SWIFT logs from the last stage: the elastic layer's metrics
-    rows = pp2.rows()
-    assert len(rows) == 2
-    assert all("elastic_moe/layer_1/kappa_frac_1" in row for row in rows)
-    assert "elastic-moe plan (megatron-core" in pp2.output
 
 
 @needs_full_pass

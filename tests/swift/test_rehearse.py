@@ -6,8 +6,9 @@ runs the recipe's own launcher: ``megatron sft`` for ``qwen3_sft/6-10`` (4 CPU p
 EP 2 x DP 2), ``swift sft`` for ``olmoe_sft/6-10``, Megatron-LM's trainer for ``pretrain/6-10`` (2
 processes, EP 2). Two steps each here (the default is 3), the OLMoE and pretraining recipes with
 ``--set batch.global=16`` (their 256 sequences a step are 256 micro-batches a step on one CPU process;
-the accumulation code is the same at 16). A user overlay with a flag ms-swift does not know must fail
-with ms-swift's own message before any step.
+the accumulation code is the same at 16). A user overlay (of the OLMoE recipe: one ``swift sft``
+process, where the Qwen3 recipe's ``megatron sft`` starts four to fail alike) with a flag ms-swift
+does not know must fail with ms-swift's own message before any step.
 
 How close the logged mean κ must be to 8: with ``sampling=iid`` each token draws κ independently
 from the 6-10 pmf (mean 8, standard deviation σ_q), so one rank's per-step, per-layer mean over N
@@ -66,7 +67,7 @@ REHEARSALS = {
     "qwen3": ("qwen3_sft/6-10", _missing("swift", "mcore_bridge", "megatron.core"), 2, []),
     "olmoe": ("olmoe_sft/6-10", _missing("swift", "transformers"), 1, [f"batch.global={GLOBAL_BATCH}"]),
     "pretrain": ("pretrain/6-10", [m for m in [_megatron_training_missing()] if m], 2, [f"batch.global={GLOBAL_BATCH}"]),
-    "broken": (None, _missing("swift", "mcore_bridge", "megatron.core"), 1, []),
+    "broken": (None, _missing("swift", "transformers"), 1, []),
 }
 
 
@@ -81,8 +82,8 @@ def rehearsals(swift_base_env, tmp_path_factory):
     env = {**swift_base_env, "PYTHONPATH": ":".join(filter(None, [str(ROOT), swift_base_env.get("PYTHONPATH")]))}
     broken = tmp / "broken.yaml"
     broken.write_text(
-        f"# a user overlay of the Qwen3 6-10 recipe with a flag ms-swift does not have\n"
-        f"extends: [{str(ROOT / 'configs' / 'qwen3_sft' / '6-10.yaml')!r}]\n"
+        f"# a user overlay of the OLMoE 6-10 recipe with a flag ms-swift does not have\n"
+        f"extends: [{str(ROOT / 'configs' / 'olmoe_sft' / '6-10.yaml')!r}]\n"
         "args:\n  nosuch_flag: 1\n")
     jobs = []
     for name, (recipe, missing, weight, sets) in REHEARSALS.items():

@@ -192,7 +192,7 @@ def _family_runs(names):
 def test_swift_sft_trains_deepseek_v3_and_gpt_oss_elastically(swift_runs, tiny_assets, run):
     """``swift sft --plugin elastic_moe`` with no settings on a tiny DeepSeek-V3 / GPT-OSS: the plan
     line names both layers and the family's own gate, κ is drawn over the whole 1-3 schedule in both
-    layers, the loss is finite, and TensorBoard gets the same metrics."""
+    layers, the loss is finite, and (GPT-OSS, the run that reports to it) TensorBoard gets the same metrics."""
     result = swift_runs.result(run)
     model, model_type, template, rule, gate, has_aux_loss = FAMILY_RUNS[run]
     assert result.returncode == 0, result.describe()
@@ -232,7 +232,10 @@ def test_swift_sft_trains_deepseek_v3_and_gpt_oss_elastically(swift_runs, tiny_a
             # renormalised over the kept experts (DeepSeek-V3's ×routed_scaling_factor is not part of it)
             assert row[f"{prefix}retained_weight_sum_mean"] == pytest.approx(1.0, abs=1e-5)
             assert 1.0 <= row[f"{prefix}tokens_per_expert_max_over_mean"] < NUM_EXPERTS
-    _assert_tensorboard_matches_the_log(result)
+    # the logging path is the family's no more than the schedule is: one family's run reports to TensorBoard
+    assert ("tensorboard" in result.argv) == (run == "auto_gpt_oss")
+    if run == "auto_gpt_oss":
+        _assert_tensorboard_matches_the_log(result)
 
 
 #: infer run -> the training run whose checkpoint it reads
