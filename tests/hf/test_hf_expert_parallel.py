@@ -70,10 +70,12 @@ def _tiny_olmoe(directory: Path) -> Path:
     return directory
 
 
-@pytest.fixture(scope="module", params=_plans())
-def runs(request, tmp_path_factory):
-    plan = request.param
-    output = tmp_path_factory.mktemp(f"expert_parallel_{plan}")
+@pytest.fixture(scope="module")
+def both_plans(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
+    """One torchrun for both plans (a world of processes costs more to start than to run):
+    ``{plan: {impl: [rank 0's results, rank 1's]}}``."""
+    plans = _plans()
+    output = tmp_path_factory.mktemp("expert_parallel")
     model_dir = _tiny_olmoe(output / "model")
     drop = ("ELASTIC_MOE_", "MASTER_", "TORCHELASTIC_", "PET_")
     keep = ("ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS",)  # a transformers outside the guard's range, as here
@@ -82,12 +84,17 @@ def runs(request, tmp_path_factory):
     env.update(OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-               str(WORKER), str(model_dir), plan, ",".join(IMPLS), str(output)]
+               str(WORKER), str(model_dir), ",".join(plans), ",".join(IMPLS), str(output)]
     with open(output / "log", "w") as log:
         completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=output, timeout=600)
     assert completed.returncode == 0, (output / "log").read_text()[-6000:]
-    return plan, {impl: [json.loads((output / f"{impl}_rank_{rank}.json").read_text()) for rank in range(RANKS)]
-                  for impl in IMPLS}
+    return {plan: {impl: [json.loads((output / f"{plan}_{impl}_rank_{rank}.json").read_text()) for rank in range(RANKS)]
+                   for impl in IMPLS} for plan in plans}
+
+
+@pytest.fixture(params=_plans())
+def runs(request, both_plans):
+    return request.param, both_plans[request.param]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
