@@ -26,6 +26,7 @@ LABELS = {"swift_sft": "swift sft", "swift_sft_deepseek_v3": "swift sft DSv3", "
 #: the launchers the quick run here runs: swift sft on DeepSeek-V3 is the OLMoE row's launcher on another
 #: model, whose command is checked below without a run
 RUN = ("swift_sft", "megatron_sft", "megatron_lm")
+HIDDEN = 64  # the swift sft rows' --hidden
 INTERLEAVED = {"megatron_sft", "megatron_lm"}  # one run per round, static and elastic blocks of 2 steps
 _MISSING = [name for name in ("swift", "mcore_bridge", "megatron.training", "transformers")
             if importlib.util.find_spec(name.split(".")[0]) is None or importlib.util.find_spec(name) is None]
@@ -52,7 +53,9 @@ def sections(tmp_path_factory):
     from elastic_moe_plugin.tools.bench.e2e import E2EOptions
 
     work = tmp_path_factory.mktemp("bench_e2e")
-    return bench.run_suite(True, 1, ["e2e"], bench.BenchOptions(e2e=E2EOptions(work=work, launchers=RUN)))
+    # H=64 (--hidden 64): the swift sft rows' tiny OLMoE at a quarter of the bench's width, whose 4 steps
+    # of 64 experts on one CPU process would otherwise cost more than the start-up; the figures are the same
+    return bench.run_suite(True, 1, ["e2e"], bench.BenchOptions(e2e=E2EOptions(work=work, launchers=RUN, hidden=HIDDEN)))
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +200,8 @@ def test_swift_profile_reports_self_cpu_by_op_for_both_schedules(tmp_path):
     from elastic_moe_plugin.tools import bench
     from elastic_moe_plugin.tools.bench.e2e import E2EOptions
 
-    (section,) = bench.run_suite(True, 1, ["swift-profile"], bench.BenchOptions(e2e=E2EOptions(work=tmp_path)))
+    options = bench.BenchOptions(e2e=E2EOptions(work=tmp_path, hidden=HIDDEN))
+    (section,) = bench.run_suite(True, 1, ["swift-profile"], options)
     report = json.loads(json.dumps(bench.to_json([section], True, 1)))
     schema.validate(report)
     (result,) = section.results
