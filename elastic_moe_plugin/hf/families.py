@@ -11,6 +11,7 @@ import functools
 import importlib
 import inspect
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,6 +99,31 @@ def _covered_router_classes(version: str) -> tuple[tuple[type, RouterFamily], ..
     return tuple(found)
 
 
+#: (transformers version, family name) -> (router class, family) or None, filled as each family's
+#: modeling module appears in ``sys.modules``
+_IMPORTED: dict[tuple[str, str], tuple[type, RouterFamily] | None] = {}
+
+
+def imported_router_classes() -> dict[type, RouterFamily]:
+    """:func:`covered_router_classes` restricted to the families whose modeling module is imported:
+    every router class a built model can hold, without importing the other families' modules (all
+    of them: about 6 s of a process's start-up on a CPU core, for the few a run uses)."""
+    import transformers
+
+    found = {}
+    for family in FAMILIES:
+        key = (transformers.__version__, family.name)
+        if key not in _IMPORTED:
+            if family.module_path not in sys.modules:
+                continue
+            loaded = load_family(family)
+            _IMPORTED[key] = None if isinstance(loaded, str) else (loaded.router, installed_family(family, loaded))
+        entry = _IMPORTED[key]
+        if entry is not None:
+            found[entry[0]] = entry[1]
+    return found
+
+
 def installed_family(family: RouterFamily, loaded: LoadedFamily) -> RouterFamily:
     """``family`` with what only the installed transformers can tell: the order its router returns."""
     return dataclasses.replace(family, ids_first=_logits_last(loaded))
@@ -117,7 +143,7 @@ def _logits_last(loaded: LoadedFamily) -> bool:
 def covered_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFamily]]:
     """``(qualified name, router, family)`` of every covered router in ``model``, in module order (the
     router typed ``Any``: its attributes are its family's, ``top_k``, ``num_experts``, ...)."""
-    classes = covered_router_classes()
+    classes = imported_router_classes()
     for name, module in model.named_modules():
         family = classes.get(type(module))
         if family is not None:
@@ -182,7 +208,7 @@ def uncovered_moe(model: torch.nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if config is None or model_folder(type(model)) in NOT_TOP_K or not routes_to_experts(config):
         return None
-    classes = covered_router_classes()
+    classes = imported_router_classes()
     if any(type(module) in classes for module in model.modules()):
         return None
     folder = model_folder(type(model))

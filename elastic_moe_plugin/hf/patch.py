@@ -61,8 +61,8 @@ from elastic_moe_plugin.hf.experts import experts_forward, install_expert_parall
 from elastic_moe_plugin.hf.families import (
     FAMILIES,
     RouterFamily,
-    covered_router_classes,
     covered_routers,
+    imported_router_classes,
     installed_family,
     layer_index_from_name,
     load_family,
@@ -104,55 +104,74 @@ SUPPORTED_TRANSFORMERS_RANGE, ALLOW_UNSUPPORTED_ENV = VERSION_GUARD.range, VERSI
 # ---------------------------------------------------------------------------------- install
 def _install(config: ElasticConfig, patches: AttributePatches) -> None:
     """Wrap the router forward, the decoder-layer ``__init__``, the experts forward and the aux loss
-    of every covered family."""
-    loss_patched: set[int] = set()
+    of every covered family: the required families (OLMoE, Qwen3-MoE) now, so that a transformers
+    without them fails here; every other family when its modeling module is imported (now if it
+    is), so that a process pays for the modules its model uses, not for every family's (importing
+    them all took about 6 s of a process's start-up on a CPU core)."""
+    loss_patched: set[int] = set()  # families sharing a modeling module share one loss function
     for family in FAMILIES:
-        loaded = load_family(family)
-        if isinstance(loaded, str):
-            if family.required:
-                raise UnsupportedTransformersError(
-                    f"elastic-moe cannot patch {family.name}: {loaded}. This transformers "
-                    f"({transformers_version()}) differs from the tested {SUPPORTED_TRANSFORMERS_RANGE}; "
-                    f"install a tested version."
-                )
-            logger.debug("elastic-moe: skipping %s: %s", family.name, loaded)
-            continue
-        family = installed_family(family, loaded)
-        patches.wrap(
-            loaded.router,
-            "forward",
-            functools.partial(patched_forward, family=family, lifecycle=_PATCH, resolve_plan=resolve_plan),
-        )
-        patches.wrap(
-            loaded.decoder_layer,
-            "__init__",
-            functools.partial(_layer_init, router_cls=loaded.router, sites=family.sites),
-        )
-        if loaded.experts is not None:
-            patches.wrap(loaded.experts, "forward", experts_forward)
-        elif family.required:
-            raise UnsupportedTransformersError(
-                f"elastic-moe cannot cut expert compute to κ in {family.name}: {family.module_path}.{family.experts} "
-                f"is not transformers' experts dispatcher over forward(hidden_states, top_k_index, top_k_weights). "
-                f"This transformers ({transformers_version()}) differs from the tested {SUPPORTED_TRANSFORMERS_RANGE}; "
-                f"install a tested version."
-            )
+        if family.required:
+            _install_family(family, patches, loss_patched)
         else:
-            logger.debug(
-                "elastic-moe: %s experts stay stock (every slot computed): %s.%s has another shape",
-                family.name,
+            patches.when_imported(
                 family.module_path,
-                family.experts,
+                functools.partial(_install_imported_family, family=family, patches=patches, loss_patched=loss_patched),
             )
-        module = loaded.module
-        if callable(module.__dict__.get("load_balancing_loss_func")) and id(module) not in loss_patched:
-            loss_patched.add(id(module))  # families sharing a modeling module share one loss function
-            patches.wrap(module, "load_balancing_loss_func", _load_balancing_loss)
     from transformers.modeling_utils import PreTrainedModel
 
     patches.wrap(PreTrainedModel, "post_init", _refuse_uncovered_moe)  # never silently static
     install_expert_parallel(patches)  # transformers' expert-parallel styles dispatch only the kept pairs
     budget_rng.install(patches)  # κ's stream: the Trainer's rng_state files, the re-seed, TP tagging
+
+
+def _install_imported_family(
+    module: Any, *, family: RouterFamily, patches: AttributePatches, loss_patched: set[int]
+) -> None:
+    _install_family(family, patches, loss_patched)
+
+
+def _install_family(family: RouterFamily, patches: AttributePatches, loss_patched: set[int]) -> None:
+    loaded = load_family(family)
+    if isinstance(loaded, str):
+        if family.required:
+            raise UnsupportedTransformersError(
+                f"elastic-moe cannot patch {family.name}: {loaded}. This transformers "
+                f"({transformers_version()}) differs from the tested {SUPPORTED_TRANSFORMERS_RANGE}; "
+                f"install a tested version."
+            )
+        logger.debug("elastic-moe: skipping %s: %s", family.name, loaded)
+        return
+    installed = installed_family(family, loaded)
+    patches.wrap(
+        loaded.router,
+        "forward",
+        functools.partial(patched_forward, family=installed, lifecycle=_PATCH, resolve_plan=resolve_plan),
+    )
+    patches.wrap(
+        loaded.decoder_layer,
+        "__init__",
+        functools.partial(_layer_init, router_cls=loaded.router, sites=family.sites),
+    )
+    if loaded.experts is not None:
+        patches.wrap(loaded.experts, "forward", experts_forward)
+    elif family.required:
+        raise UnsupportedTransformersError(
+            f"elastic-moe cannot cut expert compute to κ in {family.name}: {family.module_path}.{family.experts} "
+            f"is not transformers' experts dispatcher over forward(hidden_states, top_k_index, top_k_weights). "
+            f"This transformers ({transformers_version()}) differs from the tested {SUPPORTED_TRANSFORMERS_RANGE}; "
+            f"install a tested version."
+        )
+    else:
+        logger.debug(
+            "elastic-moe: %s experts stay stock (every slot computed): %s.%s has another shape",
+            family.name,
+            family.module_path,
+            family.experts,
+        )
+    module = loaded.module
+    if callable(module.__dict__.get("load_balancing_loss_func")) and id(module) not in loss_patched:
+        loss_patched.add(id(module))
+        patches.wrap(module, "load_balancing_loss_func", _load_balancing_loss)
 
 
 # The lambda reads transformers_version at call time (tests substitute it).
@@ -379,7 +398,7 @@ def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], di
     config = _PATCH.config
     if config is None:
         return {}, {}
-    families = covered_router_classes()
+    families = imported_router_classes()
     return core_records.model_plans(
         router_sites(model), config, lambda site: resolve_plan(site.router, families[type(site.router)], config)
     )

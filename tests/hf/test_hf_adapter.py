@@ -129,6 +129,47 @@ def test_apply_and_remove_restore_every_attribute_by_identity():
     hf.remove()  # a second remove is a no-op
 
 
+_DEFERRED_PROBE = r"""
+import json, sys
+from elastic_moe_plugin import ElasticConfig, hf
+from elastic_moe_plugin.core.patching import is_patched
+
+name = "transformers.models.gpt_oss.modeling_gpt_oss"
+hf.apply(ElasticConfig(schedule="1-3"))
+report = {"imported_at_apply": name in sys.modules, "symbols_at_apply": len(hf.patched_symbols())}
+import transformers.models.gpt_oss.modeling_gpt_oss as module  # a family other than OLMoE and Qwen3-MoE
+
+stock = module.GptOssTopKRouter.forward.__wrapped__
+report["patched_on_import"] = is_patched(vars(module.GptOssTopKRouter)["forward"])
+report["symbols_after_import"] = len(hf.patched_symbols())
+hf.remove()
+report["restored"] = vars(module.GptOssTopKRouter)["forward"] is stock
+hf.apply(ElasticConfig(schedule="1-3"))  # imported already: patched by apply itself
+report["patched_by_apply"] = is_patched(vars(module.GptOssTopKRouter)["forward"])
+hf.remove()
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_a_family_imported_after_apply_is_patched_then_and_restored_by_remove():
+    """``apply`` patches OLMoE and Qwen3-MoE itself and every other family when its modeling module is
+    imported, so a process imports only its model's family; ``remove`` restores those too. In a fresh
+    process: this one has imported every family."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_MOE_") or k == hf.ALLOW_UNSUPPORTED_ENV}
+    done = subprocess.run([sys.executable, "-c", _DEFERRED_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["imported_at_apply"] is False
+    assert report["patched_on_import"] is True and report["restored"] is True and report["patched_by_apply"] is True
+    assert report["symbols_after_import"] > report["symbols_at_apply"]
+
+
 def test_apply_is_idempotent_replaces_and_patched_restores():
     router_cls = _family_objects("olmoe")[1].router
     original = router_cls.__dict__["forward"]
