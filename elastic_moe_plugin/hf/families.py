@@ -102,6 +102,8 @@ def _covered_router_classes(version: str) -> tuple[tuple[type, RouterFamily], ..
 #: (transformers version, family name) -> (router class, family) or None, filled as each family's
 #: modeling module appears in ``sys.modules``
 _IMPORTED: dict[tuple[str, str], tuple[type, RouterFamily] | None] = {}
+#: router class -> family, of every family :func:`imported_router_classes` has found
+_FAMILY_OF: dict[type, RouterFamily] = {}
 
 
 def imported_router_classes() -> dict[type, RouterFamily]:
@@ -121,7 +123,19 @@ def imported_router_classes() -> dict[type, RouterFamily]:
         entry = _IMPORTED[key]
         if entry is not None:
             found[entry[0]] = entry[1]
+    _FAMILY_OF.update(found)
     return found
+
+
+def family_of(router_cls: type) -> RouterFamily:
+    """The family of a covered router class (the elastic forward's lookup: one dictionary read
+    once the class's module has been seen, instead of a pass over every family).
+
+    Raises:
+        KeyError: ``router_cls`` is no covered router class.
+    """
+    family = _FAMILY_OF.get(router_cls)
+    return family if family is not None else imported_router_classes()[router_cls]
 
 
 def installed_family(family: RouterFamily, loaded: LoadedFamily) -> RouterFamily:

@@ -50,7 +50,7 @@ from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.router_state import STATE_ATTR, ElasticPath, RouterState, ensure_state
 from elastic_moe_plugin.core.routing import RoutingRule, balancing_scores, route, score
 from elastic_moe_plugin.hf import budget_rng
-from elastic_moe_plugin.hf.families import imported_router_classes
+from elastic_moe_plugin.hf.families import family_of
 from elastic_moe_plugin.hf.rules import family_rule, selection_bias
 from elastic_moe_plugin.hf.rules import router_logits as router_logits_of
 
@@ -124,7 +124,7 @@ def elastic_routing(
         b; slots j >= κ_t have weight exactly 0, and ``top_k_index`` carries κ on the host for the
         experts (:func:`mark_kept_slots`).
     """
-    family = imported_router_classes()[type(router)]
+    family = family_of(type(router))
     state = ensure_state(router)
     if state.path is None or state.path.plan is not plan:
         resolve_state(router, family, plan, state.generation)
