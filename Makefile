@@ -23,8 +23,9 @@ export TORCH_COMPILE_DISABLE := 1
 # this project's 2-core machine) and uv (which writes no .pyc at install time) installed a package,
 # every process would compile the modules it imports from source again: 4 to 7 s of CPU in each
 # `swift sft` or `megatron sft` process's start-up (ms-swift, modelscope, peft, pydantic), about
-# 1 s in each process on megatron-core 0.16.1 or transformers 5.25. Compiling the whole venv at install time instead
-# (uv --compile-bytecode) adds about 70 s to a fresh set-up, most of it for modules no test imports.
+# 1 s in each process on megatron-core 0.16.1 or transformers 5.25. Compiling the whole venv at
+# install time instead (uv --compile-bytecode) adds about 70 s to a fresh set-up, most of it for
+# modules no test imports.
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup constraints swift-hook demo docs lint format test test-fast test-mcore-low coverage bench clean
