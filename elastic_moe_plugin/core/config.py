@@ -66,8 +66,9 @@ from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.core.schedule import SAMPLING_MODES, BudgetSchedule, symmetric_range
 from elastic_moe_plugin.core.spelling import CLI_PREFIX, ENV_PREFIX, NONE_WORDS, PYTHON, Spelling
 
-#: what a resolved schedule is kept under: (num_experts, topk, num_layers, moe_layers) of ``resolve``
-_ShapeKey = tuple[int | None, int, int | None, tuple[int, ...] | None]
+#: what a resolved schedule is kept under: (num_experts, topk, num_layers, moe_layers, static_layers_note)
+#: of ``resolve``
+_ShapeKey = tuple[int | None, int, int | None, tuple[int, ...] | None, str | None]
 
 
 # ---------------------------------------------------------------------------------- the config
@@ -184,6 +185,7 @@ class ElasticConfig:
         topk: int,
         num_layers: int | None = None,
         moe_layers: tuple[int, ...] | None = None,
+        static_layers_note: str | None = None,
     ) -> BudgetSchedule:
         """Check this config against a model and return its schedule (the point mass at the
         model's top-k in ``mode="top_p"``, whose per-token budgets come from the probabilities).
@@ -192,7 +194,10 @@ class ElasticConfig:
 
         ``num_experts`` / ``num_layers`` None: not known (``elastic-moe schedule`` without ``--experts``);
         the checks that need them are left out. ``moe_layers``: the 0-based layer numbers that hold a
-        router where only some do (a hybrid pattern's ``E`` layers); ``layers`` must select one of them.
+        router that can route elastically where only some do (a hybrid pattern's ``E`` layers,
+        DeepSeek-V4's top-k layers); ``layers`` must select one of them. ``static_layers_note``:
+        why the other MoE layers cannot (DeepSeek-V4: "layer(s) 0 are hash-routed: ..."), for the
+        refusal; None where they hold no router.
 
         Raises:
             ConfigError: if the center is not the model's top-k, the schedule is not centred on it or
@@ -201,10 +206,10 @@ class ElasticConfig:
                 or ``layers`` selects none of ``moe_layers``.
                 ``error.fixes`` lists the changes the message suggests, each accepted by this model.
         """
-        key = (num_experts, topk, num_layers, moe_layers)
+        key = (num_experts, topk, num_layers, moe_layers, static_layers_note)
         schedule = self._resolved.get(key)
         if schedule is None:
-            shape = ModelShape(topk, num_experts, num_layers, moe_layers)
+            shape = ModelShape(topk, num_experts, num_layers, moe_layers, static_layers_note)
             schedule = self._resolved[key] = self._checks().checked_schedule(shape)
         return schedule
 

@@ -113,13 +113,22 @@ class LayerChecks(Refusals):
         near = span or sorted(moe_layers, key=lambda layer: (min(abs(layer - s) for s in selected), layer))[:1]
         candidates = ([{"layers": layers_text(near)}] if near else []) + [{"layers": None}]
         numbers = ", ".join(str(layer) for layer in moe_layers) or "none"
-        near_what = "the MoE layers within that range" if span else "the nearest MoE layer"
+        if model.static_layers_note is None:
+            what = (
+                f"none of which is an MoE layer: the model's MoE layers are {numbers} (0-based layer numbers; "
+                f"in a hybrid pattern every symbol is a layer, and only 'E' layers route)"
+            )
+            near_what = "the MoE layers within that range" if span else "the nearest MoE layer"
+        else:
+            what = (
+                f"none of which can route elastically: {model.static_layers_note}; the layers that can are "
+                f"{numbers} (0-based layer numbers)"
+            )
+            near_what = "the elastic-capable layers within that range" if span else "the nearest one"
         raise self._refuse(
             "layers",
             lambda fixes: (
-                f"{self.spell('layers')} selects layer(s) {sorted(selected)}, none of which is an MoE layer: "
-                f"the model's MoE layers are {numbers} (0-based layer numbers; in a hybrid pattern every "
-                f"symbol is a layer, and only 'E' layers route). "
+                f"{self.spell('layers')} selects layer(s) {sorted(selected)}, {what}. "
                 + self._use(fixes, near_what if fixes and fixes[0]["layers"] is not None else "")
             ),
             candidates,

@@ -26,13 +26,16 @@ from elastic_moe_plugin.core.spelling import PYTHON, Spelling
 
 class ModelShape(NamedTuple):
     """What a config is checked against: a router's top-k, its routed experts, the model's decoder
-    layers and, where only some of them route (a hybrid pattern), the 0-based layer numbers of its
-    MoE layers (``None``: not known, or every layer may hold a router)."""
+    layers and, where only some of them route elastically (a hybrid pattern, DeepSeek-V4's
+    hash-routed first layers), the 0-based layer numbers of those that do (``None``: not known, or
+    every layer may hold a router), with why the other MoE layers cannot (``static_layers_note``;
+    None where the others hold no router)."""
 
     topk: int
     num_experts: int | None = None
     num_layers: int | None = None
     moe_layers: tuple[int, ...] | None = None
+    static_layers_note: str | None = None
 
     def describe(self) -> str:
         experts = f" of {self.num_experts} experts" if self.num_experts is not None else ""

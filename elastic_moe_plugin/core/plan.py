@@ -117,6 +117,7 @@ def describe_plans(
     framework: str,
     note: str | None = None,
     moe_index: Mapping[int, int] | None = None,
+    static_reasons: Mapping[int, str] | None = None,
 ) -> str:
     """The start-up line of a run: which MoE layers route elastically, with what, and which stay static.
 
@@ -127,6 +128,8 @@ def describe_plans(
         note: appended after the layers (:data:`RESOLVED_FROM_MODEL`).
         moe_index: {layer index: its MoE index (rank among the model's MoE layers)}, where they differ
             (a Megatron ``HybridModel``: in ``*E*E*E*E`` layer 3 is MoE layer 1); the line then shows both.
+        static_reasons: {layer index: why its router cannot route elastically} for static layers
+            that are static by construction (DeepSeek-V4's hash-routed layers); shown with them.
 
     Example: ``elastic-moe plan (transformers, 16 MoE layers): elastic 6-10 around k=8 (σ=1.5), olmoe
     softmax_topk rule, full_softmax gate, iid sampling: layers 3-7; static top-8: layers 0-2, 8-15``.
@@ -135,7 +138,8 @@ def describe_plans(
     for layer, plan in plans.items():
         rule = f"{plan.rule} rule, " if plan is not None and plan.rule else ""
         if plan is None:
-            key = f"static top-{topk[layer]}"
+            why = (static_reasons or {}).get(layer)
+            key = f"static top-{topk[layer]}" + (f" ({why})" if why else "")
         elif plan.top_p is not None:
             key = f"elastic top-p {plan.top_p:g} (at most {plan.top_p_width} experts), {rule}{plan.gate} gate"
         else:
@@ -180,18 +184,19 @@ def log_plan(
     config=None,
     moe_index: Mapping[int, int] | None = None,
     note: str | None = None,
+    static_reasons: Mapping[int, str] | None = None,
 ) -> str | None:
     """Log (rank 0, once per process and line) and return :func:`describe_plans` of ``plans``
     (an adapter's ``model_plans``, :func:`elastic_moe_plugin.core.records.model_plans`); None when
     there are no plans (no active, enabled config). ``config``: the active ``ElasticConfig``; the line
     says when its schedule was resolved from the model. ``moe_index``: as :func:`describe_plans`.
-    ``note``: the adapter's own note, after that one."""
+    ``note``: the adapter's own note, after that one. ``static_reasons``: as :func:`describe_plans`."""
     if not plans:
         return None
     elastic = any(plan is not None and plan.top_p is None for plan in plans.values())
     resolved = RESOLVED_FROM_MODEL if config is not None and config.schedule_from_model and elastic else None
     note = "; ".join(part for part in (resolved, note) if part) or None
-    line = describe_plans(plans, topk, framework, note, moe_index)
+    line = describe_plans(plans, topk, framework, note, moe_index, static_reasons)
     log_plan_once(line)
     return line
 

@@ -242,10 +242,9 @@ def select(
         scores = probabilities
     else:
         scores = score(logits, rule.score_function, rule.score_dtype or logits.dtype)
-    if rule.select_on == "logits":
-        selection = logits
-    else:
-        selection = scores if selection_bias is None else scores + selection_bias.to(scores.dtype)
+    # the frameworks add the bias by type promotion: a bf16 score plus an fp32 bias ranks in fp32
+    biased = scores if selection_bias is None else scores + selection_bias
+    selection = logits if rule.select_on == "logits" else biased
     top, ids = _top(selection, rule, width)
     if rule.normalization == "kept_softmax":
         return ids, torch.gather(logits, 1, ids)

@@ -35,12 +35,15 @@ class LoadedFamily:
         experts: the experts class, or None where it is not transformers' implementation
             dispatcher over ``forward(hidden_states, top_k_index, top_k_weights)`` (then expert
             compute is left stock: all b slots, zero-weighted beyond κ).
+        static_routers: ``{router class: why it stays static}`` of the family's
+            :attr:`~.family_table.RouterFamily.static_routers` that the installed transformers has.
     """
 
     module: Any
     router: type
     decoder_layer: type
     experts: type | None
+    static_routers: dict[type, str] = dataclasses.field(default_factory=dict)
 
 
 def load_family(family: RouterFamily) -> LoadedFamily | str:
@@ -54,15 +57,21 @@ def load_family(family: RouterFamily) -> LoadedFamily | str:
     if router_cls is None or layer_cls is None:
         missing = family.router if router_cls is None else family.decoder_layer
         return f"{family.module_path}.{missing} does not exist"
-    # The generic patcher re-implements exactly `forward(self, hidden_states)`; anything else is a
-    # different router and must not be replaced silently.
+    # The generic patcher re-implements exactly `forward(self, hidden_states, *family.forward_args)`;
+    # anything else is a different router and must not be replaced silently.
     forward = unwrap(router_cls.__dict__.get("forward"))
-    if forward is None or list(inspect.signature(forward).parameters) != ["self", "hidden_states"]:
-        return f"{family.module_path}.{family.router}.forward is not forward(self, hidden_states)"
+    expected = ["self", "hidden_states", *family.forward_args]
+    if forward is None or list(inspect.signature(forward).parameters) != expected:
+        return f"{family.module_path}.{family.router}.forward is not forward({', '.join(expected)})"
     init = layer_cls.__dict__.get("__init__")
     if init is None or "layer_idx" not in inspect.signature(init).parameters:
         return f"{family.module_path}.{family.decoder_layer}.__init__ takes no layer_idx"
-    return LoadedFamily(module, router_cls, layer_cls, _experts_class(module, family))
+    static: dict[type, str] = {}
+    for name, why in family.static_routers:
+        static_cls = getattr(module, name, None)
+        if isinstance(static_cls, type):
+            static[static_cls] = why
+    return LoadedFamily(module, router_cls, layer_cls, _experts_class(module, family), static)
 
 
 def _experts_class(module: Any, family: RouterFamily) -> type | None:
@@ -99,32 +108,65 @@ def _covered_router_classes(version: str) -> tuple[tuple[type, RouterFamily], ..
     return tuple(found)
 
 
-#: (transformers version, family name) -> (router class, family) or None, filled as each family's
-#: modeling module appears in ``sys.modules``
-_IMPORTED: dict[tuple[str, str], tuple[type, RouterFamily] | None] = {}
+#: (transformers version, family name) -> (router class, family, {static router class: why}) or
+#: None, filled as each family's modeling module appears in ``sys.modules``
+_IMPORTED: dict[tuple[str, str], tuple[type, RouterFamily, dict[type, str]] | None] = {}
 #: router class -> family, of every family :func:`imported_router_classes` has found
 _FAMILY_OF: dict[type, RouterFamily] = {}
 
 
-def imported_router_classes() -> dict[type, RouterFamily]:
-    """:func:`covered_router_classes` restricted to the families whose modeling module is imported:
-    every router class a built model can hold, without importing the other families' modules (all
-    of them: about 6 s of a process's start-up on a CPU core, for the few a run uses)."""
+def _imported_families() -> Iterator[tuple[type, RouterFamily, dict[type, str]]]:
+    """``(router class, family, {static router class: why})`` of every covered family whose modeling
+    module is imported, each loaded once per transformers version."""
     import transformers
 
-    found = {}
     for family in FAMILIES:
         key = (transformers.__version__, family.name)
         if key not in _IMPORTED:
             if family.module_path not in sys.modules:
                 continue
             loaded = load_family(family)
-            _IMPORTED[key] = None if isinstance(loaded, str) else (loaded.router, installed_family(family, loaded))
+            _IMPORTED[key] = (
+                None
+                if isinstance(loaded, str)
+                else (loaded.router, installed_family(family, loaded), loaded.static_routers)
+            )
         entry = _IMPORTED[key]
         if entry is not None:
-            found[entry[0]] = entry[1]
+            yield entry
+
+
+def imported_router_classes() -> dict[type, RouterFamily]:
+    """:func:`covered_router_classes` restricted to the families whose modeling module is imported:
+    every router class a built model can hold, without importing the other families' modules (all
+    of them: about 6 s of a process's start-up on a CPU core, for the few a run uses)."""
+    found = {router: family for router, family, _ in _imported_families()}
     _FAMILY_OF.update(found)
     return found
+
+
+def static_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFamily, str]]:
+    """``(qualified name, router, family, why)`` of every router of ``model`` that belongs to a
+    covered family but has no ranking to cut at κ (DeepSeek-V4's hash-routed layers), in module
+    order: its layer stays stock top-k."""
+    classes = {cls: (family, why) for _, family, static in _imported_families() for cls, why in static.items()}
+    if not classes:
+        return
+    for name, module in model.named_modules():
+        entry = classes.get(type(module))
+        if entry is not None:
+            yield name, module, entry[0], entry[1]
+
+
+def ranking_layers(family: RouterFamily, config: Any) -> tuple[int, ...] | None:
+    """The 0-based decoder layers whose router ranks, where the family mixes ranking and static
+    routers (:attr:`~.family_table.RouterFamily.ranking_layers`, read from the model's config);
+    None where every MoE layer ranks."""
+    if family.ranking_layers is None or config is None:
+        return None
+    attribute, kind = family.ranking_layers
+    kinds = getattr(config, attribute, None)
+    return None if kinds is None else tuple(index for index, entry in enumerate(kinds) if entry == kind)
 
 
 def family_of(router_cls: type) -> RouterFamily:
@@ -229,7 +271,12 @@ def uncovered_moe(model: torch.nn.Module) -> str | None:
     routers = sorted(
         {type(m).__name__ for m in model.modules() if re.search(r"(Router|Gate|Gating)$", type(m).__name__)}
     )
-    reason = REFUSED.get(folder or "", "its routers are not among the covered families")
+    static = next((why for _, _, _, why in static_routers(model)), None)
+    reason = (
+        f"every MoE layer of it is {static}"
+        if static is not None
+        else REFUSED.get(folder or "", "its routers are not among the covered families")
+    )
     where = f" ({', '.join(routers)})" if routers else ""
     return f"{type(model).__name__} is a {folder or 'transformers'} mixture-of-experts model{where}, and {reason}"
 

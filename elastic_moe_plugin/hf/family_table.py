@@ -15,6 +15,7 @@ take; ``docs/transformers.md`` lists both tables, generated from them
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from typing import Any, Literal
 
@@ -36,6 +37,25 @@ class RouterFamily:
         experts_class: the experts class name where it is not the router's with ``Experts`` for
             ``TopKRouter``/``TopkRouter``/``Gate``.
         bias: the selection-only bias, as an attribute path of the router (None: no bias).
+        forward_args: the router forward's parameters after ``hidden_states`` (MiniMax-M2:
+            ``("e_score_correction_bias",)``: the block passes its own buffer), in order.
+        bias_argument: the one of :attr:`forward_args` that holds the selection-only bias, where
+            the block passes it in instead of the router holding it (None: :attr:`bias` or none).
+        scaling: the router attribute holding the factor its weights are multiplied by
+            (``routed_scaling_factor``, HY-V3's ``router_scaling_factor``, AFMoE's ``route_scale``);
+            read where the rule scales (an attribute the router lacks, or 1.0, scales by nothing).
+        top_k_path / num_experts_path: where the router holds k and E, as attribute paths
+            (``top_k`` / ``num_experts``; Gemma 4's router reads ``config.top_k_experts``).
+        first_output: what the router returns first, ``"logits"`` z or the ``"probabilities"``
+            softmax(z) in fp32 (Gemma 4); transformers' output recorder collects it.
+        per_expert_scale: a router parameter [E] the kept weights are multiplied by, per expert id,
+            after the renormalisation (Gemma 4's ``per_expert_scale``; None: none).
+        static_routers: ``(class name, why)`` of router classes in the same blocks that have no
+            ranking to cut at κ (DeepSeek-V4's hash-routed layers): their layers stay stock top-k,
+            and the plan line says why.
+        ranking_layers: ``(config attribute, kind)``: the layers whose router ranks are those whose
+            entry of the config's per-layer list is ``kind`` (DeepSeek-V4: ``("mlp_layer_types",
+            "moe")``); a ``layers`` selection naming none of them is refused at model build.
         renormalizes: ``"norm_topk_prob"`` (the router's flag decides), ``"always"``, ``"never"``,
             or ``"selection_fn"`` (Cohere2: softmax mode always, sigmoid mode iff ``norm_topk_prob``).
         renormalization_eps: ε added to the kept sum (DeepSeek-style sigmoid routers: 1e-20).
@@ -68,6 +88,15 @@ class RouterFamily:
     group_score_topk: int = 2
     scores_in_fp32: bool = True
     weights_dtype: Literal["logits", "scores", "input"] = "logits"
+    forward_args: tuple[str, ...] = ()
+    bias_argument: str | None = None
+    scaling: str | None = "routed_scaling_factor"
+    top_k_path: str = "top_k"
+    num_experts_path: str = "num_experts"
+    first_output: Literal["logits", "probabilities"] = "logits"
+    per_expert_scale: str | None = None
+    static_routers: tuple[tuple[str, str], ...] = ()
+    ranking_layers: tuple[str, str] | None = None
     ids_first: bool = False
     required: bool = False
 
@@ -80,6 +109,14 @@ class RouterFamily:
         """The experts class name (``tests/hf/test_hf_families.py`` checks it against the blocks
         transformers builds)."""
         return self.experts_class or re.sub(r"(TopKRouter|TopkRouter|Gate)$", "Experts", self.router)
+
+    def top_k_of(self, router: Any) -> int:
+        """k of one of this family's routers."""
+        return int(operator.attrgetter(self.top_k_path)(router))
+
+    def num_experts_of(self, router: Any) -> int:
+        """E of one of this family's routers (the ids it ranks)."""
+        return int(operator.attrgetter(self.num_experts_path)(router))
 
     @property
     def renormalises_own_weights(self) -> bool:
@@ -129,6 +166,9 @@ def _top_k_on_logits(name: str, prefix: str, **fields: Any) -> RouterFamily:
     defaults: dict[str, Any] = {"rule": "logits_topk", "renormalizes": "always", "sites": ("mlp.router",)}
     return RouterFamily(name, name, f"{prefix}TopKRouter", f"{prefix}DecoderLayer", **{**defaults, **fields})
 
+
+#: why DeepSeek-V4's first layers stay static (the plan line shows it)
+HASH_ROUTED = "hash-routed (experts from a token-id table: no ranking to cut at κ)"
 
 _GRANITE: dict[str, Any] = {
     "logits": "linear_then_fp32",
@@ -273,6 +313,92 @@ FAMILIES: tuple[RouterFamily, ...] = (
         "cohere2_moe", "Cohere2Moe", sites=("mlp.gate",), renormalizes="selection_fn", weights_dtype="input"
     ),
     # ERNIE-4.5: softmax, selection on p + bias, p / max(sum of the kept p, moe_norm_min)
+    # sigmoid + selection bias, the bias passed in by the block (a buffer of the block, not the router)
+    RouterFamily(
+        "minimax_m2",
+        "minimax_m2",
+        "MiniMaxM2TopKRouter",
+        "MiniMaxM2DecoderLayer",
+        rule="sigmoid_bias",
+        logits="linear_in_weight_dtype",
+        forward_args=("e_score_correction_bias",),
+        bias_argument="e_score_correction_bias",
+        renormalizes="always",
+        weights_dtype="scores",
+    ),
+    RouterFamily(
+        "hy_v3",
+        "hy_v3",
+        "HYV3TopKRouter",
+        "HYV3DecoderLayer",
+        rule="sigmoid_bias",
+        logits="linear_fp32",
+        forward_args=("e_score_correction_bias",),
+        bias_argument="e_score_correction_bias",
+        renormalizes="always",
+        renormalization_eps=SIGMOID_EPS,
+        scaling="router_scaling_factor",
+        weights_dtype="scores",
+    ),
+    RouterFamily(
+        "afmoe",
+        "afmoe",
+        "AfmoeTokenChoiceRouter",
+        "AfmoeDecoderLayer",
+        rule="sigmoid_bias",
+        logits="gate_module_then_fp32",
+        sites=("mlp.router",),
+        experts_class="AfmoeExperts",
+        forward_args=("expert_bias",),
+        bias_argument="expert_bias",
+        renormalizes="always",
+        renormalization_eps=SIGMOID_EPS,
+        scaling="route_scale",
+        weights_dtype="scores",
+    ),
+    RouterFamily(  # sigmoid in the logits' dtype; the bias only where the config uses one
+        "lfm2_moe",
+        "lfm2_moe",
+        "Lfm2MoeTopKRouter",
+        "Lfm2MoeDecoderLayer",
+        rule="sigmoid_bias",
+        sites=("feed_forward.gate",),
+        forward_args=("expert_bias",),
+        bias_argument="expert_bias",
+        renormalization_eps=1e-6,
+        scores_in_fp32=False,
+    ),
+    # DeepSeek-V4: s = the router's activation (sqrt-softplus) in z's dtype; hash-routed first layers
+    RouterFamily(
+        "deepseek_v4",
+        "deepseek_v4",
+        "DeepseekV4TopKRouter",
+        "DeepseekV4DecoderLayer",
+        rule="activation_bias",
+        bias="e_score_correction_bias",
+        scores_in_fp32=False,
+        renormalizes="always",
+        renormalization_eps=SIGMOID_EPS,
+        static_routers=(("DeepseekV4HashRouter", HASH_ROUTED),),
+        ranking_layers=("mlp_layer_types", "moe"),
+    ),
+    # Gemma 4: the router on the decoder layer, fed the normalised residual stream; returns p
+    RouterFamily(
+        "gemma4",
+        "gemma4",
+        "Gemma4TextRouter",
+        "Gemma4TextDecoderLayer",
+        logits="normed_proj",
+        sites=("router",),
+        experts_class="Gemma4TextExperts",
+        renormalizes="always",
+        scaling=None,
+        top_k_path="config.top_k_experts",
+        num_experts_path="config.num_experts",
+        first_output="probabilities",
+        per_expert_scale="per_expert_scale",
+        weights_dtype="scores",
+    ),
     RouterFamily(
         "ernie4_5_moe",
         "ernie4_5_moe",
@@ -298,19 +424,12 @@ REFUSED: dict[str, str] = {
     "through every expert, so κ could not change the compute",
     "doge": "product-key experts retrieved inside the block: no router module to patch",
     "jetmoe": "the same gating drives its mixture-of-attention heads, which reshape by a fixed top-k",
-    "deepseek_v4": "its first layers route by a token-id hash table (no ranking to cut at κ); not yet covered",
     "dbrx": "not yet covered: the routing is a method of the block (p-norm weights, softmax in the logits' dtype) "
     "and its experts are not transformers' experts dispatcher",
     "zaya": "not yet covered: its router carries state between layers and ranks a skip class with the experts",
-    "gemma4": "not yet covered: the router sits on the decoder layer, normalises its input, returns probabilities "
-    "and scales the weights per expert",
     "diffusion_gemma": "not yet covered: the router is Gemma-4's (see gemma4)",
     "jamba": "not yet covered: in 5.19 the routing is a method of the block (`route_tokens_to_experts`) and "
     "the router a plain Linear; from 5.25 its router sits in two decoder-layer classes",
-    "hy_v3": "not yet covered: its router takes the correction bias as a forward argument",
-    "minimax_m2": "not yet covered: its router takes the correction bias as a forward argument",
-    "afmoe": "not yet covered: its router takes the expert bias as a forward argument",
-    "lfm2_moe": "not yet covered: its router takes the expert bias as a forward argument",
     "step3p7": "not yet covered: its experts are not transformers' experts dispatcher",
     "longcat_flash": "not yet covered: identity 'zero experts' share the id space and its experts are not "
     "transformers' experts dispatcher",
@@ -352,8 +471,10 @@ TEXT_MODEL_FOLDERS: dict[str, str] = {
 #: rule kind → its formula, for the docs table (the readers are :data:`.rules.RULES`)
 RULE_SUMMARIES: dict[str, str] = {
     "softmax_topk": "p = softmax(z) (fp32); top-k by p; w = p, or p / Σ_kept p (+ ε)",
-    "sigmoid_bias": "s = sigmoid(z) (fp32); top-k by s + b (inside the kept groups); "
+    "sigmoid_bias": "s = sigmoid(z) (fp32, or z's dtype: LFM2-MoE); top-k by s + b (inside the kept groups); "
     "w = s, or s / (Σ_kept s + ε); × scale",
+    "activation_bias": "s = the router's activation of z (`score_fn`: sqrt(softplus(z)) or sigmoid(z)), in z's "
+    "dtype; top-k by s + b; w = s / (Σ_kept s + ε); × scale",
     "softmax_groups": "p = softmax(z) (z's dtype); group-limited top-k by p (dropped groups 0.0); "
     "w = p, or p / (Σ_kept p + ε); × scale",
     "logits_topk": "top-k by z; w = softmax over the kept z "
@@ -363,6 +484,12 @@ RULE_SUMMARIES: dict[str, str] = {
 
 DOCS_BEGIN = "<!-- families: generated from elastic_moe_plugin/hf/family_table.py by `make docs`; do not edit -->"
 DOCS_END = "<!-- end of families -->"
+
+
+def _bias_text(family: RouterFamily) -> str:
+    if family.bias_argument:
+        return f"`{family.bias_argument}` (passed in by the block)"
+    return f"`{family.bias}`" if family.bias else "—"
 
 
 def markdown_tables() -> str:
@@ -375,7 +502,7 @@ def markdown_tables() -> str:
     for family in FAMILIES:
         covered.append(
             f"| `{family.name}` | `{family.router}` (`{'`, `'.join(family.sites)}`) | `{family.rule}` | "
-            f"`{family.logits}` | {f'`{family.bias}`' if family.bias else '—'} | {family.renormalizes} | "
+            f"`{family.logits}` | {_bias_text(family)} | {family.renormalizes} | "
             f"{family.weights_dtype} |"
         )
     kinds = ["| rule kind | routing |", "|---|---|"] + [

@@ -66,8 +66,10 @@ from elastic_moe_plugin.hf.families import (
     installed_family,
     layer_index_from_name,
     load_family,
+    ranking_layers,
     router_site,
     set_layer_index,
+    static_routers,
     uncovered_moe,
 )
 from elastic_moe_plugin.hf.records import router_sites, routing_metrics
@@ -150,7 +152,7 @@ def _install_family(family: RouterFamily, patches: AttributePatches, loss_patche
     patches.wrap(
         loaded.decoder_layer,
         "__init__",
-        functools.partial(_layer_init, router_cls=loaded.router, sites=family.sites),
+        functools.partial(_layer_init, router_cls=loaded.router, family=installed),
     )
     if loaded.experts is not None:
         patches.wrap(loaded.experts, "forward", experts_forward)
@@ -188,17 +190,18 @@ def _site(layer: torch.nn.Module, site: str) -> Any:
     return found
 
 
-def _layer_init(original: Callable, router_cls: type, sites: tuple[str, ...]) -> Callable:
+def _layer_init(original: Callable, router_cls: type, family: RouterFamily) -> Callable:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         gate = next(
-            (router for router in map(functools.partial(_site, self), sites) if isinstance(router, router_cls)), None
+            (router for router in map(functools.partial(_site, self), family.sites) if isinstance(router, router_cls)),
+            None,
         )
         if gate is None:
-            return  # a dense layer (mlp_only_layers, decoder_sparse_step, first_k_dense_replace)
+            return  # a dense layer (mlp_only_layers, first_k_dense_replace), or a static router's
         try:
             arguments = signature.bind(self, *args, **kwargs).arguments
         except TypeError:  # the original accepted it, so this cannot happen; stay harmless anyway
@@ -208,8 +211,9 @@ def _layer_init(original: Callable, router_cls: type, sites: tuple[str, ...]) ->
             set_layer_index(gate, int(layer_idx))
         config = _PATCH.config
         if config is not None and config.enabled:
-            num_layers = getattr(arguments.get("config"), "num_hidden_layers", None)
-            validate_router(gate, config, num_layers=num_layers)
+            model_config = arguments.get("config")
+            num_layers = getattr(model_config, "num_hidden_layers", None)
+            validate_router(gate, family, config, num_layers=num_layers, model_config=model_config)
 
     return __init__
 
@@ -307,13 +311,33 @@ def gate_for(router: torch.nn.Module, family: RouterFamily, config: ElasticConfi
     return config.gate if config.gate != "auto" else family_gate(router, family)
 
 
-def validate_router(router: Any, config: ElasticConfig, *, num_layers: int | None = None) -> BudgetSchedule:
-    """Check ``config`` against one router (top-k, expert count, layer count) and return its schedule.
+def validate_router(
+    router: Any,
+    family: RouterFamily,
+    config: ElasticConfig,
+    *,
+    num_layers: int | None = None,
+    model_config: Any = None,
+) -> BudgetSchedule:
+    """Check ``config`` against one router (top-k, expert count, layer count, and where the family
+    mixes ranking and static routers, that ``layers`` selects a ranking one: ``model_config`` is
+    the model's config) and return its schedule.
 
     Raises:
         ConfigError: naming the setting, its value and the fix.
     """
-    return config.resolve(num_experts=int(router.num_experts), topk=int(router.top_k), num_layers=num_layers)
+    ranking = ranking_layers(family, model_config)
+    note = None
+    if ranking is not None and family.static_routers:
+        others = [index for index in range(num_layers or 0) if index not in ranking]
+        note = f"layer(s) {', '.join(map(str, others)) or 'none'} are {family.static_routers[0][1]}"
+    return config.resolve(
+        num_experts=family.num_experts_of(router),
+        topk=family.top_k_of(router),
+        num_layers=num_layers,
+        moe_layers=ranking,
+        static_layers_note=note,
+    )
 
 
 def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPlan | None:
@@ -324,7 +348,7 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
         ConfigError: ``config`` does not fit the router, or ``layers`` is set and the router has no
             layer tag (a model built before :func:`apply`; the message names the fix).
     """
-    schedule = validate_router(router, config)
+    schedule = validate_router(router, family, config)
     if schedule.is_static and config.mode != "top_p":
         return None
     state = state_of(router)
@@ -349,7 +373,7 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
             fixes=({"mode": "elastic"},),
         )
     top_p = config.top_p if config.mode == "top_p" else None
-    width = (config.top_p_max_experts or int(router.num_experts)) if top_p is not None else None
+    width = (config.top_p_max_experts or family.num_experts_of(router)) if top_p is not None else None
     _check_group_reach(router, family, config, gate, width or schedule.high)
     return LayerPlan(
         schedule=schedule,
@@ -373,18 +397,29 @@ def _check_group_reach(router: Any, family: RouterFamily, config: ElasticConfig,
     rule = family_rule(router, family, gate)
     if not rule.num_groups or not rule.groups_kept:
         return
-    reach = rule.groups_kept * (int(router.num_experts) // rule.num_groups)
+    reach = rule.groups_kept * (family.num_experts_of(router) // rule.num_groups)
     if width <= reach:
         return
-    k = int(router.top_k)
-    low = max(1, 2 * k - reach)
-    fixes = ({"schedule": f"{low}-{reach}"},) if config.mode != "top_p" else ({"top_p_max_experts": reach},)
-    fix = config.spell(*next(iter(fixes[0].items())))
+    k = family.top_k_of(router)
+    fixes: tuple[dict[str, Any], ...]
+    if k >= reach:
+        # stock top-k already deals experts of dropped groups: no width above k fits
+        fixes = ({"schedule": "static"} if config.mode != "top_p" else {"mode": "elastic", "schedule": "static"},)
+    elif config.mode == "top_p":
+        fixes = ({"top_p_max_experts": reach},)
+    else:  # the widest range around k within the reach: {2k - reach .. reach}
+        fixes = ({"schedule": f"{max(1, 2 * k - reach)}-{reach}"},)
+    fix = " and ".join(config.spell(name, value) for name, value in fixes[0].items())
+    beyond = (
+        f"; top-{k} itself reaches past them, so no elastic width above k = {k} fits: train this model static"
+        if k >= reach
+        else ""
+    )
     raise ConfigError(
         f"{family.name} routes inside topk_group={rule.groups_kept} of n_group={rule.num_groups} expert groups "
         f"({reach} experts a token can reach), fewer than the {width} candidate slots of "
         f"{config.spell('top_p_max_experts' if config.mode == 'top_p' else 'schedule')}: the widest tokens would "
-        f"be dealt experts of dropped groups. Use {fix}.",
+        f"be dealt experts of dropped groups{beyond}. Use {fix}.",
         field="top_p_max_experts" if config.mode == "top_p" else "schedule",
         fixes=fixes,
     )
@@ -399,15 +434,32 @@ def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], di
     if config is None:
         return {}, {}
     families = imported_router_classes()
-    return core_records.model_plans(
+    plans, topk = core_records.model_plans(
         router_sites(model), config, lambda site: resolve_plan(site.router, families[type(site.router)], config)
     )
+    if plans:
+        for index, k, _ in _static_layers(model):
+            plans.setdefault(index, None)
+            topk.setdefault(index, k)
+    return dict(sorted(plans.items())), topk
+
+
+def _static_layers(model: torch.nn.Module) -> list[tuple[int, int, str]]:
+    """``(layer index, k, why)`` of the layers whose router cannot rank (:func:`.families.static_routers`)."""
+    found = []
+    for name, router, family, why in static_routers(model):
+        index = layer_index_from_name(name)
+        if index is not None:
+            found.append((index, family.top_k_of(router), why))
+    return found
 
 
 def log_plan(model: torch.nn.Module) -> str | None:
     """Log (rank 0, once) and return the start-up line of :func:`~elastic_moe_plugin.core.plan.describe_plans`
-    for ``model``; None when no config is active."""
-    return core_plan.log_plan(*model_plans(model), "transformers", _PATCH.active_config())
+    for ``model``; None when no config is active. Layers whose router cannot rank are shown static
+    with the reason (DeepSeek-V4's hash-routed layers)."""
+    reasons = {index: why for index, _, why in _static_layers(model)}
+    return core_plan.log_plan(*model_plans(model), "transformers", _PATCH.active_config(), static_reasons=reasons)
 
 
 def logged_metrics(model: torch.nn.Module) -> dict[str, float]:
@@ -464,11 +516,11 @@ def validate_model(model: torch.nn.Module, config: ElasticConfig) -> None:
     """
     if not config.enabled:
         return
-    for name, router, _ in covered_routers(model):
+    for name, router, family in covered_routers(model):
         num_layers: Any = None
         site = router_site(name)
         parent_name = name.removesuffix(f".{site}").rpartition(".")[0] if site else ""
         with contextlib.suppress(AttributeError):
             layers = model.get_submodule(parent_name) if parent_name else None
             num_layers = len(layers) if isinstance(layers, Sized) else None
-        validate_router(router, config, num_layers=num_layers)
+        validate_router(router, family, config, num_layers=num_layers, model_config=getattr(model, "config", None))

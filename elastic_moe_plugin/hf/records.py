@@ -17,10 +17,13 @@ from elastic_moe_plugin.hf.families import covered_routers, router_layer_index
 
 
 def router_sites(model: torch.nn.Module) -> list[RouterSite]:
-    """Every covered router of ``model``: name, module, layer index, k = ``top_k``, E = ``num_experts``."""
+    """Every covered router of ``model``: name, module, layer index, k and E (its family's ``top_k`` and
+    ``num_experts``, or where that family keeps them)."""
     return [
-        RouterSite(name, router, router_layer_index(name, router), int(router.top_k), int(router.num_experts))
-        for name, router, _ in covered_routers(model)
+        RouterSite(
+            name, router, router_layer_index(name, router), family.top_k_of(router), family.num_experts_of(router)
+        )
+        for name, router, family in covered_routers(model)
     ]
 
 

@@ -51,7 +51,7 @@ from elastic_moe_plugin.core.router_state import STATE_ATTR, ElasticPath, Router
 from elastic_moe_plugin.core.routing import RoutingRule, balancing_scores, route, score
 from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf.families import family_of
-from elastic_moe_plugin.hf.rules import family_rule, selection_bias
+from elastic_moe_plugin.hf.rules import expert_scale, family_rule, selection_bias
 from elastic_moe_plugin.hf.rules import router_logits as router_logits_of
 
 #: router_logits tensor → the slots dispatched for it: (candidate ids LongTensor [T, b], kept-slot
@@ -81,19 +81,32 @@ def patched_forward(
     """
 
     @functools.wraps(original)
-    def forward(self, hidden_states: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
         generation = lifecycle.generation  # before the config: an apply writes the config first
         config = lifecycle.config
         if config is None or not self.training or not config.enabled:
-            return original(self, hidden_states)
+            return original(self, hidden_states, *args, **kwargs)
         state = self.__dict__.get(STATE_ATTR)
         if state is None or state.generation != generation:
             state = resolve_state(self, family, resolve_plan(self, family, config), generation)
         if state.path is None:
-            return original(self, hidden_states)
-        return _elastic_forward(self, family, state, state.path, hidden_states)
+            return original(self, hidden_states, *args, **kwargs)
+        arguments = _forward_arguments(family, args, kwargs) if args or kwargs else None
+        return _elastic_forward(self, family, state, state.path, hidden_states, arguments)
 
     return forward
+
+
+def _forward_arguments(family: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The router forward's arguments after ``hidden_states``, by name
+    (:attr:`~.family_table.RouterFamily.forward_args`).
+
+    Raises:
+        TypeError: more positional arguments than the family's forward takes.
+    """
+    if len(args) > len(family.forward_args):
+        raise TypeError(f"{family.router}.forward takes {len(family.forward_args) + 1} arguments, got {len(args) + 1}")
+    return {**dict(zip(family.forward_args[: len(args)], args, strict=True)), **kwargs}
 
 
 def resolve_state(router: Any, family: Any, plan: LayerPlan | None, generation: Any) -> RouterState:
@@ -108,7 +121,7 @@ def resolve_state(router: Any, family: Any, plan: LayerPlan | None, generation: 
 
 
 def elastic_routing(
-    router: Any, plan: LayerPlan, hidden_states: torch.Tensor, budgets: torch.Tensor | None = None
+    router: Any, plan: LayerPlan, hidden_states: torch.Tensor, *args: Any, budgets: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Elastic replacement of a covered router's ``forward`` for one training call under ``plan``
     (steps 1-6), for a caller that holds a plan (the patched forward resolves its own).
@@ -116,6 +129,8 @@ def elastic_routing(
     Args:
         router: a router of a covered family (:data:`~.families.FAMILIES`).
         hidden_states: ``[..., H]`` (the MoE block passes ``[T, H]``).
+        args: the router forward's further arguments, as the block passes them (MiniMax-M2's
+            correction bias).
         budgets: ``LongTensor[T]`` to use instead of drawing from the schedule (tests).
 
     Returns:
@@ -129,7 +144,8 @@ def elastic_routing(
     if state.path is None or state.path.plan is not plan:
         resolve_state(router, family, plan, state.generation)
     assert state.path is not None  # resolved just now with a plan
-    return _elastic_forward(router, family, state, state.path, hidden_states, budgets)
+    arguments = _forward_arguments(family, args, {}) if args else None
+    return _elastic_forward(router, family, state, state.path, hidden_states, arguments, budgets)
 
 
 def _elastic_forward(
@@ -138,6 +154,7 @@ def _elastic_forward(
     state: RouterState,
     path: ElasticPath,
     hidden_states: torch.Tensor,
+    arguments: dict[str, Any] | None = None,
     budgets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = path.plan
@@ -152,7 +169,8 @@ def _elastic_forward(
             else state.draw(path, num_tokens, device)
         )
         budgets, host_budgets, host_counts = drawn.budgets, drawn.host_budgets, drawn.counts
-    elif budgets is None:  # mode="top_p": the smallest top-ranked set reaching the probability mass
+    if family.first_output == "probabilities" or (budgets is None and plan.top_p is not None):
+        # Gemma 4 returns p = softmax(z) in fp32 first; top-p ranks the same probability mass
         probabilities = score(router_logits, "softmax", path.rule.score_dtype or router_logits.dtype)
     # (3)-(4)
     routing = route(
@@ -161,7 +179,7 @@ def _elastic_forward(
         plan.width,
         budgets=budgets,
         top_p=plan.top_p,
-        selection_bias=selection_bias(router, family),
+        selection_bias=selection_bias(router, family, arguments),
         probabilities=probabilities,
     )
     if host_budgets is None:
@@ -170,12 +188,17 @@ def _elastic_forward(
         host_budgets = routing.budgets.cpu().numpy()
     # (6) A checkpoint's recompute replays the same κ; the step was counted in its first forward.
     state.remember(routing, count=not recompute, budget_counts=host_counts)
-    _DISPATCHED[router_logits] = (routing.ids.detach(), routing.kept)
+    first = probabilities if family.first_output == "probabilities" and probabilities is not None else router_logits
+    _DISPATCHED[first] = (routing.ids.detach(), routing.kept)
     mark_kept_slots(routing.ids, host_budgets)  # (5)
-    weights = routing.weights.to(hidden_states.dtype) if family.weights_dtype == "input" else routing.weights
+    weights = routing.weights
+    scale = expert_scale(router, family)
+    if scale is not None:  # Gemma 4: × per_expert_scale[id] after the renormalisation (0 stays 0 beyond κ)
+        weights = weights * scale[routing.ids]
+    weights = weights.to(hidden_states.dtype) if family.weights_dtype == "input" else weights
     if family.ids_first:
-        return routing.ids, weights, router_logits
-    return router_logits, weights, routing.ids
+        return routing.ids, weights, first
+    return first, weights, routing.ids
 
 
 def _in_backward() -> bool:

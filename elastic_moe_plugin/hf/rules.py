@@ -27,15 +27,25 @@ renormalisation (``renormalized``) and none (``full_softmax``: the kept scores a
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from elastic_moe_plugin.core.routing import Normalization, RoutingRule
+from elastic_moe_plugin.core.errors import UnsupportedTransformersError
+from elastic_moe_plugin.core.routing import Normalization, RoutingRule, ScoreFunction
 
-__all__ = ["LOGITS", "RULES", "family_gate", "family_rule", "router_logits", "selection_bias"]
+__all__ = [
+    "LOGITS",
+    "RULES",
+    "activation_score_function",
+    "expert_scale",
+    "family_gate",
+    "family_rule",
+    "router_logits",
+    "selection_bias",
+]
 
 
 # ---------------------------------------------------------------------------------- logits
@@ -79,6 +89,17 @@ def _linear_module_fp32_if_weights_are(router: Any, hidden_states: torch.Tensor)
     return router.wg(flat.float() if router.wg.weight.dtype == torch.float32 else flat)
 
 
+def _gate_module_then_fp32(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    # AFMoE's logits come from a Linear submodule, in the hidden dtype, then fp32
+    return router.gate(_flat(router, hidden_states, router.gate.weight)).to(torch.float32)
+
+
+def _normed_proj(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    # Gemma 4: RMS-normalised (no weight), × the router's own scale × H^-1/2, then `proj`
+    flat = _flat(router, hidden_states, router.proj.weight)
+    return router.proj(router.norm(flat) * router.scale * router.scalar_root_size)
+
+
 #: how a family computes z [T, E] from hidden states [..., H], as its stock router does
 LOGITS: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "linear": _linear,
@@ -88,6 +109,8 @@ LOGITS: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "linear_in_weight_dtype": _linear_in_weight_dtype,
     "linear_with_bias": _linear_with_bias,
     "wg_fp32_if_built_so": _linear_module_fp32_if_weights_are,
+    "gate_module_then_fp32": _gate_module_then_fp32,
+    "normed_proj": _normed_proj,
 }
 
 
@@ -96,13 +119,25 @@ def router_logits(router: Any, family: Any, hidden_states: torch.Tensor) -> torc
     return LOGITS[family.logits](router, hidden_states)
 
 
-def selection_bias(router: Any, family: Any) -> torch.Tensor | None:
+def selection_bias(router: Any, family: Any, arguments: Mapping[str, Any] | None = None) -> torch.Tensor | None:
     """The selection-only bias [E] the family adds to its scores before ranking (DeepSeek's
     ``e_score_correction_bias``, ERNIE's ``moe_statics.e_score_correction_bias`` [1, E]), read at
-    every call: balancing updates it in place between steps. None where the family has none."""
+    every call: balancing updates it in place between steps. Where the block passes it in
+    (MiniMax-M2, AFMoE: :attr:`~.family_table.RouterFamily.bias_argument`), it is that argument
+    of the call (``arguments``: the forward's arguments after ``hidden_states``, by name), None
+    where the call passes None (LFM2-MoE without ``use_expert_bias``). None where the family has none."""
+    if family.bias_argument is not None:
+        bias = (arguments or {}).get(family.bias_argument)
+        return None if bias is None else bias.reshape(-1)
     if family.bias is None:
         return None
     return operator.attrgetter(family.bias)(router).reshape(-1)
+
+
+def expert_scale(router: Any, family: Any) -> torch.Tensor | None:
+    """The per-expert factor [E] the family multiplies the kept weights by, indexed by expert id,
+    after its renormalisation (Gemma 4's ``per_expert_scale``); None where it has none."""
+    return None if family.per_expert_scale is None else operator.attrgetter(family.per_expert_scale)(router)
 
 
 # ---------------------------------------------------------------------------------- gates
@@ -127,8 +162,8 @@ def _groups(router: Any, group_score_topk: int) -> dict[str, Any]:
     return {"num_groups": int(groups), "groups_kept": int(router.topk_group), "group_score_topk": group_score_topk}
 
 
-def _scaling(router: Any) -> float | None:
-    scale = getattr(router, "routed_scaling_factor", None)
+def _scaling(router: Any, family: Any) -> float | None:
+    scale = getattr(router, family.scaling, None) if family.scaling else None
     return None if scale is None or scale == 1.0 else float(scale)
 
 
@@ -140,23 +175,53 @@ def _softmax_topk(router: Any, family: Any, renormalize: bool) -> RoutingRule:
     )
 
 
-def _sigmoid_bias(router: Any, family: Any, renormalize: bool) -> RoutingRule:
+def _sigmoid_bias(
+    router: Any, family: Any, renormalize: bool, score_function: ScoreFunction = "sigmoid"
+) -> RoutingRule:
     return RoutingRule(
-        score_function="sigmoid",
+        score_function=score_function,
         normalization="kept_sum" if renormalize else "none",
         renormalization_eps=family.renormalization_eps,
-        scaling_factor=_scaling(router),
+        scaling_factor=_scaling(router, family),
         masked_group_value=family.masked_group_value,
         weights_in_logits_dtype=family.weights_dtype == "logits",
+        score_dtype=torch.float32 if family.scores_in_fp32 else None,
         **_groups(router, group_score_topk=2),
     )
+
+
+#: the activation modules a router may score with (transformers' ``ACT2FN`` classes) → the core's score function
+_ACTIVATIONS: dict[str, ScoreFunction] = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid"}
+
+
+def activation_score_function(router: Any) -> ScoreFunction:
+    """The score function of a router that holds its activation as a module (DeepSeek-V4's
+    ``score_fn = ACT2FN[config.scoring_func]``).
+
+    Raises:
+        UnsupportedTransformersError: an activation the routing core does not compute (the config's
+            ``scoring_func`` names another one).
+    """
+    name = type(router.score_fn).__name__
+    if name not in _ACTIVATIONS:
+        raise UnsupportedTransformersError(
+            f"elastic-moe cannot route {type(router).__name__} elastically: it scores with {name}, and the routing "
+            f"core computes {', '.join(sorted(_ACTIVATIONS.values()))} only (the config's scoring_func). Use "
+            f"scoring_func='sqrtsoftplus' or 'sigmoid', or train this model without the plugin."
+        )
+    return _ACTIVATIONS[name]
+
+
+def _activation_bias(router: Any, family: Any, renormalize: bool) -> RoutingRule:
+    # DeepSeek-V4: the sigmoid-bias rule with the router's own activation, in the logits' dtype
+    return _sigmoid_bias(router, family, renormalize, activation_score_function(router))
 
 
 def _softmax_groups(router: Any, family: Any, renormalize: bool) -> RoutingRule:
     return RoutingRule(
         normalization="kept_sum" if renormalize else "none",
         renormalization_eps=family.renormalization_eps,
-        scaling_factor=_scaling(router),
+        scaling_factor=_scaling(router, family),
         masked_group_value=0.0,
         score_dtype=None,  # softmax in the logits' dtype (fp32 in DeepSeek-V2, whose logits are fp32)
         **_groups(router, group_score_topk=family.group_score_topk),
@@ -187,6 +252,7 @@ def _softmax_bias_floor(router: Any, family: Any, renormalize: bool) -> RoutingR
 RULES: dict[str, Callable[[Any, Any, bool], RoutingRule]] = {
     "softmax_topk": _softmax_topk,
     "sigmoid_bias": _sigmoid_bias,
+    "activation_bias": _activation_bias,
     "softmax_groups": _softmax_groups,
     "logits_topk": _logits_topk,
     "softmax_bias_floor": _softmax_bias_floor,

@@ -168,6 +168,32 @@ FAMILY_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "laguna": ("laguna.LagunaConfig", "laguna.LagunaForCausalLM",
                {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                 "head_dim": 16, "mlp_layer_types": _ALL_SPARSE}, "ids"),
+    # Routers whose block passes the selection bias in as a forward argument.
+    "minimax_m2": ("minimax_m2.MiniMaxM2Config", "minimax_m2.MiniMaxM2ForCausalLM",
+                   {"num_local_experts": NUM_EXPERTS, "head_dim": 16}, "ids"),
+    "hy_v3": ("hy_v3.HYV3Config", "hy_v3.HYV3ForCausalLM",
+              {"num_experts": NUM_EXPERTS, "num_local_experts": NUM_EXPERTS, "moe_intermediate_size": 32,
+               "head_dim": 16, "mlp_layer_types": _ALL_SPARSE}, "ids"),
+    "afmoe": ("afmoe.AfmoeConfig", "afmoe.AfmoeForCausalLM",
+              {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "head_dim": 16, "num_dense_layers": 0}, "ids"),
+    # LFM2-MoE: one short-convolution and one attention layer, both sparse.
+    "lfm2_moe": ("lfm2_moe.Lfm2MoeConfig", "lfm2_moe.Lfm2MoeForCausalLM",
+                 {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "num_dense_layers": 0,
+                  "layer_types": ["conv", "full_attention"]}, "ids"),
+    # DeepSeek-V4: a hash-routed first layer (static by construction), then two top-k layers;
+    # hyper-connections over 2 streams, MLA-style attention with a sliding window, tiny indexer.
+    "deepseek_v4": ("deepseek_v4.DeepseekV4Config", "deepseek_v4.DeepseekV4ForCausalLM",
+                    {"num_local_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+                     "mlp_layer_types": ["hash_moe", "moe", "moe"], "layer_types": ["sliding_attention"] * 3,
+                     "hc_mult": 2, "head_dim": 16, "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 16,
+                     "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4, "sliding_window": 8,
+                     "num_nextn_predict_layers": 0, "num_key_value_heads": 1}, "ids"),
+    # Gemma 4's text model: the MoE block beside the dense MLP of every layer, no per-layer inputs.
+    "gemma4": ("gemma4.Gemma4TextConfig", "gemma4.Gemma4ForCausalLM",
+               {"num_experts": NUM_EXPERTS, "top_k_experts": TOP_K, "enable_moe_block": True,
+                "moe_intermediate_size": 32, "head_dim": 16, "hidden_size_per_layer_input": 0,
+                "vocab_size_per_layer_input": VOCAB, "layer_types": ["sliding_attention", "full_attention"],
+                "sliding_window": 4}, "ids"),
     # Families below exist only in newer transformers (5.25): resolved lazily, so harmless on older ones.
     # Bailing-Hybrid: one KDA linear-attention and one MLA layer (head_dim sizes the KDA heads); its
     # router is always group-limited.

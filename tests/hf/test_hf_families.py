@@ -36,6 +36,8 @@ def _installed(family_name: str) -> None:
     """Skip a family the installed transformers does not ship (the table spans 5.19 to 5.25)."""
     if family_name not in INSTALLED:
         pytest.skip(f"transformers {transformers.__version__} has no {family_name}")
+#: routers whose block hands them [batch, sequence, H] (they flatten it themselves), not [T, H]
+ROUTERS_FED_BY_SEQUENCE = {"afmoe"}
 CONFORMANCE = [
     pytest.param(family.name, norm, id=f"{family.name}-norm{norm}" if norm is not None else family.name)
     for family in hf.FAMILIES
@@ -48,6 +50,16 @@ def _unpack(family, output):
     logits are the [T, E] float tensor (ids are int64, weights [T, k])."""
     logits_last = not output[0].is_floating_point()
     return (output[2], output[1], output[0]) if logits_last else tuple(output)
+
+
+def _forward_args(family, router, generator):
+    """The router forward's arguments after the hidden states, as its block passes them: a random
+    selection bias [E] (fp32, as the blocks keep it) where the block passes one in."""
+    args = []
+    for name in family.forward_args:
+        assert name == family.bias_argument, f"{family.name}: no test value for forward argument {name!r}"
+        args.append(torch.randn(family.num_experts_of(router), generator=generator) * 0.1)
+    return args
 
 
 def _by_expert(ids, weights):
@@ -99,16 +111,23 @@ def test_router_at_kappa_equal_k_reproduces_the_stock_router(tiny, family_name, 
     _, router, family = _routers(model)[0]
     assert family.name == family_name
     router = router.to(dtype)
-    if family.bias:  # a selection bias that ranks: nonzero, so that ignoring it would show
-        with torch.no_grad():
+    generator = torch.Generator().manual_seed(3)
+    args = _forward_args(family, router, generator)
+    with torch.no_grad():
+        if family.bias:  # a selection bias that ranks: nonzero, so that ignoring it would show
             bias = operator.attrgetter(family.bias)(router)
-            bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(3)) * 0.1)
+            bias.copy_(torch.randn(bias.shape, generator=generator) * 0.1)
+        if family.per_expert_scale:  # Gemma 4's factors per expert id: not all ones, so that ignoring them would show
+            scale = operator.attrgetter(family.per_expert_scale)(router)
+            scale.copy_(torch.rand(scale.shape, generator=generator) + 0.5)
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
-    stock_logits, stock_weights, stock_ids = _unpack(family, router(x))  # unpatched
-    k = router.top_k
+    if family.name in ROUTERS_FED_BY_SEQUENCE:
+        x = x.view(2, 16, 64)
+    stock_logits, stock_weights, stock_ids = _unpack(family, router(x, *args))  # unpatched
+    k = family.top_k_of(router)
     plan = hf.LayerPlan(schedule=BudgetSchedule.static(k), gate=hf.gate_for(router, family, ElasticConfig()),
                         sampling="iid", layer_index=None)
-    logits, weights, ids = _unpack(family, hf.elastic_routing(router, plan, x, budgets=torch.full((32,), k)))
+    logits, weights, ids = _unpack(family, hf.elastic_routing(router, plan, x, *args, budgets=torch.full((32,), k)))
     assert torch.equal(logits, stock_logits)
     assert logits.dtype == stock_logits.dtype
     ids, weights = _by_expert(ids, weights)
@@ -147,15 +166,19 @@ def test_family_trains_elastically_with_every_experts_implementation(tiny, hand_
         assert record.expert_ids.shape == (16, 3)
         assert int(record.budgets.min()) >= 1 and int(record.budgets.max()) <= 3
         assert torch.equal((record.expert_ids >= 0).sum(-1), record.budgets)
-        weight = router.wg.weight if hasattr(router, "wg") else router.weight  # HunYuan's router holds a Linear
+        # the router's projection: its own weight, or its Linear's (HunYuan's wg, AFMoE's gate, Gemma 4's proj)
+        weight = next(parameter for parameter in router.parameters() if parameter.dim() == 2)
         assert weight.grad is not None and torch.isfinite(weight.grad).all()
         assert weight.grad.abs().sum() > 0
     # expert compute follows κ: the experts next to each router multiplied exactly Σκ rows
     expected_rows = {name.rpartition(".")[0] + ".experts": int(records[index].budgets.sum())
                      for name, index, _, _ in _routers(model, with_names=True)}
+    # ... and the experts of a router that cannot rank (DeepSeek-V4's hash layer) every token's k slots
+    expected_rows |= {name.rpartition(".")[0] + ".experts": 16 * router.top_k
+                      for name, router, _, _ in hf_families.static_routers(model)}
     assert counted.rows == expected_rows
 
     if getattr(out, "aux_loss", None) is not None:
         ids = [records[index].expert_ids for index, _, _ in routers]
-        expected = hand_aux(out.router_logits, ids, routers[0][1].num_experts)
+        expected = hand_aux(out.router_logits, ids, routers[0][2].num_experts_of(routers[0][1]))
         torch.testing.assert_close(out.aux_loss.double(), expected, rtol=1e-6, atol=0)
