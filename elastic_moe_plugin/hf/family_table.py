@@ -168,7 +168,7 @@ def _top_k_on_logits(name: str, prefix: str, **fields: Any) -> RouterFamily:
 
 
 #: why DeepSeek-V4's first layers stay static (the plan line shows it)
-HASH_ROUTED = "hash-routed (experts from a token-id table: no ranking to cut at κ)"
+HASH_ROUTED = "hash-routed: experts from a token-id table, no ranking to cut at κ"
 
 _GRANITE: dict[str, Any] = {
     "logits": "linear_then_fp32",

@@ -389,10 +389,12 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
 
 def _check_group_reach(router: Any, family: RouterFamily, config: ElasticConfig, gate: str, width: int) -> None:
     """Refuse a width b beyond what group-limited selection can reach (the kept groups' experts):
-    the widest tokens would be dealt experts of dropped groups.
+    the widest tokens would be dealt experts of dropped groups. (Only budget schedules get here:
+    top-p is refused earlier for every rule kind that groups.)
 
     Raises:
-        ConfigError: naming the groups, the reach and a schedule within it.
+        ConfigError: naming the groups, the reach and a schedule within it: the widest range
+            around k inside the reach, or ``static`` where k itself reaches past it.
     """
     rule = family_rule(router, family, gate)
     if not rule.num_groups or not rule.groups_kept:
@@ -401,27 +403,18 @@ def _check_group_reach(router: Any, family: RouterFamily, config: ElasticConfig,
     if width <= reach:
         return
     k = family.top_k_of(router)
-    fixes: tuple[dict[str, Any], ...]
-    if k >= reach:
-        # stock top-k already deals experts of dropped groups: no width above k fits
-        fixes = ({"schedule": "static"} if config.mode != "top_p" else {"mode": "elastic", "schedule": "static"},)
-    elif config.mode == "top_p":
-        fixes = ({"top_p_max_experts": reach},)
-    else:  # the widest range around k within the reach: {2k - reach .. reach}
-        fixes = ({"schedule": f"{max(1, 2 * k - reach)}-{reach}"},)
-    fix = " and ".join(config.spell(name, value) for name, value in fixes[0].items())
-    beyond = (
-        f"; top-{k} itself reaches past them, so no elastic width above k = {k} fits: train this model static"
-        if k >= reach
-        else ""
-    )
+    if k < reach:  # {2k - reach .. reach}: symmetric around k, as wide as the reach allows
+        schedule, beyond = f"{max(1, 2 * k - reach)}-{reach}", ""
+    else:  # stock top-k already deals experts of dropped groups
+        schedule = "static"
+        beyond = f"; top-{k} itself reaches past them, so no elastic width above k = {k} fits: train this model static"
     raise ConfigError(
         f"{family.name} routes inside topk_group={rule.groups_kept} of n_group={rule.num_groups} expert groups "
         f"({reach} experts a token can reach), fewer than the {width} candidate slots of "
-        f"{config.spell('top_p_max_experts' if config.mode == 'top_p' else 'schedule')}: the widest tokens would "
-        f"be dealt experts of dropped groups{beyond}. Use {fix}.",
-        field="top_p_max_experts" if config.mode == "top_p" else "schedule",
-        fixes=fixes,
+        f"{config.spell('schedule')}: the widest tokens would be dealt experts of dropped groups{beyond}. "
+        f"Use {config.spell('schedule', schedule)}.",
+        field="schedule",
+        fixes=({"schedule": schedule},),
     )
 
 

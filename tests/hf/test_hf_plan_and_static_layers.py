@@ -72,3 +72,55 @@ def test_no_metrics_before_a_training_forward(tiny):
     model = tiny.model("olmoe").eval()
     model(**tiny.inputs("olmoe"))
     assert hf.routing_metrics(model) == {}
+
+
+# ------------------------------------------------------------------------------- layers that cannot rank
+def test_deepseek_v4_hash_layers_are_static_by_construction_and_named_in_the_plan_line(tiny):
+    """Layer 0 routes by its token-id table (no ranking to cut at κ): it stays stock, bit for bit,
+    and the plan line says why; layers 1-2 rank and are elastic."""
+    from elastic_moe_plugin.core.errors import ConfigError
+    from elastic_moe_plugin.hf.families import static_routers
+
+    core_plan.forget_logged()
+    model = tiny.model("deepseek_v4")
+    hash_block = model.model.layers[0].mlp
+    hidden = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0))
+    input_ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        stock = hash_block(hidden, input_ids=input_ids)
+        hf.apply(ElasticConfig(schedule="1-3"), model=model)
+        assert torch.equal(hash_block(hidden, input_ids=input_ids), stock)
+    assert [name for name, *_ in static_routers(model)] == ["model.layers.0.mlp.gate"]
+    assert hf.log_plan(model) == (
+        "elastic-moe plan (transformers, 3 MoE layers): elastic 1-3 around k=2 (σ=1.5), deepseek_v4 activation_bias "
+        "rule, renormalized gate, iid sampling: layers 1-2; static top-2 (hash-routed: experts from a token-id "
+        "table, no ranking to cut at κ): layers 0")
+    model(**tiny.inputs("deepseek_v4"))
+    assert set(hf.routing_records(model)) == {1, 2}
+
+    hf.remove()
+    hf.apply(ElasticConfig(schedule="1-3", layers="0"))
+    with pytest.raises(ConfigError, match=r"layers='0' selects layer\(s\) \[0\], none of which can route "
+                                          r"elastically: layer\(s\) 0 are hash-routed: .*the layers that can are "
+                                          r"1, 2") as refused:
+        tiny.model("deepseek_v4")
+    hf.apply(ElasticConfig(schedule="1-3", **refused.value.fixes[0]))  # the fix it names is accepted
+    assert refused.value.fixes[0] == {"layers": "1"}
+    tiny.model("deepseek_v4")
+
+
+def test_group_reach_below_k_suggests_static_and_the_fix_is_accepted(tiny):
+    """transformers' own DeepSeek-V3 tester shape: top-8 of 8 experts in 2 groups, 1 kept: 4 reachable,
+    fewer than k, so no width above k fits; the suggested fix, pasted back, trains."""
+    from elastic_moe_plugin.core.errors import ConfigError
+
+    overrides = {"num_experts_per_tok": 8, "n_group": 2, "topk_group": 1}
+    config = ElasticConfig(schedule="7-8", allow_off_center=True)
+    hf.apply(config)
+    model = tiny.model("deepseek_v3", **overrides)
+    with pytest.raises(ConfigError, match=r"\(4 experts a token can reach\).*no elastic width above k = 8 fits") as refused:
+        model(**tiny.inputs("deepseek_v3"))
+    fix = refused.value.fixes[0]
+    assert fix == {"schedule": "static"}
+    hf.apply(config.replace(**fix))
+    model(**tiny.inputs("deepseek_v3"))
