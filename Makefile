@@ -99,7 +99,7 @@ lint: setup
 
 # Regenerate the docs' tables that are generated from code (the transformers families).
 docs: setup
-	$(BIN)/python -c "import pathlib; from elastic_moe_plugin.hf.family_table import with_tables; \
+	$(BIN)/python -c "import pathlib; from elastic_moe_plugin.hf.family_docs import with_tables; \
 	page = pathlib.Path('docs/transformers.md'); page.write_text(with_tables(page.read_text()))"
 
 # Rewrite the package in ruff's format and apply its safe fixes (what `make lint` then accepts).

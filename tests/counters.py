@@ -203,7 +203,8 @@ class ExpertRows(OpCounter):
       (the kernel multiplies rows below the last offset only).
 
     The down-projection has the shape reversed, so it is never counted while D_in ≠ D_out (the
-    tiny models have H ≠ F).
+    tiny models have H ≠ F). DBRX's experts hold one GLU module (``mlp``: ``w1``, ``v1``, ``w2``
+    [E·F, H]) that their loop calls once per expert hit: the rows of its input are counted.
 
     ``grouped_offsets``: ``offs[-1]`` of every grouped GEMM, forward and backward (gate_up, down,
     and both gradients of each), in call order.
@@ -216,6 +217,11 @@ class ExpertRows(OpCounter):
         self._current: tuple[str, tuple[int, int]] | None = None
         self._handles = []
         for name, module in model.named_modules():
+            glu = getattr(module, "mlp", None)
+            if isinstance(getattr(glu, "w1", None), torch.nn.Parameter):  # DBRX: one GLU called per expert
+                self.rows[name] = 0
+                self._handles.append(glu.register_forward_pre_hook(self._count_glu_rows(name)))
+                continue
             proj = getattr(module, "gate_up_proj", None)
             if proj is None:
                 proj = getattr(module, "up_proj", None)
@@ -224,6 +230,11 @@ class ExpertRows(OpCounter):
                 d_out, d_in = proj.shape[1:] if not getattr(module, "is_transposed", False) else proj.shape[:0:-1]
                 self._handles.append(module.register_forward_pre_hook(self._enter(name, (d_out, d_in))))
                 self._handles.append(module.register_forward_hook(self._leave))
+
+    def _count_glu_rows(self, name):
+        def hook(module, args):
+            self.rows[name] += args[0].shape[0]  # the rows of the one expert this call computes
+        return hook
 
     def _enter(self, name, shape):
         def hook(module, args):

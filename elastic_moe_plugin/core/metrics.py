@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from elastic_moe_plugin.core import records
+from elastic_moe_plugin.core.layer_keys import LayerKey
 from elastic_moe_plugin.core.records import RouterSite, RoutingRecord
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 
@@ -76,8 +77,8 @@ RECORD_STATISTICS = (
 
 
 def record_statistics(
-    layer_records: Mapping[int, RoutingRecord], num_experts: int, topk: int
-) -> dict[int, tuple[float, ...]]:
+    layer_records: Mapping[LayerKey, RoutingRecord], num_experts: int, topk: int
+) -> dict[LayerKey, tuple[float, ...]]:
     """Per layer, the :data:`RECORD_STATISTICS` of its record: mean and min over tokens of the
     retained weight sums, max, mean and population std over experts of the tokens per expert c_e,
     the share of tokens with κ ≠ k, and mean κ. Layers without tokens are left out.
@@ -93,13 +94,13 @@ def record_statistics(
     share κ ≠ k = (T − n_k) / T, and mean_e c_e = Σκ / E (every selected slot is one of the Σκ
     kept slots). Each is a ratio of exact integers, rounded once, as the device's float64 means.
     """
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[LayerKey]] = {}
     for layer, record in layer_records.items():
         if record.budgets.numel() > 0:
             groups.setdefault(record.stack_key(), []).append(layer)
     if not groups:
         return {}
-    order: list[int] = []
+    order: list[LayerKey] = []
     rows: list[torch.Tensor] = []
     host_terms: list[tuple[float, float, float] | None] = []
     for layers in groups.values():
@@ -324,11 +325,11 @@ SUMMARY_NAMES = (
 
 
 def routing_metrics(
-    records: Mapping[int, RoutingRecord],
-    histograms: Mapping[int, torch.Tensor],
+    records: Mapping[LayerKey, RoutingRecord],
+    histograms: Mapping[LayerKey, torch.Tensor],
     schedule: BudgetSchedule,
     num_experts: int,
-    static_layers: Mapping[int, int] | None = None,
+    static_layers: Mapping[LayerKey, int] | None = None,
     *,
     per_layer: bool = True,
 ) -> dict[str, float]:

@@ -11,7 +11,9 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
+from typing import TypeVar
 
+from elastic_moe_plugin.core.layer_keys import LayerKey, layer_of, part_of
 from elastic_moe_plugin.core.schedule import BudgetSchedule, SamplingMode
 
 #: gate rules a plan may name (``docs/gates.md``): ``sigmoid_auto`` is Megatron's sigmoid /
@@ -19,6 +21,8 @@ from elastic_moe_plugin.core.schedule import BudgetSchedule, SamplingMode
 PLAN_GATES: tuple[str, ...] = ("full_softmax", "renormalized", "sigmoid_auto")
 
 logger = logging.getLogger("elastic_moe_plugin")
+#: a model's keys: its layer indices, or its RouterKeys
+Key = TypeVar("Key", bound=LayerKey)
 _warned: set[str] = set()
 
 
@@ -100,9 +104,18 @@ def _ranges(indices: list[int]) -> str:
 RESOLVED_FROM_MODEL = "schedule resolved from the model (auto: k-2..k+2 around its top-k, within its experts)"
 
 
-def _layers(layers: list[int], moe_index: Mapping[int, int] | None) -> str:
+def _layers(keys: list[LayerKey], moe_index: Mapping[int, int] | None) -> str:
     """``"layers 3-7"``; where a layer's number is not its MoE index (a hybrid pattern, a
-    ``moe_layer_freq``), both: ``"layers 3, 5 (MoE layers 1-2)"``."""
+    ``moe_layer_freq``), both: ``"layers 3, 5 (MoE layers 1-2)"``; where layers hold several
+    routers, each part's layers: ``"layers 0-1 (text_moe), 0-1 (vision_moe)"``."""
+    parts: dict[str, list[int]] = {}
+    for key in keys:
+        parts.setdefault(part_of(key), []).append(layer_of(key))
+    if set(parts) != {""}:
+        return "layers " + ", ".join(
+            f"{_ranges(layers)} ({part})" if part else _ranges(layers) for part, layers in sorted(parts.items())
+        )
+    layers = parts[""]
     text = f"layers {_ranges(layers)}"
     if moe_index and any(moe_index.get(layer, layer) != layer for layer in layers):
         text = f"layers {', '.join(str(layer) for layer in sorted(layers))}"
@@ -112,17 +125,18 @@ def _layers(layers: list[int], moe_index: Mapping[int, int] | None) -> str:
 
 
 def describe_plans(
-    plans: Mapping[int, LayerPlan | None],
-    topk: Mapping[int, int],
+    plans: Mapping[Key, LayerPlan | None],
+    topk: Mapping[Key, int],
     framework: str,
     note: str | None = None,
     moe_index: Mapping[int, int] | None = None,
-    static_reasons: Mapping[int, str] | None = None,
+    static_reasons: Mapping[Key, str] | None = None,
 ) -> str:
     """The start-up line of a run: which MoE layers route elastically, with what, and which stay static.
 
     Args:
-        plans: {0-based layer index: its training plan, None for a layer that routes stock top-k}.
+        plans: {0-based layer index: its training plan, None for a layer that routes stock top-k}
+            ({:class:`~.layer_keys.RouterKey`: ...} where layers hold several routers).
         topk: {layer index: the layer's top-k} (the static layers' k, and the elastic layers' centre).
         framework: shown first, e.g. ``"transformers"`` or ``"megatron-core"``.
         note: appended after the layers (:data:`RESOLVED_FROM_MODEL`).
@@ -134,7 +148,7 @@ def describe_plans(
     Example: ``elastic-moe plan (transformers, 16 MoE layers): elastic 6-10 around k=8 (σ=1.5), olmoe
     softmax_topk rule, full_softmax gate, iid sampling: layers 3-7; static top-8: layers 0-2, 8-15``.
     """
-    groups: dict[str, list[int]] = {}
+    groups: dict[str, list[LayerKey]] = {}
     for layer, plan in plans.items():
         rule = f"{plan.rule} rule, " if plan is not None and plan.rule else ""
         if plan is None:
@@ -147,7 +161,9 @@ def describe_plans(
         groups.setdefault(key, []).append(layer)
     parts = [
         f"{key}: {_layers(layers, moe_index)}"
-        for key, layers in sorted(groups.items(), key=lambda item: (item[0].startswith("static"), min(item[1])))
+        for key, layers in sorted(
+            groups.items(), key=lambda item: (item[0].startswith("static"), min(map(layer_of, item[1])))
+        )
     ]
     if not any(key.startswith("static") for key in groups):
         parts.append("static: none")
@@ -155,7 +171,9 @@ def describe_plans(
         parts.insert(0, "elastic: none")
     if note:
         parts.append(note)
-    return f"elastic-moe plan ({framework}, {len(plans)} MoE layers): " + "; ".join(parts)
+    num_layers = len({layer_of(key) for key in plans})
+    routers = f", {len(plans)} routers" if len(plans) != num_layers else ""
+    return f"elastic-moe plan ({framework}, {num_layers} MoE layers{routers}): " + "; ".join(parts)
 
 
 def log_plan_once(line: str) -> bool:
@@ -178,13 +196,13 @@ def forget_logged() -> None:
 
 
 def log_plan(
-    plans: Mapping[int, LayerPlan | None],
-    topk: Mapping[int, int],
+    plans: Mapping[Key, LayerPlan | None],
+    topk: Mapping[Key, int],
     framework: str,
     config=None,
     moe_index: Mapping[int, int] | None = None,
     note: str | None = None,
-    static_reasons: Mapping[int, str] | None = None,
+    static_reasons: Mapping[Key, str] | None = None,
 ) -> str | None:
     """Log (rank 0, once per process and line) and return :func:`describe_plans` of ``plans``
     (an adapter's ``model_plans``, :func:`elastic_moe_plugin.core.records.model_plans`); None when

@@ -16,21 +16,25 @@ written once, here and in :func:`elastic_moe_plugin.core.metrics.model_routing_m
   (:func:`.plan.log_plan`).
 
 One rule keys them all by layer: a router's layer index is the one its adapter knows (Megatron's
-``layer_number - 1``, transformers' ``layer_idx``), else its position among the enumerated routers;
-two routers with the same index are an error naming both (e.g. Qwen3-Omni's thinker and talker
-stacks: collect one stack at a time).
+``layer_number - 1``, transformers' ``layer_idx``), else its position among the enumerated routers.
+Where a layer legitimately holds several routers (ERNIE-4.5-VL's text and vision routers, the
+encoder and decoder stacks of DiffusionGemma), the adapter names each one's part
+(:attr:`RouterSite.part`) and every key of the model becomes a :class:`RouterKey` (layer, part);
+two routers with one index and no part to tell them apart are an error naming both (routers tagged
+with another router's layer number).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
 
 from elastic_moe_plugin.core.config import ElasticConfig
+from elastic_moe_plugin.core.layer_keys import LayerKey, RouterKey
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.router_state import STATE_ATTR, HostHistogram, RouterState
 from elastic_moe_plugin.core.schedule import BudgetSchedule
@@ -214,6 +218,9 @@ def _restore_record(*values: Any) -> RoutingRecord:
     return record
 
 
+V = TypeVar("V")
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterSite:
     """One MoE router as its adapter enumerates it.
@@ -225,6 +232,8 @@ class RouterSite:
             position among the enumerated routers stands in).
         topk: k, the router's static top-k (what a static layer routes with).
         num_experts: E.
+        part: what tells this router from the others of its layer, where its layer holds several
+            (the differing part of their module paths); None for a layer's only router.
     """
 
     name: str
@@ -232,23 +241,40 @@ class RouterSite:
     layer_index: int | None
     topk: int
     num_experts: int
+    part: str | None = None
 
 
 # ---------------------------------------------------------------------------------- by layer
-def _indexed(sites: Iterable[RouterSite]) -> Iterator[tuple[int, RouterSite]]:
-    """``(layer index, site)`` in model order: ``site.layer_index``, else the site's position."""
+def keyed_sites(sites: Sequence[RouterSite]) -> Iterator[tuple[LayerKey, RouterSite]]:
+    """``(key, site)`` in model order: the layer index, ``site.layer_index``, else the site's
+    position; a :class:`RouterKey` (layer, part) for every site where some site names a part."""
+    keyed = any(site.part for site in sites)
     for position, site in enumerate(sites):
-        yield (position if site.layer_index is None else site.layer_index), site
+        index = position if site.layer_index is None else site.layer_index
+        yield (RouterKey(index, site.part or "") if keyed else index), site
 
 
-def _by_layer(entries: Iterable[tuple[int, RouterSite, Any]]) -> dict[int, Any]:
-    """``{layer index: value}`` from ``(index, site, value)`` rows, sorted by index.
+def layer_indexed(values: Mapping[LayerKey, V]) -> dict[int, V]:
+    """``values`` keyed by plain layer indices, for an adapter whose layers hold one router each
+    (Megatron: its sites name no part, so no :class:`RouterKey` can occur).
+
+    Raises:
+        TypeError: a key is a :class:`RouterKey`.
+    """
+    for key in values:
+        if not isinstance(key, int):
+            raise TypeError(f"layer key {key} names a router part, but this adapter keys by layer index")
+    return cast(dict[int, V], dict(values))
+
+
+def _by_layer(entries: Iterable[tuple[LayerKey, RouterSite, Any]]) -> dict[Any, Any]:
+    """``{key: value}`` from ``(key, site, value)`` rows, sorted by key.
 
     Raises:
         ValueError: two rows have one index (the message names both routers).
     """
-    values: dict[int, Any] = {}
-    names: dict[int, str] = {}
+    values: dict[LayerKey, Any] = {}
+    names: dict[LayerKey, str] = {}
     for index, site, value in entries:
         if index in values:
             raise ValueError(
@@ -261,8 +287,8 @@ def _by_layer(entries: Iterable[tuple[int, RouterSite, Any]]) -> dict[int, Any]:
     return dict(sorted(values.items()))
 
 
-def _states(sites: Sequence[RouterSite]) -> Iterator[tuple[int, RouterSite, RouterState]]:
-    for index, site in _indexed(sites):
+def _states(sites: Sequence[RouterSite]) -> Iterator[tuple[LayerKey, RouterSite, RouterState]]:
+    for index, site in keyed_sites(sites):
         state = site.router.__dict__.get(STATE_ATTR)
         if state is not None:
             yield index, site, state
@@ -282,7 +308,7 @@ def latest_record(router: torch.nn.Module) -> RoutingRecord | None:
     return state.record
 
 
-def routing_records(sites: Sequence[RouterSite]) -> dict[int, RoutingRecord]:
+def routing_records(sites: Sequence[RouterSite]) -> dict[LayerKey, RoutingRecord]:
     """``{layer index: RoutingRecord}`` of the routers whose latest training forward was elastic.
 
     Raises:
@@ -293,13 +319,13 @@ def routing_records(sites: Sequence[RouterSite]) -> dict[int, RoutingRecord]:
     )
 
 
-def _histograms(sites: Sequence[RouterSite]) -> dict[int, HostHistogram | torch.Tensor]:
+def _histograms(sites: Sequence[RouterSite]) -> dict[LayerKey, HostHistogram | torch.Tensor]:
     return _by_layer(
         (index, site, state.histogram) for index, site, state in _states(sites) if state.histogram is not None
     )
 
 
-def budget_histograms(sites: Sequence[RouterSite]) -> dict[int, torch.Tensor]:
+def budget_histograms(sites: Sequence[RouterSite]) -> dict[LayerKey, torch.Tensor]:
     """``{layer index: LongTensor [b+1]}``: κ counts (index = κ) since the last reset.
 
     Raises:
@@ -327,7 +353,7 @@ def _resolved_plan(router: torch.nn.Module) -> tuple[bool, LayerPlan | None]:
     return (False, None) if state is None or state.generation is None else (True, state.plan)
 
 
-def static_layers(sites: Sequence[RouterSite]) -> dict[int, int]:
+def static_layers(sites: Sequence[RouterSite]) -> dict[LayerKey, int]:
     """``{layer index: k}`` of the routers that ran a training forward as stock top-k (outside
     ``ElasticConfig.layers``, or a ``static`` schedule): their resolved plan is None.
 
@@ -335,7 +361,7 @@ def static_layers(sites: Sequence[RouterSite]) -> dict[int, int]:
         ValueError: two of those routers share a layer index.
     """
     rows = []
-    for index, site in _indexed(sites):
+    for index, site in keyed_sites(sites):
         resolved, plan = _resolved_plan(site.router)
         if resolved and plan is None:
             rows.append((index, site, site.topk))
@@ -363,7 +389,7 @@ def model_plans(
     sites: Sequence[RouterSite],
     config: ElasticConfig | None,
     resolve_plan: Callable[[RouterSite], LayerPlan | None],
-) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
+) -> tuple[dict[LayerKey, LayerPlan | None], dict[LayerKey, int]]:
     """``({layer index: training plan, None = stock top-k}, {layer index: k})`` of every router,
     resolved by the adapter's ``resolve_plan`` as a first training forward resolves it (nothing is
     cached); ``({}, {})`` when ``config`` is None or disabled.
@@ -373,17 +399,21 @@ def model_plans(
     """
     if config is None or not config.enabled:
         return {}, {}
-    rows = [(index, site, resolve_plan(site)) for index, site in _indexed(sites)]
+    rows = [(index, site, resolve_plan(site)) for index, site in keyed_sites(sites)]
     plans = _by_layer(rows)
     return plans, {index: site.topk for index, site, _ in rows}
 
 
 __all__ = [
     "HostHistogram",
+    "LayerKey",
+    "RouterKey",
     "RouterSite",
     "RoutingRecord",
     "budget_histograms",
+    "keyed_sites",
     "latest_record",
+    "layer_indexed",
     "model_plans",
     "reset_budget_histograms",
     "routing_records",

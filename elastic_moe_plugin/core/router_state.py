@@ -27,6 +27,9 @@ from elastic_moe_plugin.core.routing import Routing, RoutingRule
 
 #: the ``router.__dict__`` key of its :class:`RouterState`
 STATE_ATTR = "_elastic_state"
+#: draws a router keeps for a recompute to replay: a looped router's passes per forward (Inkling-2-
+#: Loop: 3 by default), with room; without checkpointing nothing replays them, and the oldest go
+MAX_PENDING_DRAWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +53,12 @@ class RouterState:
             resolved; a door that must follow options changed on a built router compares them.
         layer_index: the 0-based decoder-layer index, where the door tags it (transformers).
         tensor_parallel_group: the group whose ranks share this router's tokens (transformers).
-        latest_draw: the :class:`~.budget_stream.BudgetDraw` of the latest forward (a recompute
-            replays it).
+        latest_draw: the :class:`~.budget_stream.BudgetDraw` of the latest forward.
+        pending_draws: the draws of this step's forwards that no recompute has replayed yet, in
+            call order (a router run several times per forward, as Inkling-2-Loop's looped layers,
+            draws once per pass; a checkpoint's backward recomputes the passes in reverse order and
+            replays them last first: :meth:`replay`). Bounded by :data:`MAX_PENDING_DRAWS`.
+        replayed: the draw the latest recompute replayed (a second recompute of it replays it again).
         routed: what the latest training forward routed, ``(budgets κ [T], ids [T, b], kept
             [T, b], gate weights [T, b] detached, capacity_dropped [T, b] or None, κ's host
             histogram [b+1] or None)``: references to the forward's own tensors.
@@ -60,8 +67,8 @@ class RouterState:
             tensor for κ the device computed.
     """
 
-    __slots__ = ("generation", "histogram", "latest_draw", "layer_index", "options", "path", "record", "routed",
-                 "tensor_parallel_group")  # fmt: skip
+    __slots__ = ("generation", "histogram", "latest_draw", "layer_index", "options", "path", "pending_draws", "record",
+                 "replayed", "routed", "tensor_parallel_group")  # fmt: skip
 
     def __init__(self) -> None:
         self.generation: Any = None
@@ -70,6 +77,8 @@ class RouterState:
         self.layer_index: int | None = None
         self.tensor_parallel_group: Any = None
         self.latest_draw: BudgetDraw | None = None
+        self.pending_draws: list[BudgetDraw] = []
+        self.replayed: BudgetDraw | None = None
         self.routed: tuple | None = None
         self.record: Any = None
         self.histogram: HostHistogram | torch.Tensor | None = None
@@ -85,11 +94,26 @@ class RouterState:
         return self
 
     def draw(self, path: ElasticPath, num_tokens: int, device: torch.device) -> BudgetDraw:
-        """κ [T] of this router's forward: one draw of its stream on its shard, kept as the latest."""
+        """κ [T] of this router's forward: one draw of its stream on its shard, kept as the latest and
+        pending a recompute's replay (a draw after a replay starts a new step: the pending ones of the
+        last are dropped)."""
         plan = path.plan
         drawn = path.stream.draw(plan.schedule, plan.sampling, path.shard, num_tokens, device)
         self.latest_draw = drawn
+        if self.replayed is not None:
+            self.pending_draws.clear()
+            self.replayed = None
+        self.pending_draws.append(drawn)
+        if len(self.pending_draws) > MAX_PENDING_DRAWS:  # no checkpointing: nothing replays them
+            del self.pending_draws[0]
         return drawn
+
+    def replay(self) -> BudgetDraw | None:
+        """The draw a gradient-checkpointing recompute replays: the latest pending one (passes
+        recompute in reverse order), else the one the last recompute replayed; None before any."""
+        if self.pending_draws:
+            self.replayed = self.pending_draws.pop()
+        return self.replayed
 
     def remember(
         self,

@@ -21,9 +21,9 @@ Vocabulary
 The algorithm (:func:`route`)
 -----------------------------
 1. s = score(z) in fp32 (only where the rule reads scores).
-2. selection = z, or s (+ bias). Group-limited rules keep ``groups_kept`` of ``num_groups`` equal
-   expert groups, a group scored by the sum of its top ``group_score_topk`` selection values, and
-   rank only inside them (:func:`_group_limited_topk`).
+2. selection = z, or s (either + a selection-only bias). Group-limited rules keep ``groups_kept``
+   of ``num_groups`` equal expert groups, a group scored by the sum of its top ``group_score_topk``
+   selection values, and rank only inside them (:func:`_group_limited_topk`).
 3. ids [T, b] = the top-b experts by selection, sorted by rank; values [T, b] = what the rule
    weighs: the kept logits (``kept_softmax``), else the scores.
 4. kept [T, b] = j < κ_t (κ given, or top-p: the smallest top-ranked set whose full-softmax mass
@@ -35,7 +35,8 @@ The algorithm (:func:`route`)
    =====================  ==================================================  ====================
    none                   s_i (full-softmax p_i, or a sigmoid score)          full_softmax
    kept_softmax           exp(z_i) / Σ_{j∈S} exp(z_j)                         renormalized
-   kept_sum               s_i / (Σ_{j∈S} s_j + ε), or / max(Σ s_j, floor)    renormalized
+   kept_sum               s_i / (Σ_{j∈S} s_j + ε), / max(Σ s_j, floor), or   renormalized
+                          / ||s_S||_p
    kept_sum_if_several    s_i / (Σ_{j∈S} s_j + ε) if κ_t > 1, else s_i        sigmoid_auto
    =====================  ==================================================  ====================
 
@@ -91,6 +92,8 @@ class RoutingRule:
             routers; 0 where the framework divides by the plain sum).
         renormalization_min: a floor on the kept sum instead of ε: the denominator is
             max(Σ_{j∈S} s_j, floor) (ERNIE-4.5's ``moe_norm_min``; ``None``: no floor).
+        renormalization_p: ``kept_sum`` divides by the p-norm of the kept scores,
+            (Σ_{j∈S} s_j^p)^(1/p) (DBRX's ``moe_normalize_expert_weights``); 1: their sum.
         num_groups / groups_kept: group-limited selection (``None``: every expert competes).
         group_score_topk: the top selection values summed to score a group (Megatron: k //
             groups_kept with the model's k, so κ = k keeps the groups stock top-k keeps).
@@ -109,6 +112,7 @@ class RoutingRule:
     normalization: Normalization = "kept_sum"
     renormalization_eps: float = 0.0
     renormalization_min: float | None = None
+    renormalization_p: float = 1.0
     num_groups: int | None = None
     groups_kept: int | None = None
     group_score_topk: int | None = None
@@ -135,6 +139,8 @@ class RoutingRule:
             )
         if self.renormalization_min is not None and self.renormalization_eps:
             raise ValueError("RoutingRule takes renormalization_eps or renormalization_min, not both.")
+        if self.renormalization_p != 1.0 and (self.renormalization_min is not None or self.renormalization_eps):
+            raise ValueError("RoutingRule's renormalization_p divides by the plain p-norm: no eps, no floor.")
         if self.groups_kept and not (self.num_groups and self.group_score_topk):
             raise ValueError("RoutingRule.groups_kept needs num_groups and group_score_topk.")
 
@@ -180,7 +186,7 @@ def route(
         budgets: κ [T] (int64, on the logits' device); or None with ``top_p``.
         top_p: κ_t = the smallest top-ranked set whose full-softmax mass reaches it (the paper's
             top-p budget control), instead of ``budgets``.
-        selection_bias: [E], added to the scores for selection only (``select_on="scores"``).
+        selection_bias: [E], added to what the rule ranks (its scores, or its logits), for selection only.
         probabilities: p = softmax(z) in fp32 [T, E] when the caller already has it: read as the
             softmax scores, and (detached) for top-p's κ.
     """
@@ -232,19 +238,21 @@ def select(
     """The top-b candidates of ``rule`` (steps 1-3): ``(ids [T, b], values [T, b])``, sorted by rank.
 
     ``values`` are what :func:`weigh` weighs: the logits of the candidates for ``kept_softmax``,
-    else their fp32 scores (unbiased: a selection bias only ranks). Taken from the top-b values
+    else their fp32 scores (unbiased: a selection bias only ranks, added to the logits or the
+    scores, whichever the rule ranks: Kolibri-1 ranks z + b). Taken from the top-b values
     themselves when the rule ranks by what it weighs, else gathered.
     """
-    if rule.select_on == "logits" and rule.normalization == "kept_softmax":  # ranks and weighs the logits
-        top, ids = _top(logits, rule, width)
+    ranked = logits if rule.select_on == "logits" else None
+    if ranked is not None and rule.normalization == "kept_softmax" and selection_bias is None:
+        top, ids = _top(logits, rule, width)  # ranks and weighs the logits
         return ids, top
     if probabilities is not None and rule.score_function == "softmax":
         scores = probabilities
     else:
         scores = score(logits, rule.score_function, rule.score_dtype or logits.dtype)
+    ranked = scores if ranked is None else ranked
     # the frameworks add the bias by type promotion: a bf16 score plus an fp32 bias ranks in fp32
-    biased = scores if selection_bias is None else scores + selection_bias
-    selection = logits if rule.select_on == "logits" else biased
+    selection = ranked if selection_bias is None else ranked + selection_bias
     top, ids = _top(selection, rule, width)
     if rule.normalization == "kept_softmax":
         return ids, torch.gather(logits, 1, ids)
@@ -322,6 +330,9 @@ def weigh(
         return torch.softmax(torch.where(kept, values, _negative_infinity(values.dtype, values.device)), dim=-1)
     kept_values = torch.where(kept, values, torch.zeros_like(values))
     floor = rule.renormalization_min
+    if rule.renormalization_p != 1.0:  # DBRX: w = s / ||s_S||_p
+        normalised = kept_values / torch.linalg.vector_norm(kept_values, rule.renormalization_p, dim=-1, keepdim=True)
+        return normalised if normalization == "kept_sum" else torch.where(several_kept(kept), normalised, kept_values)
     softmax_renormalised = normalization == "kept_sum" and rule.score_function == "softmax" and floor is None
     if softmax_renormalised and logits is not None and ids is not None:
         return RenormalizedProbs.apply(

@@ -31,7 +31,6 @@ from elastic_moe_plugin.hf.patch import (
     active_config,
     apply,
     check_transformers_version,
-    gate_for,
     is_applied,
     log_plan,
     logged_metrics,
@@ -39,15 +38,15 @@ from elastic_moe_plugin.hf.patch import (
     patched,
     patched_symbols,
     remove,
-    resolve_plan,
     tag_layers,
     transformers_version,
     validate_model,
-    validate_router,
 )
+from elastic_moe_plugin.hf.plans import gate_for, resolve_plan, validate_router
 from elastic_moe_plugin.hf.records import (
     budget_histograms,
     reset_budget_histograms,
+    router_keys,
     routing_metrics,
     routing_records,
     static_layers,
@@ -79,6 +78,7 @@ __all__ = [
     "remove",
     "reset_budget_histograms",
     "resolve_plan",
+    "router_keys",
     "routing_metrics",
     "routing_records",
     "set_layer_index",

@@ -45,7 +45,8 @@ import torch
 from elastic_moe_plugin.core.budget_stream import BudgetDraw, BudgetStream, ProcessStream
 from elastic_moe_plugin.core.patching import PATCH_MARKER, AttributePatches, unwrap
 from elastic_moe_plugin.core.plan import LayerPlan
-from elastic_moe_plugin.core.router_state import RouterState, ensure_state
+from elastic_moe_plugin.core.router_state import ElasticPath, RouterState, ensure_state
+from elastic_moe_plugin.core.routing import RoutingRule
 from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
@@ -130,22 +131,26 @@ def draw(
     state = ensure_state(router)
     if replay:
         return replayed_draw(router, state, num_tokens, device)
-    state.latest_draw = STREAM.draw(plan.schedule, plan.sampling, token_shard(router)[1], num_tokens, device)
-    return state.latest_draw
+    path = state.path if state.path is not None and state.path.plan is plan else None
+    if path is None:  # a caller's own plan (tests): its draw, on this process's stream and shard
+        path = ElasticPath(plan, RoutingRule(), STREAM, token_shard(router)[1])
+    return state.draw(path, num_tokens, device)
 
 
 def replayed_draw(router: torch.nn.Module, state: RouterState, num_tokens: int, device: torch.device) -> BudgetDraw:
     """The draw of the router's latest forward, for a gradient-checkpointing recompute.
 
     Gradient checkpointing restores the default generators for the recompute, not κ's stream: the
-    recompute runs inside backward and reuses the κ the router drew in its latest forward. Exact
+    recompute runs inside backward and reuses the κ the router drew in its latest forward
+    (:meth:`RouterState.replay`; a router that runs once per pass of a looped layer, as
+    Inkling-2-Loop's, replays its passes' draws last first, as backward recomputes them). Exact
     for every loop that runs a micro-batch's backward before the next forward of the same router
     (the Trainer, accelerate, ms-swift).
 
     Raises:
         RuntimeError: the latest draw is of another token count or device (or there is none).
     """
-    latest = state.latest_draw
+    latest = state.replay()
     if latest is None or latest.budgets.numel() != num_tokens or latest.budgets.device != torch.device(device):
         found = "none" if latest is None else f"{latest.budgets.numel()} tokens on {latest.budgets.device}"
         raise RuntimeError(

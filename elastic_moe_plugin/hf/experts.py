@@ -130,6 +130,28 @@ def _kappa_compute(experts: torch.nn.Module) -> Callable | None:
     return None
 
 
+def own_experts_forward(original: Callable) -> Callable:
+    """Replacement of the ``forward`` of a family's own experts (not transformers' dispatcher) that
+    sums over slots, Σ_j w_tj · f_{e_tj}(x_t) (:attr:`~.router_family.RouterFamily.experts_slot_sum`:
+    DBRX, Step-3.7 in 5.19, Ergo): a marked call runs the family's own forward
+    on the P kept pairs as P tokens of one slot each and sums them per token, as the eager path of
+    the dispatcher does; an unmarked one, or one that keeps every slot, runs stock. Hidden states
+    of any shape ``[..., H]`` (DBRX's block passes ``[B, S, H]``) come back in that shape."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        slots = kept_slots(top_k_index) if not (args or kwargs) else None
+        if slots is None or slots.total == top_k_index.numel():
+            return original(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        tokens, ids, weights, _ = _kept_pairs(top_k_index, top_k_weights, slots, flat.device)
+        pair_outputs = original(self, flat[tokens], ids.unsqueeze(-1), weights.unsqueeze(-1))
+        summed = _sum_per_token(pair_outputs.reshape(len(tokens), -1), tokens, flat.shape[0], flat.dtype)
+        return summed.reshape(hidden_states.shape)
+
+    return forward
+
+
 # ------------------------------------------------------------------------------ pairs in, tokens out
 def _kept_pairs(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, slots: KeptSlots, device: torch.device):
     """``(tokens [P], expert ids [P], weights [P], positions [P])`` of the kept pairs (token-major)."""

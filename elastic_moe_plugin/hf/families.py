@@ -19,7 +19,8 @@ import torch
 
 from elastic_moe_plugin.core.patching import unwrap
 from elastic_moe_plugin.core.router_state import ensure_state, state_of
-from elastic_moe_plugin.hf.family_table import FAMILIES, NOT_TOP_K, REFUSED, RouterFamily
+from elastic_moe_plugin.hf.family_table import FAMILIES, NOT_TOP_K, REFUSED
+from elastic_moe_plugin.hf.router_family import RouterFamily
 
 # "...layers.<i>.<site>": the ModuleList index of the decoder layer is its layer_idx.
 _ROUTER_NAME = re.compile(
@@ -32,18 +33,24 @@ class LoadedFamily:
     """A family's classes in the installed transformers.
 
     Attributes:
-        experts: the experts class, or None where it is not transformers' implementation
-            dispatcher over ``forward(hidden_states, top_k_index, top_k_weights)`` (then expert
+        router: the router class (or the block class whose routing method is patched).
+        decoder_layers: the decoder-layer classes that build it.
+        experts: the experts class whose forward the adapter wraps: transformers' implementation
+            dispatcher over ``forward(hidden_states, top_k_index, top_k_weights)``, or the family's
+            own experts where the table says they sum over slots
+            (:attr:`~.router_family.RouterFamily.experts_slot_sum`); None otherwise (then expert
             compute is left stock: all b slots, zero-weighted beyond κ).
         static_routers: ``{router class: why it stays static}`` of the family's
-            :attr:`~.family_table.RouterFamily.static_routers` that the installed transformers has.
+            :attr:`~.router_family.RouterFamily.static_routers` that the installed transformers has.
+        own_experts: :attr:`experts` is the family's own class, not transformers' dispatcher.
     """
 
     module: Any
     router: type
-    decoder_layer: type
+    decoder_layers: tuple[type, ...]
     experts: type | None
     static_routers: dict[type, str] = dataclasses.field(default_factory=dict)
+    own_experts: bool = False
 
 
 def load_family(family: RouterFamily) -> LoadedFamily | str:
@@ -53,41 +60,54 @@ def load_family(family: RouterFamily) -> LoadedFamily | str:
     except ImportError as error:
         return f"{family.module_path} does not import ({error})"
     router_cls = getattr(module, family.router, None)
-    layer_cls = getattr(module, family.decoder_layer, None)
-    if router_cls is None or layer_cls is None:
-        missing = family.router if router_cls is None else family.decoder_layer
-        return f"{family.module_path}.{missing} does not exist"
-    # The generic patcher re-implements exactly `forward(self, hidden_states, *family.forward_args)`;
-    # anything else is a different router and must not be replaced silently.
-    forward = unwrap(router_cls.__dict__.get("forward"))
-    expected = ["self", "hidden_states", *family.forward_args]
-    if forward is None or list(inspect.signature(forward).parameters) != expected:
-        return f"{family.module_path}.{family.router}.forward is not forward({', '.join(expected)})"
-    init = layer_cls.__dict__.get("__init__")
-    if init is None or "layer_idx" not in inspect.signature(init).parameters:
-        return f"{family.module_path}.{family.decoder_layer}.__init__ takes no layer_idx"
+    if router_cls is None:
+        return f"{family.module_path}.{family.router} does not exist"
+    layers = []
+    for name in family.decoder_layers:
+        layer_cls = getattr(module, name, None)
+        if layer_cls is None:
+            return f"{family.module_path}.{name} does not exist"
+        init = layer_cls.__dict__.get("__init__")
+        if init is None or "layer_idx" not in inspect.signature(init).parameters:
+            return f"{family.module_path}.{name}.__init__ takes no layer_idx"
+        layers.append(layer_cls)
+    # The generic patcher re-implements exactly `forward(self, hidden_states, *family.forward_args)`
+    # (or the routing method's parameters); anything else is a different router and must not be
+    # replaced silently.
+    method = unwrap(router_cls.__dict__.get(family.patched_method))
+    expected = ["self", *family.call_parameters]
+    if method is None or list(inspect.signature(method).parameters) != expected:
+        name = family.patched_method
+        return f"{family.module_path}.{family.router}.{name} is not {name}({', '.join(expected)})"
+    if family.merging_block is not None and not isinstance(getattr(module, family.merging_block, None), type):
+        return f"{family.module_path}.{family.merging_block} does not exist"
     static: dict[type, str] = {}
     for name, why in family.static_routers:
         static_cls = getattr(module, name, None)
         if isinstance(static_cls, type):
             static[static_cls] = why
-    return LoadedFamily(module, router_cls, layer_cls, _experts_class(module, family), static)
+    experts_cls, own = _experts_class(module, family)
+    return LoadedFamily(module, router_cls, tuple(layers), experts_cls, static, own)
 
 
-def _experts_class(module: Any, family: RouterFamily) -> type | None:
+def _experts_class(module: Any, family: RouterFamily) -> tuple[type | None, bool]:
     """The experts class if it is transformers' dispatcher over an eager ``forward(hidden_states,
     top_k_index, top_k_weights)`` (what ``@use_experts_implementation`` installs; it also gives
-    every class an ``_apply_gate``), else None."""
+    every class an ``_apply_gate``), or the family's own experts with that forward where the table
+    says they sum over slots (then ``(class, True)``); else ``(None, False)``."""
     experts_cls = getattr(module, family.experts, None)
     dispatcher = unwrap(vars(experts_cls).get("forward")) if isinstance(experts_cls, type) else None
     eager = getattr(dispatcher, "__wrapped__", None)  # functools.wraps in use_experts_implementation
-    if not callable(getattr(experts_cls, "_apply_gate", None)) or eager is None:
-        return None
+    own = family.experts_slot_sum and eager is None and dispatcher is not None
+    if own:
+        eager = dispatcher  # the family's own experts, summing over slots as the dispatcher does
+    if eager is None or not (own or callable(getattr(experts_cls, "_apply_gate", None))):
+        return None, False
     # (hidden_states, top_k_index, top_k_weights), whatever the family names them (GPT-OSS:
     # router_indices, routing_weights): the block passes them by position
     if len(inspect.signature(eager).parameters) != 4:
-        return None
-    return experts_cls
+        return None, False
+    return experts_cls, own
 
 
 def covered_router_classes() -> dict[type, RouterFamily]:
@@ -160,7 +180,7 @@ def static_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFam
 
 def ranking_layers(family: RouterFamily, config: Any) -> tuple[int, ...] | None:
     """The 0-based decoder layers whose router ranks, where the family mixes ranking and static
-    routers (:attr:`~.family_table.RouterFamily.ranking_layers`, read from the model's config);
+    routers (:attr:`~.router_family.RouterFamily.ranking_layers`, read from the model's config);
     None where every MoE layer ranks."""
     if family.ranking_layers is None or config is None:
         return None

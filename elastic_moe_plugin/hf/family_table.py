@@ -1,173 +1,23 @@
-"""The table of transformers MoE families: the covered ones, with the data of their routing, and
-the refused ones, with the reason.
-
-Every covered family routes with ``router.forward(hidden_states) -> (router_logits [T, E],
-top_k_weights [T, k], top_k_index [T, k])`` (or ids first: Granite-MoE, Aria) and hands ids and
-weights unchanged to its ``experts``, an ``@use_experts_implementation`` class. A row of
-:data:`FAMILIES` names the classes, where the router sits in the decoder layer (``sites``), and
-the data of its routing: the rule kind and the logits of :mod:`.rules`, the selection bias, how it
-renormalises, and the dtype of the weights it returns. Families of another shape are in
-:data:`REFUSED`, each with the reason it cannot be made elastic (or is not yet) and what it would
-take; ``docs/transformers.md`` lists both tables, generated from them
-(``make docs``). :mod:`.families` finds them in models.
+"""The table of transformers MoE families: the covered ones (:data:`FAMILIES`, each a
+:class:`~.router_family.RouterFamily`), and the refused ones (:data:`REFUSED`), each with the reason
+it has no ranking to cut at κ. ``docs/transformers.md`` lists both, generated from them
+(:mod:`.family_docs`, ``make docs``); :mod:`.families` finds them in the installed transformers
+and in models.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import operator
-import re
-from typing import Any, Literal
+from typing import Any
 
 from elastic_moe_plugin.core.routing import SIGMOID_EPS
+from elastic_moe_plugin.hf.router_family import (
+    RouterFamily,
+    deepseek_family,
+    deepseek_v2_family,
+    logits_topk_family,
+    softmax_family,
+)
 
-
-@dataclasses.dataclass(frozen=True)
-class RouterFamily:
-    """One covered router class and the decoder layer that owns it.
-
-    Attributes:
-        name: a label, e.g. ``"olmoe"`` or ``"qwen3_omni_moe.talker"``.
-        module: the transformers model folder, ``transformers.models.<module>.modeling_<module>``.
-        router: the router class name; the experts class is :attr:`experts`.
-        decoder_layer: the decoder-layer class whose ``__init__(config, layer_idx)`` builds it.
-        rule: the rule kind (:data:`.rules.RULES`).
-        logits: how the router computes z (:data:`.rules.LOGITS`).
-        sites: where the router sits, relative to the decoder layer (``mlp.gate``, ``mlp.router``, ...).
-        experts_class: the experts class name where it is not the router's with ``Experts`` for
-            ``TopKRouter``/``TopkRouter``/``Gate``.
-        bias: the selection-only bias, as an attribute path of the router (None: no bias).
-        forward_args: the router forward's parameters after ``hidden_states`` (MiniMax-M2:
-            ``("e_score_correction_bias",)``: the block passes its own buffer), in order.
-        bias_argument: the one of :attr:`forward_args` that holds the selection-only bias, where
-            the block passes it in instead of the router holding it (None: :attr:`bias` or none).
-        scaling: the router attribute holding the factor its weights are multiplied by
-            (``routed_scaling_factor``, HY-V3's ``router_scaling_factor``, AFMoE's ``route_scale``);
-            read where the rule scales (an attribute the router lacks, or 1.0, scales by nothing).
-        top_k_path / num_experts_path: where the router holds k and E, as attribute paths
-            (``top_k`` / ``num_experts``; Gemma 4's router reads ``config.top_k_experts``).
-        first_output: what the router returns first, ``"logits"`` z or the ``"probabilities"``
-            softmax(z) in fp32 (Gemma 4); transformers' output recorder collects it.
-        per_expert_scale: a router parameter [E] the kept weights are multiplied by, per expert id,
-            after the renormalisation (Gemma 4's ``per_expert_scale``; None: none).
-        static_routers: ``(class name, why)`` of router classes in the same blocks that have no
-            ranking to cut at κ (DeepSeek-V4's hash-routed layers): their layers stay stock top-k,
-            and the plan line says why.
-        ranking_layers: ``(config attribute, kind)``: the layers whose router ranks are those whose
-            entry of the config's per-layer list is ``kind`` (DeepSeek-V4: ``("mlp_layer_types",
-            "moe")``); a ``layers`` selection naming none of them is refused at model build.
-        renormalizes: ``"norm_topk_prob"`` (the router's flag decides), ``"always"``, ``"never"``,
-            or ``"selection_fn"`` (Cohere2: softmax mode always, sigmoid mode iff ``norm_topk_prob``).
-        renormalization_eps: ε added to the kept sum (DeepSeek-style sigmoid routers: 1e-20).
-        masked_group_value: what group-limited selection writes over dropped groups (AXK-2: 0.0).
-        group_score_topk: the top selection values summed to score a group (DeepSeek-V2: 1, the max).
-        scores_in_fp32: scores and weights in fp32 (False: the logits' dtype, as GPT-OSS and Aria).
-        weights_dtype: the dtype of the returned weights: the logits' (``"logits"``), the fp32
-            scores' (``"scores"``: Mixtral, DeepSeek-V3), or the hidden states' (``"input"``: ERNIE,
-            Granite-MoE, Cohere2, Laguna).
-        ids_first: the router returns ``(ids, weights, logits)``. Not set in the table: read from the
-            installed transformers where the family's output recorder says where the logits are
-            (Granite-MoE and Aria return ids first in 5.19, logits first from 5.25;
-            :func:`.families.covered_router_classes`).
-        required: apply() fails if the installed transformers lacks it (OLMoE and Qwen3-MoE, the
-            paper's SFT backbones).
-    """
-
-    name: str
-    module: str
-    router: str
-    decoder_layer: str
-    rule: str = "softmax_topk"
-    logits: str = "linear"
-    sites: tuple[str, ...] = ("mlp.gate",)
-    experts_class: str | None = None
-    bias: str | None = None
-    renormalizes: Literal["norm_topk_prob", "always", "never", "selection_fn"] = "norm_topk_prob"
-    renormalization_eps: float = 0.0
-    masked_group_value: float = float("-inf")
-    group_score_topk: int = 2
-    scores_in_fp32: bool = True
-    weights_dtype: Literal["logits", "scores", "input"] = "logits"
-    forward_args: tuple[str, ...] = ()
-    bias_argument: str | None = None
-    scaling: str | None = "routed_scaling_factor"
-    top_k_path: str = "top_k"
-    num_experts_path: str = "num_experts"
-    first_output: Literal["logits", "probabilities"] = "logits"
-    per_expert_scale: str | None = None
-    static_routers: tuple[tuple[str, str], ...] = ()
-    ranking_layers: tuple[str, str] | None = None
-    ids_first: bool = False
-    required: bool = False
-
-    @property
-    def module_path(self) -> str:
-        return f"transformers.models.{self.module}.modeling_{self.module}"
-
-    @property
-    def experts(self) -> str:
-        """The experts class name (``tests/hf/test_hf_families.py`` checks it against the blocks
-        transformers builds)."""
-        return self.experts_class or re.sub(r"(TopKRouter|TopkRouter|Gate)$", "Experts", self.router)
-
-    def top_k_of(self, router: Any) -> int:
-        """k of one of this family's routers."""
-        return int(operator.attrgetter(self.top_k_path)(router))
-
-    def num_experts_of(self, router: Any) -> int:
-        """E of one of this family's routers (the ids it ranks)."""
-        return int(operator.attrgetter(self.num_experts_path)(router))
-
-    @property
-    def renormalises_own_weights(self) -> bool:
-        """Whether ``norm_topk_prob`` (or the selection function) decides the family's gate."""
-        return self.renormalizes in ("norm_topk_prob", "selection_fn")
-
-
-def _softmax(name: str, prefix: str, **fields: Any) -> RouterFamily:
-    """A softmax → top-k family whose classes are ``<prefix>TopKRouter`` and ``<prefix>DecoderLayer``."""
-    module = fields.pop("module", name)
-    return RouterFamily(name, module, f"{prefix}TopKRouter", f"{prefix}DecoderLayer", **fields)
-
-
-def _deepseek(name: str, prefix: str, **fields: Any) -> RouterFamily:
-    """A DeepSeek-V3-style family (sigmoid, correction bias, groups, ε = 1e-20, fp32 logits and
-    weights, × ``routed_scaling_factor``): ``<prefix>TopkRouter`` in ``<prefix>DecoderLayer``."""
-    defaults: dict[str, Any] = {
-        "rule": "sigmoid_bias",
-        "logits": "linear_fp32",
-        "bias": "e_score_correction_bias",
-        "renormalization_eps": SIGMOID_EPS,
-        "weights_dtype": "scores",
-    }
-    layer = fields.pop("decoder_layer", f"{prefix}DecoderLayer")
-    return RouterFamily(name, name, f"{prefix}TopkRouter", layer, **{**defaults, **fields})
-
-
-def _deepseek_v2(name: str, prefix: str) -> RouterFamily:
-    """A DeepSeek-V2-style family (softmax of fp32 logits, group-limited by each group's max with
-    dropped groups at 0.0, never renormalised, × ``routed_scaling_factor``): ``<prefix>TopkRouter``
-    in ``<prefix>DecoderLayer``."""
-    return RouterFamily(
-        name,
-        name,
-        f"{prefix}TopkRouter",
-        f"{prefix}DecoderLayer",
-        rule="softmax_groups",
-        logits="linear_fp32",
-        renormalizes="never",
-        group_score_topk=1,
-        weights_dtype="scores",
-    )
-
-
-def _top_k_on_logits(name: str, prefix: str, **fields: Any) -> RouterFamily:
-    """A family that ranks by the logits and softmaxes the kept ones (GPT-OSS style)."""
-    defaults: dict[str, Any] = {"rule": "logits_topk", "renormalizes": "always", "sites": ("mlp.router",)}
-    return RouterFamily(name, name, f"{prefix}TopKRouter", f"{prefix}DecoderLayer", **{**defaults, **fields})
-
-
-#: why DeepSeek-V4's first layers stay static (the plan line shows it)
 HASH_ROUTED = "hash-routed: experts from a token-id table, no ranking to cut at κ"
 
 _GRANITE: dict[str, Any] = {
@@ -178,24 +28,24 @@ _GRANITE: dict[str, Any] = {
 
 FAMILIES: tuple[RouterFamily, ...] = (
     # softmax -> top-k by probability -> p (or p / sum of the kept p)
-    _softmax("olmoe", "Olmoe", required=True),
-    _softmax("qwen3_moe", "Qwen3Moe", required=True),
-    _softmax("flex_olmo", "FlexOlmo"),
-    _softmax("qwen2_moe", "Qwen2Moe"),
-    _softmax("qwen3_next", "Qwen3Next"),
-    _softmax("qwen3_5_moe", "Qwen3_5Moe", renormalizes="always"),
+    softmax_family("olmoe", "Olmoe", required=True),
+    softmax_family("qwen3_moe", "Qwen3Moe", required=True),
+    softmax_family("flex_olmo", "FlexOlmo"),
+    softmax_family("qwen2_moe", "Qwen2Moe"),
+    softmax_family("qwen3_next", "Qwen3Next"),
+    softmax_family("qwen3_5_moe", "Qwen3_5Moe", renormalizes="always"),
     RouterFamily(
         "qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeTextTopKRouter", "Qwen3VLMoeTextDecoderLayer", renormalizes="always"
     ),
-    _softmax("qwen3_omni_moe.thinker", "Qwen3OmniMoeThinkerText", module="qwen3_omni_moe"),
+    softmax_family("qwen3_omni_moe.thinker", "Qwen3OmniMoeThinkerText", module="qwen3_omni_moe"),
     RouterFamily(
         "qwen3_omni_moe.talker", "qwen3_omni_moe", "Qwen3OmniMoeTalkerTextTopKRouter", "Qwen3OmniMoeTalkerDecoderLayer"
     ),
     RouterFamily("qwen4_exp", "qwen4_exp", "Qwen4ExpTextTopKRouter", "Qwen4ExpTextDecoderLayer"),
-    _softmax("mixtral", "Mixtral", renormalizes="always", weights_dtype="scores"),
-    _softmax("minimax", "MiniMax", renormalizes="always", weights_dtype="scores"),
-    _softmax("mellum", "Mellum"),
-    _softmax("lara_mini", "LaraMini", logits="linear_fp32", weights_dtype="input"),  # 5.25+
+    softmax_family("mixtral", "Mixtral", renormalizes="always", weights_dtype="scores"),
+    softmax_family("minimax", "MiniMax", renormalizes="always", weights_dtype="scores"),
+    softmax_family("mellum", "Mellum"),
+    softmax_family("lara_mini", "LaraMini", logits="linear_fp32", weights_dtype="input"),  # 5.25+
     RouterFamily(
         "hunyuan_v1_moe",
         "hunyuan_v1_moe",
@@ -205,27 +55,27 @@ FAMILIES: tuple[RouterFamily, ...] = (
         renormalizes="always",
     ),
     # DeepSeek-V3 style: sigmoid, selection on scores + correction bias, groups, eps 1e-20, x scaling
-    _deepseek("deepseek_v3", "DeepseekV3"),
-    _deepseek("deepseek_v32", "DeepseekV32"),
-    _deepseek("glm4_moe", "Glm4Moe"),
-    _deepseek("glm4_moe_lite", "Glm4MoeLite"),
-    _deepseek("glm4v_moe", "Glm4vMoeText"),
-    _deepseek("glm5_next", "Glm5NextText"),
-    _deepseek("glm_moe_dsa", "GlmMoeDsa"),
-    _deepseek("dots1", "Dots1"),
-    _deepseek("exaone_moe", "ExaoneMoe"),
-    _deepseek("solar_open", "SolarOpen"),
-    _deepseek("kimi_linear", "KimiLinear"),
-    _deepseek("mimo_v2_flash", "MiMoV2Flash"),
-    _deepseek("nemotron_h", "NemotronH", sites=("mixer.gate",), decoder_layer="NemotronHBlock"),
-    _deepseek("axk1", "AXK1"),
-    _deepseek("axk2", "AXK2", masked_group_value=0.0),
-    _deepseek("hy_v4", "HYV4"),
+    deepseek_family("deepseek_v3", "DeepseekV3"),
+    deepseek_family("deepseek_v32", "DeepseekV32"),
+    deepseek_family("glm4_moe", "Glm4Moe"),
+    deepseek_family("glm4_moe_lite", "Glm4MoeLite"),
+    deepseek_family("glm4v_moe", "Glm4vMoeText"),
+    deepseek_family("glm5_next", "Glm5NextText"),
+    deepseek_family("glm_moe_dsa", "GlmMoeDsa"),
+    deepseek_family("dots1", "Dots1"),
+    deepseek_family("exaone_moe", "ExaoneMoe"),
+    deepseek_family("solar_open", "SolarOpen"),
+    deepseek_family("kimi_linear", "KimiLinear"),
+    deepseek_family("mimo_v2_flash", "MiMoV2Flash"),
+    deepseek_family("nemotron_h", "NemotronH", sites=("mixer.gate",), decoder_layer="NemotronHBlock"),
+    deepseek_family("axk1", "AXK1"),
+    deepseek_family("axk2", "AXK2", masked_group_value=0.0),
+    deepseek_family("hy_v4", "HYV4"),
     # transformers 5.25 and later
-    _deepseek("bailing_hybrid", "BailingHybrid"),
-    _deepseek("dots3_note", "Dots3NoteText", experts_class="Dots3NoteExperts"),
-    _deepseek("hy_v4_vl", "HYV4VL"),
-    _deepseek("minicpm5_moe", "MiniCPM5Moe", logits="linear_fp32_without_autocast"),
+    deepseek_family("bailing_hybrid", "BailingHybrid"),
+    deepseek_family("dots3_note", "Dots3NoteText", experts_class="Dots3NoteExperts"),
+    deepseek_family("hy_v4_vl", "HYV4VL"),
+    deepseek_family("minicpm5_moe", "MiniCPM5Moe", logits="linear_fp32_without_autocast"),
     RouterFamily(  # DeepSeek-V3's math, sorted, scaling applied by the block to the experts' output
         "beam",
         "beam",
@@ -270,8 +120,8 @@ FAMILIES: tuple[RouterFamily, ...] = (
         weights_dtype="input",
     ),
     # group-limited softmax in the logits' dtype, dropped groups masked with 0.0
-    _deepseek_v2("deepseek_v2", "DeepseekV2"),
-    _deepseek_v2("deepseek_ocr2", "DeepseekOcr2Text"),
+    deepseek_v2_family("deepseek_v2", "DeepseekV2"),
+    deepseek_v2_family("deepseek_ocr2", "DeepseekOcr2Text"),
     RouterFamily(  # 5.25+: Mistral-4's router in fp32, always renormalised
         "mistral_large4",
         "mistral_large4",
@@ -283,7 +133,7 @@ FAMILIES: tuple[RouterFamily, ...] = (
         renormalization_eps=SIGMOID_EPS,
         weights_dtype="scores",
     ),
-    _deepseek_v2("unlimited_ocr", "UnlimitedOcrText"),  # 5.25+
+    deepseek_v2_family("unlimited_ocr", "UnlimitedOcrText"),  # 5.25+
     RouterFamily(
         "mistral4",
         "mistral4",
@@ -293,11 +143,11 @@ FAMILIES: tuple[RouterFamily, ...] = (
         renormalization_eps=SIGMOID_EPS,
     ),
     # top-k on the logits, then softmax over the kept logits
-    _top_k_on_logits("gpt_oss", "GptOss", logits="linear_with_bias", scores_in_fp32=False),
-    _top_k_on_logits("granitemoe", "GraniteMoe", **_GRANITE),
-    _top_k_on_logits("granitemoeshared", "GraniteMoeShared", **_GRANITE),
-    _top_k_on_logits("granitemoehybrid", "GraniteMoeHybrid", **_GRANITE),
-    _top_k_on_logits("granitemoe_swa", "GraniteMoeSWA", **_GRANITE),
+    logits_topk_family("gpt_oss", "GptOss", logits="linear_with_bias", scores_in_fp32=False),
+    logits_topk_family("granitemoe", "GraniteMoe", **_GRANITE),
+    logits_topk_family("granitemoeshared", "GraniteMoeShared", **_GRANITE),
+    logits_topk_family("granitemoehybrid", "GraniteMoeHybrid", **_GRANITE),
+    logits_topk_family("granitemoe_swa", "GraniteMoeSWA", **_GRANITE),
     RouterFamily(
         "aria",
         "aria",
@@ -309,7 +159,7 @@ FAMILIES: tuple[RouterFamily, ...] = (
         renormalizes="always",
         scores_in_fp32=False,
     ),
-    _top_k_on_logits(
+    logits_topk_family(
         "cohere2_moe", "Cohere2Moe", sites=("mlp.gate",), renormalizes="selection_fn", weights_dtype="input"
     ),
     # ERNIE-4.5: softmax, selection on p + bias, p / max(sum of the kept p, moe_norm_min)
@@ -399,6 +249,203 @@ FAMILIES: tuple[RouterFamily, ...] = (
         per_expert_scale="per_expert_scale",
         weights_dtype="scores",
     ),
+    # Kolibri-1: rank z + b, weigh sigmoid(z_kept), renormalised iff norm_topk_prob
+    RouterFamily(
+        "kolibri1",
+        "kolibri1",
+        "Kolibri1TopKRouter",
+        "Kolibri1DecoderLayer",
+        rule="logits_bias_sigmoid",
+        logits="linear_fp32",
+        bias="e_score_correction_bias",
+        weights_dtype="scores",
+    ),
+    RouterFamily(
+        "kolibri1_1",
+        "kolibri1_1",
+        "Kolibri1_1TopKRouter",
+        "Kolibri1_1DecoderLayer",
+        rule="logits_bias_sigmoid",
+        logits="linear_fp32",
+        bias="e_score_correction_bias",
+        weights_dtype="scores",
+    ),
+    # sigmoid + bias families whose logits, weights or experts have a shape of their own
+    RouterFamily(  # logits × output_multiplier; its experts normalise each output (a dispatcher option)
+        "muse_spark",
+        "muse_spark",
+        "MuseSparkTopkRouter",
+        "MuseSparkTextDecoderLayer",
+        rule="sigmoid_bias",
+        logits="linear_fp32_times_multiplier",
+        experts_class="MuseSparkExperts",
+        bias="e_score_correction_bias",
+        renormalizes="always",
+        renormalization_eps=1e-15,
+        weights_dtype="scores",
+    ),
+    RouterFamily(  # logits from its fp32-output Linear; weights rounded to the hidden dtype; per-expert output norms
+        "ergo",
+        "ergo",
+        "ErgoTopkRouter",
+        "ErgoDecoderLayer",
+        rule="sigmoid_bias",
+        logits="linear_module",
+        experts_class="ErgoExperts",
+        bias="e_score_correction_bias",
+        renormalizes="always",
+        renormalization_eps=SIGMOID_EPS,
+        weights_dtype="input_then_fp32",
+        num_experts_path="linear.out_features",
+        experts_slot_sum=True,
+    ),
+    RouterFamily(  # the block scales the experts' output; 5.19's experts are its own loop
+        "step3p7",
+        "step3p7",
+        "Step3p7TopKRouter",
+        "Step3p7DecoderLayer",
+        rule="sigmoid_bias",
+        logits="linear_in_weight_dtype",
+        bias="e_score_correction_bias",
+        renormalizes="always",
+        weights_dtype="scores",
+        experts_slot_sum=True,
+    ),
+    # LongCat-Flash: softmax over the real and the identity ("zero") experts alike, + bias, never
+    # renormalised, × routed_scaling_factor; κ counts slots of either kind (docs/gates.md)
+    RouterFamily(
+        "longcat_flash",
+        "longcat_flash",
+        "LongcatFlashTopkRouter",
+        "LongcatFlashDecoderLayer",
+        logits="classifier_fp32",
+        sites=("mlp.router",),
+        experts_class="LongcatFlashExperts",
+        bias="e_score_correction_bias",
+        renormalizes="never",
+        weights_dtype="scores",
+        num_experts_path="n_routed_experts",
+    ),
+    # Jamba: softmax in fp32, never renormalised, weights in the hidden dtype; a router module in
+    # attention and Mamba layers from 5.25, a method of the block (its router a Linear) before
+    RouterFamily(
+        "jamba",
+        "jamba",
+        "JambaTopKRouter",
+        "JambaAttentionDecoderLayer",
+        other_decoder_layers=("JambaMambaDecoderLayer",),
+        sites=("feed_forward.router",),
+        experts_class="JambaExperts",
+        renormalizes="never",
+        weights_dtype="input",
+    ),
+    RouterFamily(
+        "jamba.block",
+        "jamba",
+        "JambaSparseMoeBlock",
+        "JambaAttentionDecoderLayer",
+        other_decoder_layers=("JambaMambaDecoderLayer",),
+        sites=("feed_forward",),
+        experts_class="JambaExperts",
+        routing_method="route_tokens_to_experts",
+        forward_args=("hidden_states", "router_logits"),
+        method_outputs=("ids", "weights"),
+        renormalizes="never",
+        weights_dtype="input",
+    ),
+    # DBRX: routes in a method of its FFN; softmax in the logits' dtype; w = p / ||p_S||_q
+    RouterFamily(
+        "dbrx",
+        "dbrx",
+        "DbrxFFN",
+        "DbrxBlock",
+        rule="softmax_pnorm",
+        sites=("ffn",),
+        experts_class="DbrxExperts",
+        routing_method="route_tokens_to_experts",
+        forward_args=("router_logits",),
+        renormalizes="p_norm",
+        num_experts_path="experts.num_experts",
+        experts_slot_sum=True,
+    ),
+    # Inkling: sigmoid + bias ranks the routed experts; the kept ones and the shared experts are
+    # normalised together (a log-space softmax of their log-sigmoids), × route_scale × global_scale
+    RouterFamily(
+        "inkling",
+        "inkling",
+        "InklingTopkRouter",
+        "InklingDecoderLayer",
+        rule="sigmoid_shared_sink",
+        logits="routed_and_shared",
+        bias="e_score_correction_bias",
+        renormalizes="always",
+        weights_dtype="input",
+        shared_sink=True,
+    ),
+    # Inkling-2 (5.25+): DeepSeek-V4's rule (the router's activation, fp32), in sliding- and
+    # full-attention layers; Inkling-2-Loop runs its looped layers' routers once per pass
+    RouterFamily(
+        "inkling2",
+        "inkling2",
+        "Inkling2TopKRouter",
+        "Inkling2SlidingDecoderLayer",
+        other_decoder_layers=("Inkling2FullDecoderLayer",),
+        rule="activation_bias",
+        logits="linear_fp32",
+        bias="e_score_correction_bias",
+        renormalizes="always",
+        renormalization_eps=SIGMOID_EPS,
+        scores_in_fp32=False,
+    ),
+    RouterFamily(
+        "inkling2_loop",
+        "inkling2_loop",
+        "Inkling2LoopTopKRouter",
+        "Inkling2LoopSlidingDecoderLayer",
+        other_decoder_layers=(
+            "Inkling2LoopFullDecoderLayer",
+            "Inkling2LoopSlidingLoopDecoderLayer",
+            "Inkling2LoopFullLoopDecoderLayer",
+        ),
+        rule="activation_bias",
+        logits="linear_fp32",
+        bias="e_score_correction_bias",
+        renormalizes="always",
+        renormalization_eps=SIGMOID_EPS,
+        scores_in_fp32=False,
+    ),
+    # DiffusionGemma: Gemma 4's router in its encoder and its decoder layers
+    RouterFamily(
+        "diffusion_gemma",
+        "diffusion_gemma",
+        "DiffusionGemmaTextRouter",
+        "DiffusionGemmaEncoderTextLayer",
+        other_decoder_layers=("DiffusionGemmaDecoderTextLayer",),
+        logits="normed_proj",
+        sites=("router",),
+        experts_class="DiffusionGemmaTextExperts",
+        renormalizes="always",
+        scaling=None,
+        top_k_path="config.top_k_experts",
+        num_experts_path="config.num_experts",
+        first_output="probabilities",
+        per_expert_scale="per_expert_scale",
+        weights_dtype="scores",
+    ),
+    # ERNIE-4.5-VL: ERNIE-4.5's rule in a text and a vision router of one layer (keyed (layer, part))
+    RouterFamily(
+        "ernie4_5_vl_moe",
+        "ernie4_5_vl_moe",
+        "Ernie4_5_VLMoeMoeTopKRouter",
+        "Ernie4_5_VLMoeDecoderLayer",
+        rule="softmax_bias_floor",
+        logits="linear_fp32_without_autocast",
+        sites=("mlp.text_moe.gate", "mlp.vision_moe.gate"),
+        bias="moe_statics.e_score_correction_bias",
+        renormalizes="always",
+        weights_dtype="input",
+        merging_block="Ernie4_5_VLMoeMoeBlock",
+    ),
     RouterFamily(
         "ernie4_5_moe",
         "ernie4_5_moe",
@@ -424,31 +471,10 @@ REFUSED: dict[str, str] = {
     "through every expert, so κ could not change the compute",
     "doge": "product-key experts retrieved inside the block: no router module to patch",
     "jetmoe": "the same gating drives its mixture-of-attention heads, which reshape by a fixed top-k",
-    "dbrx": "not yet covered: the routing is a method of the block (p-norm weights, softmax in the logits' dtype) "
-    "and its experts are not transformers' experts dispatcher",
-    "zaya": "not yet covered: its router carries state between layers and ranks a skip class with the experts",
-    "diffusion_gemma": "not yet covered: the router is Gemma-4's (see gemma4)",
-    "jamba": "not yet covered: in 5.19 the routing is a method of the block (`route_tokens_to_experts`) and "
-    "the router a plain Linear; from 5.25 its router sits in two decoder-layer classes",
-    "step3p7": "not yet covered: its experts are not transformers' experts dispatcher",
-    "longcat_flash": "not yet covered: identity 'zero experts' share the id space and its experts are not "
-    "transformers' experts dispatcher",
-    "inkling": "not yet covered: its weights normalise the kept routed experts together with the shared experts",
+    "zaya": "top-1 only (its config refuses any other num_experts_per_tok): no symmetric elastic range exists "
+    "around k = 1",
     "openai_privacy_filter": "an encoder whose layers have no layer index, and whose block multiplies by the "
     "static top-k",
-    "ergo": "not yet covered (5.25): its router's logits come from a Linear submodule and its weights round-trip "
-    "through the hidden dtype; its experts normalise each expert's output and are not transformers' experts "
-    "dispatcher",
-    "inkling2": "not yet covered (5.25): its routers sit in two decoder-layer classes (sliding and full attention) "
-    "and score with the config's `scoring_func`",
-    "inkling2_loop": "not yet covered (5.25): its looped layers run each router several times per forward",
-    "kolibri1": "not yet covered (5.25): it ranks the logits plus the correction bias and weighs the sigmoid of the "
-    "kept logits",
-    "kolibri1_1": "not yet covered (5.25): its router is Kolibri-1's (see kolibri1)",
-    "muse_spark": "not yet covered (5.25): its router scales the logits by `output_multiplier` before the sigmoid, "
-    "and its experts normalise each expert's output",
-    "ernie4_5_vl_moe": "not yet covered: two routers (text and vision experts) in one decoder layer, while "
-    "plans and records hold one router per layer",
 }
 #: folders whose config may name several experts without routing top-k: never refused at build
 NOT_TOP_K: dict[str, str] = {
@@ -465,69 +491,3 @@ TEXT_MODEL_FOLDERS: dict[str, str] = {
     "sarvam_moe": "glm4_moe",
     "sarvam_mla": "deepseek_v3",
 }
-
-
-# ---------------------------------------------------------------------------------- docs
-#: rule kind → its formula, for the docs table (the readers are :data:`.rules.RULES`)
-RULE_SUMMARIES: dict[str, str] = {
-    "softmax_topk": "p = softmax(z) (fp32); top-k by p; w = p, or p / Σ_kept p (+ ε)",
-    "sigmoid_bias": "s = sigmoid(z) (fp32, or z's dtype: LFM2-MoE); top-k by s + b (inside the kept groups); "
-    "w = s, or s / (Σ_kept s + ε); × scale",
-    "activation_bias": "s = the router's activation of z (`score_fn`: sqrt(softplus(z)) or sigmoid(z)), in z's "
-    "dtype; top-k by s + b; w = s / (Σ_kept s + ε); × scale",
-    "softmax_groups": "p = softmax(z) (z's dtype); group-limited top-k by p (dropped groups 0.0); "
-    "w = p, or p / (Σ_kept p + ε); × scale",
-    "logits_topk": "top-k by z; w = softmax over the kept z "
-    "(Cohere2's sigmoid mode: sigmoid(z_kept), renormalised iff asked)",
-    "softmax_bias_floor": "p = softmax(z) (fp32); top-k by p + b; w = p / max(Σ_kept p, moe_norm_min)",
-}
-
-DOCS_BEGIN = "<!-- families: generated from elastic_moe_plugin/hf/family_table.py by `make docs`; do not edit -->"
-DOCS_END = "<!-- end of families -->"
-
-
-def _bias_text(family: RouterFamily) -> str:
-    if family.bias_argument:
-        return f"`{family.bias_argument}` (passed in by the block)"
-    return f"`{family.bias}`" if family.bias else "—"
-
-
-def markdown_tables() -> str:
-    """The covered and refused families as markdown, between :data:`DOCS_BEGIN` and :data:`DOCS_END`
-    (``docs/transformers.md`` holds this text; ``tests/hf/test_hf_every_family.py`` checks it)."""
-    covered = [
-        "| family | router (site) | rule kind | logits | selection bias | renormalises | weights |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for family in FAMILIES:
-        covered.append(
-            f"| `{family.name}` | `{family.router}` (`{'`, `'.join(family.sites)}`) | `{family.rule}` | "
-            f"`{family.logits}` | {_bias_text(family)} | {family.renormalizes} | "
-            f"{family.weights_dtype} |"
-        )
-    kinds = ["| rule kind | routing |", "|---|---|"] + [
-        f"| `{kind}` | {text} |" for kind, text in RULE_SUMMARIES.items()
-    ]
-    refused = ["| family | why it is not elastic |", "|---|---|"] + [
-        f"| `{folder}` | {reason} |" for folder, reason in sorted(REFUSED.items())
-    ]
-    parts = [
-        DOCS_BEGIN,
-        "",
-        *kinds,
-        "",
-        *covered,
-        "",
-        "Refused at model build (`allow_uncovered_routers` keeps them static):",
-        "",
-        *refused,
-        "",
-        DOCS_END,
-    ]
-    return "\n".join(parts)
-
-
-def with_tables(text: str) -> str:
-    """``text`` (``docs/transformers.md``) with its generated section replaced by :func:`markdown_tables`."""
-    start, end = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
-    return text[:start] + markdown_tables() + text[end:]

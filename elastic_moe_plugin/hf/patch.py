@@ -52,12 +52,11 @@ from elastic_moe_plugin.core import plan as core_plan
 from elastic_moe_plugin.core import records as core_records
 from elastic_moe_plugin.core.config import ElasticConfig, log_layout
 from elastic_moe_plugin.core.errors import ConfigError, UnsupportedTransformersError
+from elastic_moe_plugin.core.layer_keys import LayerKey, layer_of, part_of
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
-from elastic_moe_plugin.core.plan import LayerPlan, warn_if_top1_gate_is_constant
-from elastic_moe_plugin.core.router_state import state_of
-from elastic_moe_plugin.core.schedule import BudgetSchedule
+from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.hf import budget_rng
-from elastic_moe_plugin.hf.experts import experts_forward, install_expert_parallel
+from elastic_moe_plugin.hf.experts import experts_forward, install_expert_parallel, own_experts_forward
 from elastic_moe_plugin.hf.families import (
     FAMILIES,
     RouterFamily,
@@ -66,15 +65,19 @@ from elastic_moe_plugin.hf.families import (
     installed_family,
     layer_index_from_name,
     load_family,
-    ranking_layers,
     router_site,
     set_layer_index,
     static_routers,
     uncovered_moe,
 )
+from elastic_moe_plugin.hf.plans import resolve_plan, validate_router
 from elastic_moe_plugin.hf.records import router_sites, routing_metrics
-from elastic_moe_plugin.hf.routing import dispatched_slots, patched_forward, realised_load_balancing_loss
-from elastic_moe_plugin.hf.rules import family_gate, family_rule
+from elastic_moe_plugin.hf.routing import (
+    dispatched_slots,
+    merging_block_forward,
+    patched_forward,
+    realised_load_balancing_loss,
+)
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
@@ -146,16 +149,13 @@ def _install_family(family: RouterFamily, patches: AttributePatches, loss_patche
     installed = installed_family(family, loaded)
     patches.wrap(
         loaded.router,
-        "forward",
+        family.patched_method,
         functools.partial(patched_forward, family=installed, lifecycle=_PATCH, resolve_plan=resolve_plan),
     )
-    patches.wrap(
-        loaded.decoder_layer,
-        "__init__",
-        functools.partial(_layer_init, router_cls=loaded.router, family=installed),
-    )
+    for layer_cls in loaded.decoder_layers:
+        patches.wrap(layer_cls, "__init__", functools.partial(_layer_init, router_cls=loaded.router, family=installed))
     if loaded.experts is not None:
-        patches.wrap(loaded.experts, "forward", experts_forward)
+        patches.wrap(loaded.experts, "forward", own_experts_forward if loaded.own_experts else experts_forward)
     elif family.required:
         raise UnsupportedTransformersError(
             f"elastic-moe cannot cut expert compute to κ in {family.name}: {family.module_path}.{family.experts} "
@@ -171,6 +171,8 @@ def _install_family(family: RouterFamily, patches: AttributePatches, loss_patche
             family.experts,
         )
     module = loaded.module
+    if family.merging_block is not None:
+        patches.wrap(getattr(module, family.merging_block), "forward", merging_block_forward)
     if callable(module.__dict__.get("load_balancing_loss_func")) and id(module) not in loss_patched:
         loss_patched.add(id(module))
         patches.wrap(module, "load_balancing_loss_func", _load_balancing_loss)
@@ -196,24 +198,23 @@ def _layer_init(original: Callable, router_cls: type, family: RouterFamily) -> C
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        gate = next(
-            (router for router in map(functools.partial(_site, self), family.sites) if isinstance(router, router_cls)),
-            None,
-        )
-        if gate is None:
+        # every router the layer holds (ERNIE-4.5-VL: a text and a vision one)
+        gates = [
+            router for router in map(functools.partial(_site, self), family.sites) if isinstance(router, router_cls)
+        ]
+        if not gates:
             return  # a dense layer (mlp_only_layers, first_k_dense_replace), or a static router's
         try:
             arguments = signature.bind(self, *args, **kwargs).arguments
         except TypeError:  # the original accepted it, so this cannot happen; stay harmless anyway
             return
-        layer_idx = arguments.get("layer_idx")
-        if layer_idx is not None:
-            set_layer_index(gate, int(layer_idx))
-        config = _PATCH.config
-        if config is not None and config.enabled:
-            model_config = arguments.get("config")
-            num_layers = getattr(model_config, "num_hidden_layers", None)
-            validate_router(gate, family, config, num_layers=num_layers, model_config=model_config)
+        layer_idx, model_config, config = arguments.get("layer_idx"), arguments.get("config"), _PATCH.config
+        for gate in gates:
+            if layer_idx is not None:
+                set_layer_index(gate, int(layer_idx))
+            if config is not None and config.enabled:
+                num_layers = getattr(model_config, "num_hidden_layers", None)
+                validate_router(gate, family, config, num_layers=num_layers, model_config=model_config)
 
     return __init__
 
@@ -300,125 +301,7 @@ def patched(config: ElasticConfig | None = None, *, model: torch.nn.Module | Non
 
 
 # ---------------------------------------------------------------------------------- plans
-#: the rule kinds whose ranking is the full softmax, which top-p's budget reads
-TOP_P_RULES = frozenset({"softmax_topk"})
-
-
-def gate_for(router: torch.nn.Module, family: RouterFamily, config: ElasticConfig) -> str:
-    """The weighing rule: ``config.gate`` unless ``"auto"``; then the family's own convention
-    (:func:`.rules.family_gate`: e.g. ``norm_topk_prob`` True → ``"renormalized"``, False →
-    ``"full_softmax"``)."""
-    return config.gate if config.gate != "auto" else family_gate(router, family)
-
-
-def validate_router(
-    router: Any,
-    family: RouterFamily,
-    config: ElasticConfig,
-    *,
-    num_layers: int | None = None,
-    model_config: Any = None,
-) -> BudgetSchedule:
-    """Check ``config`` against one router (top-k, expert count, layer count, and where the family
-    mixes ranking and static routers, that ``layers`` selects a ranking one: ``model_config`` is
-    the model's config) and return its schedule.
-
-    Raises:
-        ConfigError: naming the setting, its value and the fix.
-    """
-    ranking = ranking_layers(family, model_config)
-    note = None
-    if ranking is not None and family.static_routers:
-        others = [index for index in range(num_layers or 0) if index not in ranking]
-        note = f"layer(s) {', '.join(map(str, others)) or 'none'} are {family.static_routers[0][1]}"
-    return config.resolve(
-        num_experts=family.num_experts_of(router),
-        topk=family.top_k_of(router),
-        num_layers=num_layers,
-        moe_layers=ranking,
-        static_layers_note=note,
-    )
-
-
-def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPlan | None:
-    """The training plan of ``router`` under ``config`` (uncached), None for stock top-k: a static
-    schedule, or a layer outside ``ElasticConfig.layers``.
-
-    Raises:
-        ConfigError: ``config`` does not fit the router, or ``layers`` is set and the router has no
-            layer tag (a model built before :func:`apply`; the message names the fix).
-    """
-    schedule = validate_router(router, family, config)
-    if schedule.is_static and config.mode != "top_p":
-        return None
-    state = state_of(router)
-    layer_index = None if state is None else state.layer_index
-    if layer_index is None and config.layer_set is not None:
-        raise ConfigError(
-            f"layers={config.layers!r} needs each router's decoder-layer index, but this "
-            f"{type(router).__name__} has none (the model was built before elastic_moe_plugin.hf.apply). "
-            f"Call hf.apply(config, model=model) or hf.tag_layers(model), build the model after apply, "
-            f"or leave `layers` unset."
-        )
-    if layer_index is not None and not config.layer_is_elastic(layer_index):
-        return None
-    gate = gate_for(router, family, config)
-    warn_if_top1_gate_is_constant(schedule, gate, f"{family.name} routers")
-    if config.mode == "top_p" and family.rule not in TOP_P_RULES:
-        raise ConfigError(
-            f"mode='top_p' keeps each token's smallest top-ranked set whose softmax probability reaches top_p, "
-            f"but {family.name} routers rank by {family.rule.replace('_', ' ')} scores, not by that probability. "
-            f"Use {config.spell('mode', 'elastic')} (a budget schedule) for this model.",
-            field="mode",
-            fixes=({"mode": "elastic"},),
-        )
-    top_p = config.top_p if config.mode == "top_p" else None
-    width = (config.top_p_max_experts or family.num_experts_of(router)) if top_p is not None else None
-    _check_group_reach(router, family, config, gate, width or schedule.high)
-    return LayerPlan(
-        schedule=schedule,
-        gate=gate,
-        sampling=config.sampling,
-        layer_index=layer_index,
-        top_p=top_p,
-        top_p_width=width,
-        cast_weights_to_logits=family.weights_dtype == "logits",
-        rule=f"{family.name} {family.rule}",
-    )
-
-
-def _check_group_reach(router: Any, family: RouterFamily, config: ElasticConfig, gate: str, width: int) -> None:
-    """Refuse a width b beyond what group-limited selection can reach (the kept groups' experts):
-    the widest tokens would be dealt experts of dropped groups. (Only budget schedules get here:
-    top-p is refused earlier for every rule kind that groups.)
-
-    Raises:
-        ConfigError: naming the groups, the reach and a schedule within it: the widest range
-            around k inside the reach, or ``static`` where k itself reaches past it.
-    """
-    rule = family_rule(router, family, gate)
-    if not rule.num_groups or not rule.groups_kept:
-        return
-    reach = rule.groups_kept * (family.num_experts_of(router) // rule.num_groups)
-    if width <= reach:
-        return
-    k = family.top_k_of(router)
-    if k < reach:  # {2k - reach .. reach}: symmetric around k, as wide as the reach allows
-        schedule, beyond = f"{max(1, 2 * k - reach)}-{reach}", ""
-    else:  # stock top-k already deals experts of dropped groups
-        schedule = "static"
-        beyond = f"; top-{k} itself reaches past them, so no elastic width above k = {k} fits: train this model static"
-    raise ConfigError(
-        f"{family.name} routes inside topk_group={rule.groups_kept} of n_group={rule.num_groups} expert groups "
-        f"({reach} experts a token can reach), fewer than the {width} candidate slots of "
-        f"{config.spell('schedule')}: the widest tokens would be dealt experts of dropped groups{beyond}. "
-        f"Use {config.spell('schedule', schedule)}.",
-        field="schedule",
-        fixes=({"schedule": schedule},),
-    )
-
-
-def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
+def model_plans(model: torch.nn.Module) -> tuple[dict[LayerKey, LayerPlan | None], dict[LayerKey, int]]:
     """({layer index: training plan, None = stock top-k}, {layer index: top-k}) of every covered
     router of ``model`` under the active config, resolved as the router's first training forward
     resolves it (:func:`resolve_plan`; nothing is cached); ``({}, {})`` when no config is active
@@ -434,7 +317,7 @@ def model_plans(model: torch.nn.Module) -> tuple[dict[int, LayerPlan | None], di
         for index, k, _ in _static_layers(model):
             plans.setdefault(index, None)
             topk.setdefault(index, k)
-    return dict(sorted(plans.items())), topk
+    return dict(sorted(plans.items(), key=lambda item: (layer_of(item[0]), part_of(item[0])))), topk
 
 
 def _static_layers(model: torch.nn.Module) -> list[tuple[int, int, str]]:
@@ -451,8 +334,9 @@ def log_plan(model: torch.nn.Module) -> str | None:
     """Log (rank 0, once) and return the start-up line of :func:`~elastic_moe_plugin.core.plan.describe_plans`
     for ``model``; None when no config is active. Layers whose router cannot rank are shown static
     with the reason (DeepSeek-V4's hash-routed layers)."""
-    reasons = {index: why for index, _, why in _static_layers(model)}
-    return core_plan.log_plan(*model_plans(model), "transformers", _PATCH.active_config(), static_reasons=reasons)
+    reasons: dict[LayerKey, str] = {index: why for index, _, why in _static_layers(model)}
+    plans, topk = model_plans(model)
+    return core_plan.log_plan(plans, topk, "transformers", _PATCH.active_config(), static_reasons=reasons)
 
 
 def logged_metrics(model: torch.nn.Module) -> dict[str, float]:

@@ -9,25 +9,59 @@ else its position among the model's routers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from elastic_moe_plugin.core import metrics, records
+from elastic_moe_plugin.core.layer_keys import LayerKey
 from elastic_moe_plugin.core.records import RouterSite, RoutingRecord
-from elastic_moe_plugin.hf.families import covered_routers, router_layer_index
+from elastic_moe_plugin.hf.families import covered_routers, layer_index_from_name, router_layer_index
 
 
 def router_sites(model: torch.nn.Module) -> list[RouterSite]:
     """Every covered router of ``model``: name, module, layer index, k and E (its family's ``top_k`` and
-    ``num_experts``, or where that family keeps them)."""
-    return [
+    ``num_experts``, or where that family keeps them), and its part where its layer holds several
+    (:func:`router_parts`)."""
+    sites = [
         RouterSite(
             name, router, router_layer_index(name, router), family.top_k_of(router), family.num_experts_of(router)
         )
         for name, router, family in covered_routers(model)
     ]
+    parts = router_parts(sites)
+    return [dataclasses.replace(site, part=parts[site.name]) if site.name in parts else site for site in sites]
 
 
-def routing_records(model: torch.nn.Module) -> dict[int, RoutingRecord]:
+def router_parts(sites: list[RouterSite]) -> dict[str, str]:
+    """{router name: part} of the routers whose layer holds several, each part the first segment of
+    its module path that differs from the others' (ERNIE-4.5-VL: ``text_moe`` / ``vision_moe``;
+    DiffusionGemma: ``encoder`` / ``decoder``). Only routers whose path shows the layer index they
+    are keyed by count: routers tagged with another router's index (no layer in their path, or
+    another one) stay an error of the readers."""
+    by_layer: dict[int, list[str]] = {}
+    for site in sites:
+        if site.layer_index is not None and layer_index_from_name(site.name) == site.layer_index:
+            by_layer.setdefault(site.layer_index, []).append(site.name)
+    parts: dict[str, str] = {}
+    for names in by_layer.values():
+        if len(names) < 2:
+            continue
+        paths = [name.split(".") for name in names]
+        differs = next((i for i in range(min(map(len, paths))) if len({path[i] for path in paths}) > 1), None)
+        if differs is not None and len({path[differs] for path in paths}) == len(paths):
+            parts.update({name: path[differs] for name, path in zip(names, paths, strict=True)})
+    return parts
+
+
+def router_keys(model: torch.nn.Module) -> dict[str, LayerKey]:
+    """{router name: its key in the readers' dicts}: its 0-based layer index, or a
+    :class:`~elastic_moe_plugin.core.layer_keys.RouterKey` (layer, part) where a layer of ``model``
+    holds several routers."""
+    return {site.name: key for key, site in records.keyed_sites(router_sites(model))}
+
+
+def routing_records(model: torch.nn.Module) -> dict[LayerKey, RoutingRecord]:
     """{0-based layer index: RoutingRecord} of every elastic router's latest training forward.
 
     Raises:
@@ -36,7 +70,7 @@ def routing_records(model: torch.nn.Module) -> dict[int, RoutingRecord]:
     return records.routing_records(router_sites(model))
 
 
-def budget_histograms(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+def budget_histograms(model: torch.nn.Module) -> dict[LayerKey, torch.Tensor]:
     """{0-based layer index: LongTensor [b+1]}: κ counts (index = κ) since the last reset.
 
     Bounded in size; every routed token is counted once per step, also under gradient checkpointing.
@@ -49,7 +83,7 @@ def reset_budget_histograms(model: torch.nn.Module) -> None:
     records.reset_budget_histograms(router_sites(model))
 
 
-def static_layers(model: torch.nn.Module) -> dict[int, int]:
+def static_layers(model: torch.nn.Module) -> dict[LayerKey, int]:
     """{0-based layer index: k} of the routers that ran a training forward as stock top-k (outside
     ``ElasticConfig.layers``, or a ``static`` schedule): their cached plan is None."""
     return records.static_layers(router_sites(model))
@@ -74,6 +108,7 @@ def routing_metrics(model: torch.nn.Module, *, per_layer: bool = True) -> dict[s
 __all__ = [
     "budget_histograms",
     "reset_budget_histograms",
+    "router_keys",
     "router_sites",
     "routing_metrics",
     "routing_records",

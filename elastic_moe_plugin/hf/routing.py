@@ -36,6 +36,7 @@ b = the plan's width. Attention-mask polarity, as transformers uses it: 1 = real
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -43,21 +44,28 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from elastic_moe_plugin.core.budget_stream import to_device
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.router_state import STATE_ATTR, ElasticPath, RouterState, ensure_state
-from elastic_moe_plugin.core.routing import RoutingRule, balancing_scores, route, score
+from elastic_moe_plugin.core.routing import Routing, RoutingRule, balancing_scores, route, score
 from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf.families import family_of
-from elastic_moe_plugin.hf.rules import expert_scale, family_rule, selection_bias
+from elastic_moe_plugin.hf.rules import expert_scale, family_rule, routes_in_fp32, selection_bias
 from elastic_moe_plugin.hf.rules import router_logits as router_logits_of
 
 #: router_logits tensor → the slots dispatched for it: (candidate ids LongTensor [T, b], kept-slot
 #: mask BoolTensor [T, b]). Keyed by object identity (a tensor's == is elementwise) and weakly, so
 #: entries die with the logits.
 _DISPATCHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+#: the slots its routers dispatched, in call order, while a merging block runs (:func:`merging_block_forward`)
+_MERGING: contextvars.ContextVar[list[tuple[torch.Tensor, torch.Tensor]] | None] = contextvars.ContextVar(
+    "elastic_moe_merging", default=None
+)
 
 
 # ---------------------------------------------------------------------------------- the rule
@@ -73,40 +81,42 @@ def patched_forward(
     lifecycle: Any,
     resolve_plan: Callable[[torch.nn.Module, Any, Any], LayerPlan | None],
 ) -> Callable:
-    """The replacement of a covered router's ``forward``: the stock forward in eval mode, without
-    an active enabled config, and where the router's plan is None; else :func:`_elastic_forward`.
+    """The replacement of a covered router's ``forward`` (or of the block's routing method, where
+    the family routes in one: :attr:`~.router_family.RouterFamily.routing_method`): the stock call in
+    eval mode, without an active enabled config, and where the router's plan is None; else the
+    elastic call (:func:`_elastic_call`).
 
     The router's state is resolved once per patch generation (``resolve_plan`` and the family's
-    rule, :func:`resolve_state`); a forward only reads it.
+    rule, :func:`resolve_state`); a call only reads it.
     """
 
     @functools.wraps(original)
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
+    def forward(self, *args: Any, **kwargs: Any):
         generation = lifecycle.generation  # before the config: an apply writes the config first
         config = lifecycle.config
         if config is None or not self.training or not config.enabled:
-            return original(self, hidden_states, *args, **kwargs)
+            return original(self, *args, **kwargs)
         state = self.__dict__.get(STATE_ATTR)
         if state is None or state.generation != generation:
             state = resolve_state(self, family, resolve_plan(self, family, config), generation)
         if state.path is None:
-            return original(self, hidden_states, *args, **kwargs)
-        arguments = _forward_arguments(family, args, kwargs) if args or kwargs else None
-        return _elastic_forward(self, family, state, state.path, hidden_states, arguments)
+            return original(self, *args, **kwargs)
+        return _elastic_call(self, family, state, state.path, _call_arguments(family, args, kwargs))
 
     return forward
 
 
-def _forward_arguments(family: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The router forward's arguments after ``hidden_states``, by name
-    (:attr:`~.family_table.RouterFamily.forward_args`).
+def _call_arguments(family: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by name: ``hidden_states`` and :attr:`~.router_family.RouterFamily.forward_args`
+    for a router's forward, the method's parameters for a routing method.
 
     Raises:
-        TypeError: more positional arguments than the family's forward takes.
+        TypeError: more positional arguments than the call takes.
     """
-    if len(args) > len(family.forward_args):
-        raise TypeError(f"{family.router}.forward takes {len(family.forward_args) + 1} arguments, got {len(args) + 1}")
-    return {**dict(zip(family.forward_args[: len(args)], args, strict=True)), **kwargs}
+    names = family.call_parameters
+    if len(args) > len(names):
+        raise TypeError(f"{family.router}.{family.patched_method} takes {len(names)} arguments, got {len(args)}")
+    return {**dict(zip(names[: len(args)], args, strict=True)), **kwargs}
 
 
 def resolve_state(router: Any, family: Any, plan: LayerPlan | None, generation: Any) -> RouterState:
@@ -121,53 +131,56 @@ def resolve_state(router: Any, family: Any, plan: LayerPlan | None, generation: 
 
 
 def elastic_routing(
-    router: Any, plan: LayerPlan, hidden_states: torch.Tensor, *args: Any, budgets: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Elastic replacement of a covered router's ``forward`` for one training call under ``plan``
-    (steps 1-6), for a caller that holds a plan (the patched forward resolves its own).
+    router: Any, plan: LayerPlan, *args: Any, budgets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Elastic replacement of a covered router's ``forward`` (or its block's routing method) for one
+    training call under ``plan`` (steps 1-6), for a caller that holds a plan (the patched forward
+    resolves its own).
 
     Args:
-        router: a router of a covered family (:data:`~.families.FAMILIES`).
-        hidden_states: ``[..., H]`` (the MoE block passes ``[T, H]``).
-        args: the router forward's further arguments, as the block passes them (MiniMax-M2's
-            correction bias).
+        router: a router of a covered family (:data:`~.families.FAMILIES`), or the block that
+            routes in a method (DBRX, Jamba in 5.19).
+        args: the call's arguments, as the block passes them: ``hidden_states`` ``[..., H]`` (the
+            MoE block passes ``[T, H]``) and the router's further arguments (MiniMax-M2's
+            correction bias); a routing method's own (``router_logits``).
         budgets: ``LongTensor[T]`` to use instead of drawing from the schedule (tests).
 
     Returns:
-        ``(router_logits [T, E], top_k_weights [T, b], top_k_index LongTensor[T, b])`` (ids first
-        where the family returns them first), in the family's dtypes: the stock contract with width
-        b; slots j >= κ_t have weight exactly 0, and ``top_k_index`` carries κ on the host for the
-        experts (:func:`mark_kept_slots`).
+        What the stock call returns, in the family's order and dtypes, with width b:
+        ``(router_logits [T, E], top_k_weights [T, b], top_k_index LongTensor[T, b])`` for a
+        router; slots j >= κ_t have weight exactly 0, and ``top_k_index`` carries κ on the host for
+        the experts (:func:`mark_kept_slots`).
     """
     family = family_of(type(router))
     state = ensure_state(router)
     if state.path is None or state.path.plan is not plan:
         resolve_state(router, family, plan, state.generation)
     assert state.path is not None  # resolved just now with a plan
-    arguments = _forward_arguments(family, args, {}) if args else None
-    return _elastic_forward(router, family, state, state.path, hidden_states, arguments, budgets)
+    return _elastic_call(router, family, state, state.path, _call_arguments(family, args, {}), budgets)
 
 
-def _elastic_forward(
+def _elastic_call(
     router: Any,
     family: Any,
     state: RouterState,
     path: ElasticPath,
-    hidden_states: torch.Tensor,
-    arguments: dict[str, Any] | None = None,
+    arguments: dict[str, Any],
     budgets: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     plan = path.plan
-    router_logits = router_logits_of(router, family, hidden_states)  # (1) as stock
+    hidden_states = arguments.get("hidden_states")
+    shared_logits = None
+    if family.routing_method is None:
+        router_logits = router_logits_of(router, family, arguments["hidden_states"])  # (1) as stock
+        if family.shared_sink:  # Inkling: the shared experts' logits come last
+            shared = router.n_shared_experts
+            router_logits, shared_logits = router_logits[..., :-shared], router_logits[..., -shared:]
+    else:
+        router_logits = arguments["router_logits"]  # the block computed them (its router is a Linear)
     recompute = _in_backward()
     host_budgets = host_counts = probabilities = None
     if budgets is None and plan.top_p is None:  # (2) κ's own stream, on the host
-        num_tokens, device = router_logits.shape[0], router_logits.device
-        drawn = (
-            budget_rng.replayed_draw(router, state, num_tokens, device)
-            if recompute
-            else state.draw(path, num_tokens, device)
-        )
+        drawn = _draw(router, state, path, router_logits, recompute)
         budgets, host_budgets, host_counts = drawn.budgets, drawn.host_budgets, drawn.counts
     if family.first_output == "probabilities" or (budgets is None and plan.top_p is not None):
         # Gemma 4 returns p = softmax(z) in fp32 first; top-p ranks the same probability mass
@@ -186,19 +199,80 @@ def _elastic_forward(
         # κ was computed on the device (top-p mode) or given (tests): the experts size their work
         # from κ on the host, so read it once (a host sync on an accelerator, none on the CPU).
         host_budgets = routing.budgets.cpu().numpy()
+    shared_weights = None
+    if shared_logits is not None:
+        routing, shared_weights = shared_sink_weights(router, routing, router_logits, shared_logits, plan.gate)
     # (6) A checkpoint's recompute replays the same κ; the step was counted in its first forward.
     state.remember(routing, count=not recompute, budget_counts=host_counts)
     first = probabilities if family.first_output == "probabilities" and probabilities is not None else router_logits
     _DISPATCHED[first] = (routing.ids.detach(), routing.kept)
+    merging = _MERGING.get()
+    if merging is not None:  # inside a block that merges its routers' logits (ERNIE-4.5-VL)
+        merging.append(_DISPATCHED[first])
     mark_kept_slots(routing.ids, host_budgets)  # (5)
+    outputs = {
+        "logits": first,
+        "weights": _returned_weights(router, family, routing, hidden_states),
+        "ids": routing.ids,
+    }
+    if shared_weights is not None:  # in the routed weights' dtype
+        outputs["shared_weights"] = shared_weights.to(outputs["weights"].dtype)
+    return tuple(outputs[name] for name in family.outputs)
+
+
+def shared_sink_weights(
+    router: Any, routing: Routing, routed_logits: torch.Tensor, shared_logits: torch.Tensor, gate: str
+) -> tuple[Routing, torch.Tensor]:
+    """Inkling's weights: the kept routed experts and the S shared experts normalised together
+    (:attr:`~.router_family.RouterFamily.shared_sink`), in log space as stock computes them::
+
+        w_i = exp(log σ(z_i) − logsumexp_{j ∈ kept ∪ shared} log σ(z_j)) × route_scale × global_scale
+
+    for the kept slots i (0 beyond κ: their log σ is −inf) and the shared experts alike; under the
+    ``full_softmax`` gate the scores as they are, σ(z) × the scales.
+
+    Args:
+        routing: the call's routing over the routed experts (its gate weights: their σ, 0 beyond κ).
+        routed_logits: z [T, E]; shared_logits: [T, S].
+
+    Returns:
+        ``(routing, shared weights [T, S])``: the routing with its weights [T, b] (and its gate
+        weights: the share each kept expert gets before the scales) the family's, both in the
+        logits' dtype, as stock's before its cast to the hidden dtype.
+    """
+    scale = router.global_scale.float() if routes_in_fp32(type(router)) else router.global_scale
+    if gate == "full_softmax":
+        shares = torch.cat([routing.gate_weights, torch.sigmoid(shared_logits)], dim=-1)
+    else:
+        log_scores = F.logsigmoid(torch.cat([routed_logits.gather(-1, routing.ids), shared_logits], dim=-1))
+        kept = torch.cat([routing.kept, torch.ones_like(shared_logits, dtype=torch.bool)], dim=-1)
+        log_scores = torch.where(kept, log_scores, torch.full_like(log_scores, float("-inf")))
+        shares = torch.exp(log_scores - torch.logsumexp(log_scores, dim=-1, keepdim=True))
+    weights = shares * router.route_scale * scale
+    width = routing.ids.shape[-1]
+    routing = routing._replace(gate_weights=shares[:, :width], weights=weights[:, :width].contiguous())
+    return routing, weights[:, width:].contiguous()
+
+
+def _draw(router: Any, state: RouterState, path: ElasticPath, router_logits: torch.Tensor, recompute: bool):
+    """κ [T] of this call from the router's stream (a checkpoint's recompute replays its forward's)."""
+    num_tokens, device = router_logits.shape[0], router_logits.device
+    if recompute:
+        return budget_rng.replayed_draw(router, state, num_tokens, device)
+    return state.draw(path, num_tokens, device)
+
+
+def _returned_weights(router: Any, family: Any, routing: Routing, hidden_states: torch.Tensor | None) -> torch.Tensor:
+    """The weights [T, b] in the family's form: × its per-expert scale (Gemma 4: after the
+    renormalisation; 0 stays 0 beyond κ), in its dtype."""
     weights = routing.weights
     scale = expert_scale(router, family)
-    if scale is not None:  # Gemma 4: × per_expert_scale[id] after the renormalisation (0 stays 0 beyond κ)
+    if scale is not None:
         weights = weights * scale[routing.ids]
-    weights = weights.to(hidden_states.dtype) if family.weights_dtype == "input" else weights
-    if family.ids_first:
-        return routing.ids, weights, first
-    return first, weights, routing.ids
+    if family.weights_dtype in ("input", "input_then_fp32") and hidden_states is not None:
+        weights = weights.to(hidden_states.dtype)  # Ergo: rounded to the hidden dtype, returned fp32
+        return weights.float() if family.weights_dtype == "input_then_fp32" else weights
+    return weights
 
 
 def _in_backward() -> bool:
@@ -210,6 +284,39 @@ def _in_backward() -> bool:
     """
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is not None and current() != -1
+
+
+def merging_block_forward(original: Callable) -> Callable:
+    """Replacement of the ``forward`` of an MoE block whose second output merges the logits [T, E] of
+    its routers by token type (ERNIE-4.5-VL: ``moe_mm_token_type_ids`` 0 → the text router's row,
+    else the vision router's; :attr:`~.router_family.RouterFamily.merging_block`): runs the original
+    and registers, for the merged tensor the loss reads, the slots its elastic routers dispatched in
+    this call, merged the same way ([T, b] ids and kept mask). A call where no router routed
+    elastically (eval, static layers) registers nothing and returns stock."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, moe_mm_token_type_ids=None, *args, **kwargs):
+        token = _MERGING.set([])
+        try:
+            output = original(self, hidden_states, moe_mm_token_type_ids, *args, **kwargs)
+            dispatched = _MERGING.get()
+        finally:
+            _MERGING.reset(token)
+        if dispatched:
+            merged = output[1]
+            if len(dispatched) == 1:  # text tokens only: the text router's rows, in order
+                _DISPATCHED[merged] = dispatched[0]
+            else:
+                vision = moe_mm_token_type_ids.bool().reshape(-1)
+                (text_ids, text_kept), (vision_ids, vision_kept) = dispatched
+                ids = text_ids.new_empty((vision.numel(), text_ids.shape[-1]))
+                kept = text_kept.new_empty(ids.shape)
+                ids[~vision], ids[vision] = text_ids, vision_ids
+                kept[~vision], kept[vision] = text_kept, vision_kept
+                _DISPATCHED[merged] = (ids, kept)
+        return output
+
+    return forward
 
 
 def dispatched_slots(gate_logits: tuple[Any, ...]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
@@ -329,6 +436,7 @@ __all__ = [
     "elastic_routing",
     "kept_slots",
     "mark_kept_slots",
+    "merging_block_forward",
     "patched_forward",
     "realised_load_balancing_loss",
     "resolve_state",

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_moe_plugin.core.errors import UnsupportedTransformersError
+from elastic_moe_plugin.core.patching import unwrap
 from elastic_moe_plugin.core.routing import Normalization, RoutingRule, ScoreFunction
 
 __all__ = [
@@ -100,6 +101,44 @@ def _normed_proj(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return router.proj(router.norm(flat) * router.scale * router.scalar_root_size)
 
 
+def _linear_module(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    # Ergo's `linear`: its own fp32-output Linear (the weight rounded to the input dtype, then fp32)
+    return router.linear(_flat(router, hidden_states, router.linear.weight))
+
+
+def _classifier_fp32(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    # LongCat-Flash: its classifier's weight in fp32 (the classifier's bias is not used)
+    weight = router.classifier.weight
+    return F.linear(_flat(router, hidden_states, weight).float(), weight.float())
+
+
+def _linear_fp32_times_multiplier(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    # Muse-Spark scales its fp32 logits by the config's output_multiplier
+    return _linear_fp32(router, hidden_states) * router.output_multiplier
+
+
+def routes_in_fp32(router_cls: type) -> bool:
+    """Whether a router's stock forward switches autocast off to route in fp32 (Inkling from 5.25;
+    5.19 routes in the hidden dtype): read from the installed code, whose forward names it."""
+    found = _FP32_ROUTING.get(router_cls)
+    if found is None:
+        forward = unwrap(router_cls.__dict__["forward"])
+        found = _FP32_ROUTING[router_cls] = "maybe_autocast" in forward.__code__.co_names
+    return found
+
+
+_FP32_ROUTING: dict[type, bool] = {}
+
+
+def _routed_and_shared(router: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    # Inkling: [T, E + S] logits of the routed experts, then of the shared ones
+    flat = _flat(router, hidden_states, router.weight)
+    if not routes_in_fp32(type(router)):
+        return F.linear(flat, router.weight)
+    with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+        return F.linear(flat.float(), router.weight.float())
+
+
 #: how a family computes z [T, E] from hidden states [..., H], as its stock router does
 LOGITS: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "linear": _linear,
@@ -111,6 +150,10 @@ LOGITS: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "wg_fp32_if_built_so": _linear_module_fp32_if_weights_are,
     "gate_module_then_fp32": _gate_module_then_fp32,
     "normed_proj": _normed_proj,
+    "linear_module": _linear_module,
+    "classifier_fp32": _classifier_fp32,
+    "linear_fp32_times_multiplier": _linear_fp32_times_multiplier,
+    "routed_and_shared": _routed_and_shared,
 }
 
 
@@ -123,7 +166,7 @@ def selection_bias(router: Any, family: Any, arguments: Mapping[str, Any] | None
     """The selection-only bias [E] the family adds to its scores before ranking (DeepSeek's
     ``e_score_correction_bias``, ERNIE's ``moe_statics.e_score_correction_bias`` [1, E]), read at
     every call: balancing updates it in place between steps. Where the block passes it in
-    (MiniMax-M2, AFMoE: :attr:`~.family_table.RouterFamily.bias_argument`), it is that argument
+    (MiniMax-M2, AFMoE: :attr:`~.router_family.RouterFamily.bias_argument`), it is that argument
     of the call (``arguments``: the forward's arguments after ``hidden_states``, by name), None
     where the call passes None (LFM2-MoE without ``use_expert_bias``). None where the family has none."""
     if family.bias_argument is not None:
@@ -149,6 +192,8 @@ def family_gate(router: Any, family: Any) -> str:
         renormalizes = "always" if router.expert_selection_fn == "softmax" else "norm_topk_prob"
     if renormalizes == "norm_topk_prob":
         return "renormalized" if getattr(router, "norm_topk_prob", True) else "full_softmax"
+    if renormalizes == "p_norm":  # DBRX: divided by a p-norm unless moe_normalize_expert_weights is None
+        return "full_softmax" if router.moe_normalize_expert_weights is None else "renormalized"
     return "renormalized" if renormalizes == "always" else "full_softmax"
 
 
@@ -171,7 +216,19 @@ def _softmax_topk(router: Any, family: Any, renormalize: bool) -> RoutingRule:
     return RoutingRule(
         normalization="kept_sum" if renormalize else "none",
         renormalization_eps=family.renormalization_eps,
+        scaling_factor=_scaling(router, family),  # LongCat-Flash's routed_scaling_factor
         weights_in_logits_dtype=family.weights_dtype == "logits",
+        score_dtype=torch.float32 if family.scores_in_fp32 else None,
+    )
+
+
+def _softmax_pnorm(router: Any, family: Any, renormalize: bool) -> RoutingRule:
+    # DBRX: softmax in the logits' dtype; w = p / ||p_S||_q, q = moe_normalize_expert_weights
+    q = router.moe_normalize_expert_weights
+    return RoutingRule(
+        normalization="kept_sum" if renormalize else "none",
+        renormalization_p=float(q) if renormalize and q is not None else 1.0,
+        score_dtype=None,
     )
 
 
@@ -212,6 +269,12 @@ def activation_score_function(router: Any) -> ScoreFunction:
     return _ACTIVATIONS[name]
 
 
+def _sigmoid_shared_sink(router: Any, family: Any, renormalize: bool) -> RoutingRule:
+    # Inkling: the kept sigmoid scores as they are; the shared-expert sink normalises them after
+    # the routing call (.routing.shared_sink_weights), where the rule cannot see the shared logits
+    return RoutingRule(score_function="sigmoid", normalization="none", score_dtype=None)
+
+
 def _activation_bias(router: Any, family: Any, renormalize: bool) -> RoutingRule:
     # DeepSeek-V4: the sigmoid-bias rule with the router's own activation, in the logits' dtype
     return _sigmoid_bias(router, family, renormalize, activation_score_function(router))
@@ -240,6 +303,13 @@ def _logits_topk(router: Any, family: Any, renormalize: bool) -> RoutingRule:
     )
 
 
+def _logits_bias_sigmoid(router: Any, family: Any, renormalize: bool) -> RoutingRule:
+    # Kolibri-1: the bias ranks the logits themselves; the kept logits' sigmoid weighs
+    return RoutingRule(
+        score_function="sigmoid", select_on="logits", normalization="kept_sum" if renormalize else "none"
+    )
+
+
 def _softmax_bias_floor(router: Any, family: Any, renormalize: bool) -> RoutingRule:
     return RoutingRule(
         normalization="kept_sum" if renormalize else "none",
@@ -251,10 +321,13 @@ def _softmax_bias_floor(router: Any, family: Any, renormalize: bool) -> RoutingR
 #: rule kind → its reader (router, family, renormalise?) → RoutingRule
 RULES: dict[str, Callable[[Any, Any, bool], RoutingRule]] = {
     "softmax_topk": _softmax_topk,
+    "softmax_pnorm": _softmax_pnorm,
     "sigmoid_bias": _sigmoid_bias,
     "activation_bias": _activation_bias,
+    "sigmoid_shared_sink": _sigmoid_shared_sink,
     "softmax_groups": _softmax_groups,
     "logits_topk": _logits_topk,
+    "logits_bias_sigmoid": _logits_bias_sigmoid,
     "softmax_bias_floor": _softmax_bias_floor,
 }
 

@@ -239,7 +239,8 @@ def model_plans(model) -> tuple[dict[int, LayerPlan | None], dict[int, int]]:
     config = _PATCH.config
     if config is None:
         return {}, {}
-    return core_records.model_plans(router_sites(model), config, lambda site: resolve_plan(site.router, config))
+    plans, topk = core_records.model_plans(router_sites(model), config, lambda site: resolve_plan(site.router, config))
+    return core_records.layer_indexed(plans), core_records.layer_indexed(topk)
 
 
 def moe_indices(model) -> dict[int, int]:

@@ -90,12 +90,12 @@ def routing_records(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[
     Raises:
         ValueError: two routers share a layer index.
     """
-    return records.routing_records(router_sites(model))
+    return records.layer_indexed(records.routing_records(router_sites(model)))
 
 
 def budget_histograms(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, torch.Tensor]:
     """{0-based global layer index: LongTensor [b+1]} running κ counts since the last reset (bounded)."""
-    return records.budget_histograms(router_sites(model))
+    return records.layer_indexed(records.budget_histograms(router_sites(model)))
 
 
 def reset_budget_histograms(model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
@@ -106,7 +106,7 @@ def reset_budget_histograms(model: torch.nn.Module | Sequence[torch.nn.Module]) 
 def static_layers(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[int, int]:
     """{0-based global layer index: k} of the decoder-layer routers that ran a training forward as
     stock top-k (cached plan None: outside ``ElasticConfig.layers``, or a ``static`` schedule)."""
-    return records.static_layers(router_sites(model))
+    return records.layer_indexed(records.static_layers(router_sites(model)))
 
 
 __all__ = [

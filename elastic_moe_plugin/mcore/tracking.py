@@ -170,7 +170,10 @@ def _pipeline_world_size() -> int:
 
 
 def _records_and_histograms(sites: Sequence[core_records.RouterSite]) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
-    return core_records.routing_records(sites), core_records.budget_histograms(sites)
+    return (
+        core_records.layer_indexed(core_records.routing_records(sites)),
+        core_records.layer_indexed(core_records.budget_histograms(sites)),
+    )
 
 
 def _device(records, histograms) -> torch.device:

@@ -51,7 +51,9 @@ def _hf_targets():
     for family in hf.FAMILIES:
         loaded = load_family(family)
         if not isinstance(loaded, str):
-            points += [(loaded.router, "forward"), (loaded.decoder_layer, "__init__")]
+            points += [(loaded.router, family.patched_method)] + [(layer, "__init__") for layer in loaded.decoder_layers]
+            if family.merging_block:
+                points.append((getattr(loaded.module, family.merging_block), "forward"))
             if "load_balancing_loss_func" in vars(loaded.module):  # families without a Switch loss have none
                 points.append((loaded.module, "load_balancing_loss_func"))
             if loaded.experts is not None:

@@ -62,6 +62,10 @@ _UNGROUPED = {"n_group": 1, "topk_group": 1}
 # DeepSeek sparse attention's indexer, tiny; its top-k below SEQ, so it really drops keys.
 _INDEXER = {"index_topk": 4, "index_head_dim": 16, "index_n_heads": 2}
 
+_INKLING2 = {"unpadded_vocab_size": VOCAB, "head_dim": 16, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+             "swa_head_dim": 16, "sliding_window_size": 8, "d_rel": 4, "rel_extent": 16, "log_scaling_n_floor": 4,
+             "moe_intermediate_size": 32, "n_routed_experts": NUM_EXPERTS, "layer_types": ["hybrid_sliding", "hybrid"]}
+
 #: family name -> (config module.class, model module.class, config overrides, model input)
 FAMILY_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "olmoe": ("olmoe.OlmoeConfig", "olmoe.OlmoeForCausalLM", {"num_experts": NUM_EXPERTS}, "ids"),
@@ -191,9 +195,45 @@ FAMILY_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
     # Gemma 4's text model: the MoE block beside the dense MLP of every layer, no per-layer inputs.
     "gemma4": ("gemma4.Gemma4TextConfig", "gemma4.Gemma4ForCausalLM",
                {"num_experts": NUM_EXPERTS, "top_k_experts": TOP_K, "enable_moe_block": True,
-                "moe_intermediate_size": 32, "head_dim": 16, "hidden_size_per_layer_input": 0,
+                "moe_intermediate_size": 32, "head_dim": 16, "global_head_dim": 16, "hidden_size_per_layer_input": 0,
                 "vocab_size_per_layer_input": VOCAB, "layer_types": ["sliding_attention", "full_attention"],
                 "sliding_window": 4}, "ids"),
+    # Step-3.7's text model (its only causal LM is multimodal): every layer sparse; a shared expert.
+    "step3p7": ("step3p7.Step3p7TextConfig", "step3p7.Step3p7TextModel",
+                {"n_routed_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "share_expert_dim": 32, "head_dim": 16,
+                 "mlp_layer_types": _ALL_SPARSE, "sliding_window": 16}, "ids"),
+    # LongCat-Flash: MLA attention (RoPE over head_dim), 8 real and 2 identity ("zero") experts.
+    "longcat_flash": ("longcat_flash.LongcatFlashConfig", "longcat_flash.LongcatFlashForCausalLM",
+                      {"num_layers": LAYERS, "num_hidden_layers": 2 * LAYERS, "n_routed_experts": NUM_EXPERTS,
+                       "moe_topk": TOP_K, "zero_expert_num": 2, "ffn_hidden_size": 64, "expert_ffn_hidden_size": 32, "q_lora_rank": 32, "kv_lora_rank": 32,
+                       "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "head_dim": 16, "v_head_dim": 16,
+                       "num_key_value_heads": 4}, "ids"),
+    # Jamba: a Mamba and an attention layer, both MoE (5.19: routed in the block; 5.25: a router module).
+    "jamba": ("jamba.JambaConfig", "jamba.JambaForCausalLM",
+              {"num_experts": NUM_EXPERTS, "expert_layer_period": 1, "expert_layer_offset": 0, "attn_layer_period": 2,
+               "attn_layer_offset": 1}, "ids"),
+    # DBRX: routed in a method of its FFN; its config nests the attention and the MoE settings.
+    "dbrx": ("dbrx.DbrxConfig", "dbrx.DbrxForCausalLM",
+             {"d_model": HIDDEN, "n_heads": 4, "n_layers": LAYERS, "max_seq_len": 64,
+              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+              "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": NUM_EXPERTS, "moe_top_k": TOP_K}}, "ids"),
+    # Inkling: one shared expert normalised with the kept routed ones; sliding-window and relative attention.
+    "inkling": ("inkling.InklingTextConfig", "inkling.InklingForCausalLM",
+                {"head_dim": 16, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
+                 "sliding_window_size": 8, "d_rel": 4, "rel_extent": 16, "moe_intermediate_size": 32,
+                 "n_routed_experts": NUM_EXPERTS, "n_shared_experts": 1, "mlp_layer_types": _ALL_SPARSE}, "ids"),
+    # DiffusionGemma's encoder text stack: Gemma 4's router in every layer.
+    "diffusion_gemma": ("diffusion_gemma.DiffusionGemmaTextConfig", "diffusion_gemma.DiffusionGemmaEncoderTextModel",
+                        {"num_experts": NUM_EXPERTS, "top_k_experts": TOP_K, "moe_intermediate_size": 32,
+                         "head_dim": 16, "global_head_dim": 16, "sliding_window": 8,
+                         "layer_types": ["sliding_attention", "full_attention"]}, "ids"),
+    # ERNIE-4.5-VL's text model: a text and a vision router in every (sparse) layer, M-RoPE sections
+    # over half of head_dim 16.
+    "ernie4_5_vl_moe": ("ernie4_5_vl_moe.Ernie4_5_VLMoeTextConfig", "ernie4_5_vl_moe.Ernie4_5_VLMoeTextModel",
+                        {"moe_num_experts": NUM_EXPERTS, "moe_k": TOP_K, "moe_intermediate_size": [32, 16],
+                         "moe_num_shared_experts": 1, "mlp_layer_types": _ALL_SPARSE,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
+                                             "mrope_section": [3, 3, 2]}}, "ids"),
     # Families below exist only in newer transformers (5.25): resolved lazily, so harmless on older ones.
     # Bailing-Hybrid: one KDA linear-attention and one MLA layer (head_dim sizes the KDA heads); its
     # router is always group-limited.
@@ -236,10 +276,33 @@ FAMILY_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
                         **_INDEXER, "mlp_layer_types": _ALL_SPARSE}, "ids"),
     # Unlimited-OCR's text model: DeepSeek-V2-style (multi-head attention, softmax router), its
     # group-limited greedy routing here.
+    # Inkling-2: a sliding and a full decoder layer; Inkling-2-Loop runs its layer 1 twice per forward.
+    "inkling2": ("inkling2.Inkling2TextConfig", "inkling2.Inkling2ForCausalLM", _INKLING2, "ids"),
+    "inkling2_loop": ("inkling2_loop.Inkling2LoopTextConfig", "inkling2_loop.Inkling2LoopForCausalLM",
+                      {**_INKLING2, "n_layers_per_attn_res_block": 1, "loop_layer_index_start": 1,
+                       "loop_layer_index_end": 2, "loop_num_passes": 2, "loop_gate_rank": 8}, "ids"),
+    "kolibri1": ("kolibri1.Kolibri1Config", "kolibri1.Kolibri1ForCausalLM",
+                 {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                  "head_dim": 16, "sliding_window": 16}, "ids"),
+    "kolibri1_1": ("kolibri1_1.Kolibri1_1Config", "kolibri1_1.Kolibri1_1ForCausalLM",
+                   {"num_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                    "head_dim": 16, "sliding_window": 16, "mlp_only_layers": [], "index_num_heads": 2}, "ids"),
+    # Muse-Spark's text model (its causal LM is multimodal): experts at a width of their own.
+    "muse_spark": ("muse_spark.MuseSparkTextConfig", "muse_spark.MuseSparkTextModel",
+                   {"num_local_experts": NUM_EXPERTS, "moe_intermediate_size": 32, "moe_hidden_size": 32,
+                    "head_dim": 16, "sliding_window": 16}, "ids"),
+    # Ergo: every layer sparse (its default keeps the first dense); a shared expert.
+    "ergo": ("ergo.ErgoConfig", "ergo.ErgoForCausalLM",
+             {"num_experts": NUM_EXPERTS, "num_dense_blocks": 0, "first_dense_intermediate_size": 64,
+              "moe_intermediate_size": 32, "shared_intermediate_size": 32, "sliding_window": 16}, "ids"),
     "unlimited_ocr": ("unlimited_ocr.UnlimitedOcrTextConfig", "unlimited_ocr.UnlimitedOcrTextModel",
                       {**_DEEPSEEK, **_GROUPED, "topk_method": "group_limited_greedy",
                        "mlp_layer_types": _ALL_SPARSE, "sliding_window": 4}, "ids"),
 }
+
+
+# Jamba routes in a method of its block up to 5.19 and in a router module from 5.25: one model, two rows.
+FAMILY_MODELS["jamba.block"] = FAMILY_MODELS["jamba"]
 
 
 def _resolve(dotted: str):
@@ -284,6 +347,8 @@ class TinyModels:
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
         if FAMILY_MODELS[family][1].endswith("ForCausalLM"):
             kwargs["labels"] = ids
+        if family == "ernie4_5_vl_moe":  # the last 3 tokens of each sequence are vision tokens: both routers route
+            kwargs["moe_mm_token_type_ids"] = (torch.arange(SEQ) >= SEQ - 3).int().expand(BATCH, SEQ)
         return kwargs
 
 

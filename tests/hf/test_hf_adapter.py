@@ -75,8 +75,13 @@ def _all_patch_points():
         loaded = hf_families.load_family(family)
         if isinstance(loaded, str):
             continue
-        assert loaded.experts is not None, family.name  # every covered family's experts follow κ
-        points += [(loaded.router, "forward"), (loaded.decoder_layer, "__init__"), (loaded.experts, "forward")]
+        # every covered family's experts follow κ but LongCat-Flash 5.19's own loop (docs/transformers.md)
+        assert loaded.experts is not None or family.name == "longcat_flash", family.name
+        points += [(loaded.router, family.patched_method)]
+        points += [(loaded.experts, "forward")] if loaded.experts is not None else []
+        points += [(layer, "__init__") for layer in loaded.decoder_layers]
+        if family.merging_block:  # ERNIE-4.5-VL's block, which merges its routers' logits for the loss
+            points.append((getattr(loaded.module, family.merging_block), "forward"))
         if "load_balancing_loss_func" in vars(loaded.module):  # families without a Switch loss have none
             points.append((loaded.module, "load_balancing_loss_func"))
     from transformers.distributed.mixin import DistributedMixin

@@ -30,7 +30,7 @@ from elastic_moe_plugin import ElasticConfig, hf
 from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.hf import families as hf_families
-from elastic_moe_plugin.hf import family_table
+from elastic_moe_plugin.hf import family_docs, family_table
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("hf_clean")]
 
@@ -79,7 +79,7 @@ def test_every_moe_config_of_the_installed_transformers_is_covered_or_refused(mo
 
 def test_the_docs_family_tables_are_generated_from_the_table():
     text = DOCS.read_text()
-    assert family_table.with_tables(text) == text, "run `make docs`"
+    assert family_docs.with_tables(text) == text, "run `make docs`"
 
 
 def _outputs(model, inputs):

@@ -49,17 +49,34 @@ def _unpack(family, output):
     """(logits, weights, ids) of a router's output, in whichever order the family returns them: the
     logits are the [T, E] float tensor (ids are int64, weights [T, k])."""
     logits_last = not output[0].is_floating_point()
-    return (output[2], output[1], output[0]) if logits_last else tuple(output)
+    return (output[2], output[1], output[0]) if logits_last else tuple(output[:3])
 
 
-def _forward_args(family, router, generator):
-    """The router forward's arguments after the hidden states, as its block passes them: a random
-    selection bias [E] (fp32, as the blocks keep it) where the block passes one in."""
-    args = []
+def _keep_fp32_where_the_model_does(model, router) -> None:
+    """Put back in fp32 the router tensors its model keeps in fp32 whatever its dtype
+    (``_keep_in_fp32_modules_strict``: Inkling-2's router weight), as a bf16 checkpoint loads them."""
+    name = next(name for name, module in model.named_modules() if module is router)
+    patterns = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    with torch.no_grad():
+        for tensor_name, tensor in [*router.named_parameters(), *router.named_buffers()]:
+            if any(pattern in f"{name}.{tensor_name}" for pattern in patterns):
+                tensor.data = tensor.data.float()
+
+
+def _call_args(family, router, x, generator):
+    """The patched call's arguments, as the block passes them: the hidden states and, where the block
+    passes one in, a random selection bias [E] (fp32, as the blocks keep it); for a routing method
+    (DBRX, Jamba 5.19) the logits of the block's own router (and the hidden states, where it takes them)."""
+    values = {"hidden_states": x}
     for name in family.forward_args:
-        assert name == family.bias_argument, f"{family.name}: no test value for forward argument {name!r}"
-        args.append(torch.randn(family.num_experts_of(router), generator=generator) * 0.1)
-    return args
+        if name == "hidden_states":
+            continue
+        if name == "router_logits":
+            values[name] = router.router(x)
+        else:
+            assert name == family.bias_argument, f"{family.name}: no test value for argument {name!r}"
+            values[name] = torch.randn(family.num_experts_of(router), generator=generator) * 0.1
+    return [values[name] for name in family.call_parameters]
 
 
 def _by_expert(ids, weights):
@@ -68,9 +85,34 @@ def _by_expert(ids, weights):
     return ids.gather(-1, order), weights.gather(-1, order)
 
 
-def _experts_of(model, router_name: str):
-    """The experts module next to a router (``...mlp.gate`` → ``...mlp.experts``)."""
-    return model.get_submodule(router_name.rpartition(".")[0] + ".experts")
+def _experts_name(family, router_name: str) -> str:
+    """The experts module next to a router (``...mlp.gate`` → ``...mlp.experts``; a block that routes
+    itself holds them: ``...ffn`` → ``...ffn.experts``)."""
+    return (router_name if family.routing_method else router_name.rpartition(".")[0]) + ".experts"
+
+
+def _experts_of(model, router_name: str, family):
+    return model.get_submodule(_experts_name(family, router_name))
+
+
+#: families whose experts compute every candidate slot (b per token, the slots beyond κ weighing 0):
+#: LongCat-Flash's block remaps its identity slots to real experts (5.25), or its own loop runs them (5.19)
+EXPERTS_EVERY_SLOT = {"longcat_flash"}
+
+
+def _family(name: str):
+    return next(family for family in hf.FAMILIES if family.name == name)
+
+
+def _expected_rows(family, loaded, record, histogram, router) -> int:
+    """The rows a layer's experts multiply in an elastic forward: Σκ where expert compute follows κ
+    (from the κ histogram: a looped layer's router, Inkling-2-Loop's, routes once per pass); every
+    candidate slot where it does not, less the identity slots a LongCat 5.19 loop skips."""
+    if family.name not in EXPERTS_EVERY_SLOT:
+        return int((histogram * torch.arange(len(histogram))).sum())
+    if loaded.experts is None:  # 5.19: its own loop, whose identity experts multiply nothing
+        return int((record.candidate_ids < router.num_experts).sum())  # ids from num_experts on are identities
+    return record.candidate_ids.numel()
 
 
 def _routers(model, *, with_names: bool = False):
@@ -91,8 +133,11 @@ def test_every_family_block_holds_the_experts_class_the_table_names(tiny):
             continue
         model = tiny.model(family.name)
         loaded = hf_families.load_family(family)
-        for name, _, _, _ in _routers(model, with_names=True):
-            experts = _experts_of(model, name)
+        if loaded.experts is None:  # LongCat 5.19: its own loop, left stock (EXPERTS_EVERY_SLOT)
+            assert family.name in EXPERTS_EVERY_SLOT, family.name
+            continue
+        for name, _, _, routed_family in _routers(model, with_names=True):
+            experts = _experts_of(model, name, routed_family)
             assert type(experts) is loaded.experts, (family.name, type(experts).__name__)
 
 
@@ -111,8 +156,8 @@ def test_router_at_kappa_equal_k_reproduces_the_stock_router(tiny, family_name, 
     _, router, family = _routers(model)[0]
     assert family.name == family_name
     router = router.to(dtype)
+    _keep_fp32_where_the_model_does(model, router)
     generator = torch.Generator().manual_seed(3)
-    args = _forward_args(family, router, generator)
     with torch.no_grad():
         if family.bias:  # a selection bias that ranks: nonzero, so that ignoring it would show
             bias = operator.attrgetter(family.bias)(router)
@@ -123,13 +168,24 @@ def test_router_at_kappa_equal_k_reproduces_the_stock_router(tiny, family_name, 
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
     if family.name in ROUTERS_FED_BY_SEQUENCE:
         x = x.view(2, 16, 64)
-    stock_logits, stock_weights, stock_ids = _unpack(family, router(x, *args))  # unpatched
+    args = _call_args(family, router, x, generator)
+    stock = getattr(router, family.patched_method)(*args)  # unpatched
     k = family.top_k_of(router)
     plan = hf.LayerPlan(schedule=BudgetSchedule.static(k), gate=hf.gate_for(router, family, ElasticConfig()),
                         sampling="iid", layer_index=None)
-    logits, weights, ids = _unpack(family, hf.elastic_routing(router, plan, x, *args, budgets=torch.full((32,), k)))
+    elastic = hf.elastic_routing(router, plan, *args, budgets=torch.full((32,), k))
+    if family.routing_method:  # (weights, ids) in the method's order; the logits are its input
+        stock = (args[-1], *(stock[family.method_outputs.index(name)] for name in ("weights", "ids")))
+        elastic = (args[-1], *(elastic[family.method_outputs.index(name)] for name in ("weights", "ids")))
+    stock_logits, stock_weights, stock_ids = _unpack(family, stock)
+    logits, weights, ids = _unpack(family, elastic)
     assert torch.equal(logits, stock_logits)
     assert logits.dtype == stock_logits.dtype
+    if family.shared_sink:  # Inkling's shared-expert weights, normalised with the kept routed ones
+        assert elastic[3].dtype == stock[3].dtype
+        torch.testing.assert_close(elastic[3].detach(), stock[3].detach(),
+                                   **({"rtol": 1e-6, "atol": 1e-6} if stock[3].dtype == torch.float32
+                                      else {"rtol": 1e-2, "atol": 1e-2}))
     ids, weights = _by_expert(ids, weights)
     stock_ids, stock_weights = _by_expert(stock_ids, stock_weights)
     assert torch.equal(ids, stock_ids)
@@ -147,8 +203,12 @@ def test_router_at_kappa_equal_k_reproduces_the_stock_router(tiny, family_name, 
 @pytest.mark.parametrize("family_name", FAMILY_NAMES)
 def test_family_trains_elastically_with_every_experts_implementation(tiny, hand_aux, expert_rows, family_name, impl):
     _installed(family_name)
+    loaded = hf_families.load_family(_family(family_name))
+    own_loop = loaded.own_experts or loaded.experts is None
+    if own_loop and impl != "eager":
+        pytest.skip(f"{family_name}'s experts are its own loop here, not transformers' dispatcher")
     hf.apply(ElasticConfig(schedule="1-3"))
-    model = tiny.model(family_name, experts_implementation=impl)
+    model = tiny.model(family_name, experts_implementation=None if own_loop else impl)
     routers = _routers(model)
     assert routers, f"{family_name}: no covered router built"
     inputs = tiny.inputs(family_name)
@@ -160,25 +220,35 @@ def test_family_trains_elastically_with_every_experts_implementation(tiny, hand_
     loss.backward()
 
     records = hf.routing_records(model)
-    assert set(records) == {index for index, _, _ in routers}
-    for index, router, _ in routers:
-        record = records[index]
-        assert record.expert_ids.shape == (16, 3)
+    keys = hf.router_keys(model)  # the layer index, or (layer, part) where a layer holds several routers
+    assert set(records) == {keys[name] for name, _, _, _ in _routers(model, with_names=True)}
+    tokens_per_layer: dict[int, int] = {}
+    for name, index, router, family in _routers(model, with_names=True):
+        record = records[keys[name]]
+        tokens = record.budgets.numel()  # 16, or a layer's text or vision tokens (ERNIE-4.5-VL)
+        tokens_per_layer[index] = tokens_per_layer.get(index, 0) + tokens
+        assert record.expert_ids.shape == (tokens, 3)
         assert int(record.budgets.min()) >= 1 and int(record.budgets.max()) <= 3
         assert torch.equal((record.expert_ids >= 0).sum(-1), record.budgets)
-        # the router's projection: its own weight, or its Linear's (HunYuan's wg, AFMoE's gate, Gemma 4's proj)
-        weight = next(parameter for parameter in router.parameters() if parameter.dim() == 2)
+        # the router's projection: its own weight, or its Linear's (HunYuan's wg, AFMoE's gate, Gemma 4's proj;
+        # the block's router where the block routes, DBRX's and Jamba 5.19's)
+        source = router.router if family.routing_method else router
+        weight = next(parameter for parameter in source.parameters() if parameter.dim() == 2)
         assert weight.grad is not None and torch.isfinite(weight.grad).all()
         assert weight.grad.abs().sum() > 0
+    assert set(tokens_per_layer.values()) == {16}  # every token of every layer routed once
     # expert compute follows κ: the experts next to each router multiplied exactly Σκ rows
-    expected_rows = {name.rpartition(".")[0] + ".experts": int(records[index].budgets.sum())
-                     for name, index, _, _ in _routers(model, with_names=True)}
+    histograms = hf.budget_histograms(model)
+    expected_rows = {_experts_name(family, name): _expected_rows(family, loaded, records[keys[name]],
+                                                                 histograms[keys[name]], router)
+                     for name, _, router, family in _routers(model, with_names=True)}
     # ... and the experts of a router that cannot rank (DeepSeek-V4's hash layer) every token's k slots
-    expected_rows |= {name.rpartition(".")[0] + ".experts": 16 * router.top_k
-                      for name, router, _, _ in hf_families.static_routers(model)}
-    assert counted.rows == expected_rows
+    expected_rows |= {_experts_name(family, name): 16 * router.top_k
+                      for name, router, family, _ in hf_families.static_routers(model)}
+    # (Inkling's shared experts, which every token passes through, are not counted: no router picks them)
+    assert {name: rows for name, rows in counted.rows.items() if not name.endswith("shared_experts")} == expected_rows
 
     if getattr(out, "aux_loss", None) is not None:
-        ids = [records[index].expert_ids for index, _, _ in routers]
+        ids = [records[keys[name]].expert_ids for name, _, _, _ in _routers(model, with_names=True)]
         expected = hand_aux(out.router_logits, ids, routers[0][2].num_experts_of(routers[0][1]))
         torch.testing.assert_close(out.aux_loss.double(), expected, rtol=1e-6, atol=0)

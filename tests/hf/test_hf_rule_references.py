@@ -128,6 +128,20 @@ def _gemma4(router, z, kappa, width, bias, *, scale_first=False):
     return ids, [probabilities[e] / total * scale[e] for e in ids[:kappa]]
 
 
+def _longcat(router, z, kappa, width, bias, *, zero_experts_rank=True):
+    """p = softmax(z) over the N real and Z identity ("zero") experts alike; rank p + b over all of
+    them (κ counts slots of either kind); w = p × routed_scaling_factor, never renormalised."""
+    probabilities = _softmax(z)
+    correction = router.e_score_correction_bias.tolist()
+    ranked = list(range(len(z) if zero_experts_rank else router.num_experts))
+    ids = _top([p + b for p, b in zip(probabilities, correction, strict=True)], ranked, width)
+    return ids, [probabilities[e] * router.routed_scaling_factor for e in ids[:kappa]]
+
+
+def _longcat_logits(router, x: torch.Tensor) -> torch.Tensor:
+    return x @ router.classifier.weight.double().T
+
+
 class Reference(NamedTuple):
     """A family's rule written out, a plausible wrong variant of it, and its logits."""
 
@@ -143,6 +157,9 @@ REFERENCES: dict[str, Reference] = {
     "deepseek_v4": Reference(_deepseek_v4, lambda *a: _deepseek_v4(*a, score=_sigmoid)),
     "minimax_m2": Reference(_minimax_m2, lambda *a: _minimax_m2(*a, biased=False)),
     "gemma4": Reference(_gemma4, lambda *a: _gemma4(*a, scale_first=True), _gemma4_logits),
+    "longcat_flash": Reference(_longcat, lambda *a: _longcat(*a, zero_experts_rank=False), _longcat_logits),
+    # ERNIE-4.5-VL's text router (the first of its two): ERNIE-4.5's rule
+    "ernie4_5_vl_moe": Reference(_ernie, lambda *a: _ernie(*a, biased=False)),
 }
 
 
