@@ -15,6 +15,7 @@ from elastic_moe_plugin.hf.router_family import (
     deepseek_family,
     deepseek_v2_family,
     logits_topk_family,
+    sigmoid_family,
     softmax_family,
 )
 
@@ -97,27 +98,11 @@ FAMILIES: tuple[RouterFamily, ...] = (
         weights_dtype="scores",
     ),
     # MiniMax-M3 / Laguna: sigmoid + bias, always renormalised without eps, scaling on the experts' output
-    RouterFamily(
-        "minimax_m3_vl",
-        "minimax_m3_vl",
-        "MiniMaxM3VLTopKRouter",
-        "MiniMaxM3VLDecoderLayer",
-        rule="sigmoid_bias",
-        logits="linear_in_weight_dtype",
-        bias="e_score_correction_bias",
-        renormalizes="always",
-        weights_dtype="scores",
+    sigmoid_family(
+        "minimax_m3_vl", "MiniMaxM3VLTopKRouter", "MiniMaxM3VLDecoderLayer", logits="linear_in_weight_dtype"
     ),
-    RouterFamily(
-        "laguna",
-        "laguna",
-        "LagunaTopKRouter",
-        "LagunaDecoderLayer",
-        rule="sigmoid_bias",
-        logits="linear_then_fp32",
-        bias="e_score_correction_bias",
-        renormalizes="always",
-        weights_dtype="input",
+    sigmoid_family(
+        "laguna", "LagunaTopKRouter", "LagunaDecoderLayer", logits="linear_then_fp32", weights_dtype="input"
     ),
     # group-limited softmax in the logits' dtype, dropped groups masked with 0.0
     deepseek_v2_family("deepseek_v2", "DeepseekV2"),
@@ -271,45 +256,27 @@ FAMILIES: tuple[RouterFamily, ...] = (
         weights_dtype="scores",
     ),
     # sigmoid + bias families whose logits, weights or experts have a shape of their own
-    RouterFamily(  # logits × output_multiplier; its experts normalise each output (a dispatcher option)
-        "muse_spark",
+    sigmoid_family(  # logits × output_multiplier; its experts normalise each output (a dispatcher option)
         "muse_spark",
         "MuseSparkTopkRouter",
         "MuseSparkTextDecoderLayer",
-        rule="sigmoid_bias",
         logits="linear_fp32_times_multiplier",
         experts_class="MuseSparkExperts",
-        bias="e_score_correction_bias",
-        renormalizes="always",
         renormalization_eps=1e-15,
-        weights_dtype="scores",
     ),
-    RouterFamily(  # logits from its fp32-output Linear; weights rounded to the hidden dtype; per-expert output norms
-        "ergo",
+    sigmoid_family(  # logits from its fp32-output Linear; weights rounded to the hidden dtype; per-expert norms
         "ergo",
         "ErgoTopkRouter",
         "ErgoDecoderLayer",
-        rule="sigmoid_bias",
         logits="linear_module",
         experts_class="ErgoExperts",
-        bias="e_score_correction_bias",
-        renormalizes="always",
         renormalization_eps=SIGMOID_EPS,
         weights_dtype="input_then_fp32",
         num_experts_path="linear.out_features",
         experts_slot_sum=True,
     ),
-    RouterFamily(  # the block scales the experts' output; 5.19's experts are its own loop
-        "step3p7",
-        "step3p7",
-        "Step3p7TopKRouter",
-        "Step3p7DecoderLayer",
-        rule="sigmoid_bias",
-        logits="linear_in_weight_dtype",
-        bias="e_score_correction_bias",
-        renormalizes="always",
-        weights_dtype="scores",
-        experts_slot_sum=True,
+    sigmoid_family(  # the block scales the experts' output; 5.19's experts are its own loop
+        "step3p7", "Step3p7TopKRouter", "Step3p7DecoderLayer", logits="linear_in_weight_dtype", experts_slot_sum=True
     ),
     # LongCat-Flash: softmax over the real and the identity ("zero") experts alike, + bias, never
     # renormalised, × routed_scaling_factor; κ counts slots of either kind (docs/gates.md)

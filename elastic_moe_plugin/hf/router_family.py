@@ -210,6 +210,18 @@ def deepseek_v2_family(name: str, prefix: str) -> RouterFamily:
     )
 
 
+def sigmoid_family(name: str, router: str, decoder_layer: str, **fields: Any) -> RouterFamily:
+    """A sigmoid family with a selection-only correction bias, always renormalised over the kept,
+    fp32 weights (MiniMax-M3, Laguna, Step-3.7, Ergo, Muse-Spark): ``router`` in ``decoder_layer``."""
+    defaults: dict[str, Any] = {
+        "rule": "sigmoid_bias",
+        "bias": "e_score_correction_bias",
+        "renormalizes": "always",
+        "weights_dtype": "scores",
+    }
+    return RouterFamily(name, name, router, decoder_layer, **{**defaults, **fields})
+
+
 def logits_topk_family(name: str, prefix: str, **fields: Any) -> RouterFamily:
     """A family that ranks by the logits and softmaxes the kept ones (GPT-OSS style)."""
     defaults: dict[str, Any] = {"rule": "logits_topk", "renormalizes": "always", "sites": ("mlp.router",)}
@@ -219,4 +231,11 @@ def logits_topk_family(name: str, prefix: str, **fields: Any) -> RouterFamily:
 #: why DeepSeek-V4's first layers stay static (the plan line shows it)
 
 
-__all__ = ["RouterFamily", "deepseek_family", "deepseek_v2_family", "logits_topk_family", "softmax_family"]
+__all__ = [
+    "RouterFamily",
+    "deepseek_family",
+    "deepseek_v2_family",
+    "logits_topk_family",
+    "sigmoid_family",
+    "softmax_family",
+]

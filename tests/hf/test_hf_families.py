@@ -143,7 +143,7 @@ def test_every_family_block_holds_the_experts_class_the_table_names(tiny):
 
 def test_every_family_in_the_table_is_installed_and_tested(tiny):
     assert INSTALLED <= set(FAMILY_NAMES)
-    assert len(INSTALLED) >= 43, sorted(INSTALLED)  # 5.19 ships 43 of the table's families, 5.25 all of them
+    assert len(INSTALLED) >= 56, sorted(INSTALLED)  # 5.19 ships 56 of the table's 72 rows, 5.25 all but Jamba's 5.19 row
     assert set(FAMILY_NAMES) <= set(tiny.families), "every family of the table has a tiny model"
 
 

@@ -1,17 +1,21 @@
 """Transformers scenarios of ``elastic-moe bench``: one sparse MoE block, stock against elastic, per
 experts implementation.
 
-The block is transformers' own class, built from its config with random weights (N(0, 0.02)):
+The block is transformers' own class (Gemma 4's: transformers' own router and experts in a module of
+the bench's, :class:`Gemma4MoE`), built from its config with random weight matrices (N(0, 0.02)):
 ``OlmoeSparseMoeBlock`` (OLMoE-shaped: E=64, k=8, ``norm_topk_prob=False``),
 ``Qwen3MoeSparseMoeBlock`` (Qwen3-MoE-shaped: E=128, k=8, ``norm_topk_prob=True``) and
 ``DeepseekV3MoE`` (DeepSeek-V3's routing: E=64 routed experts in ``n_group=8`` groups of which
 each token's ``topk_group=4`` are eligible, k=8, sigmoid scores selected with
 ``e_score_correction_bias`` (drawn N(0, 0.02), as a trained model's is not zero), renormalised,
 × ``routed_scaling_factor=2.5``; with its one shared expert of the routed experts' width, which runs
-in every variant and whose time the block's includes). In the full run they are at the width of
-OLMoE-1B-7B (H=2048, F=1024; DeepSeek-V3's block too) and Qwen3-30B-A3B (H=2048, F=768) where stock
-transformers can train at that width on a CPU (:func:`_sizes`). One block object serves every
-variant, so weights and inputs are identical; what changes is the patch:
+in every variant and whose time the block's includes) and Gemma 4's MoE branch (:class:`Gemma4MoE`:
+transformers' ``Gemma4TextRouter`` and ``Gemma4TextExperts`` with the layer's norms, E=128, k=8,
+softmax then renormalised, × ``per_expert_scale``; Gemma 4 has no MoE block class, so the bench holds
+the branch in a module of its own). In the full run they are at the width of OLMoE-1B-7B (H=2048,
+F=1024; DeepSeek-V3's block too), Qwen3-30B-A3B (H=2048, F=768) and Gemma 4 26B-A4B (H=2816,
+F=704) where stock transformers can train at that width on a CPU (:func:`_sizes`). One block object
+serves every variant, so weights and inputs are identical; what changes is the patch:
 
 - ``stock``: ``hf.remove()``, unpatched transformers (static top-k);
 - ``iid`` / ``balanced``: ``hf.apply(ElasticConfig(schedule, sampling=...))``.
@@ -73,16 +77,56 @@ class BlockShape:
 
 @dataclasses.dataclass(frozen=True)
 class _Block:
-    """How to build a family's sparse MoE block: its config and block classes (under
-    ``transformers.models``), the config fields of the expert count and the expert FFN width, its
-    ``norm_topk_prob``, and any other config fields its routing needs."""
+    """How to build a family's sparse MoE block: its config class (under ``transformers.models``),
+    its block (a class under ``transformers.models``, or a builder of the bench's own that takes the
+    config: Gemma 4's :class:`Gemma4MoE`), the config fields of the expert FFN width, the expert count
+    and k, its ``norm_topk_prob`` (None: the config has none, the router's own rule decides), and any
+    other config fields its routing needs."""
 
     config: str
-    block: str
+    block: str | Callable[[Any], torch.nn.Module]
     ffn_field: str
-    norm_topk_prob: bool
+    norm_topk_prob: bool | None
     experts_field: str = "num_experts"
+    topk_field: str = "num_experts_per_tok"
     extra: tuple[tuple[str, Any], ...] = ()
+
+
+class Gemma4MoE(torch.nn.Module):
+    """Gemma 4's mixture-of-experts branch, as ``Gemma4TextDecoderLayer.forward`` runs it.
+
+    transformers has no MoE block class for Gemma 4: its router (``Gemma4TextRouter``) and experts
+    (``Gemma4TextExperts``) are attributes of the decoder layer, beside a dense MLP whose output
+    the layer adds to theirs, so no module of transformers holds the MoE part alone. This one holds
+    transformers' own classes under the layer's attribute names (``router``, ``experts``,
+    ``pre_feedforward_layernorm_2``, ``post_feedforward_layernorm_2``), built from the same
+    ``Gemma4TextConfig``, and its forward is the layer's MoE lines: the router reads the flattened
+    residual stream (its own RMS norm, scale and H^-1/2 inside), the experts the
+    ``pre_feedforward_layernorm_2``-normed one, and ``post_feedforward_layernorm_2`` norms their
+    output. What the layer does besides (attention, the dense MLP and its norms, the residual adds)
+    is the same in stock and elastic, and not timed.
+
+    The router is built outside a decoder layer, so the patched ``Gemma4TextDecoderLayer.__init__``
+    never tags it with a layer index: its plan resolves without one (a config without ``layers``),
+    and its record is keyed 0, its position among the module's routers, as those of the bare
+    blocks of the other families are.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        modeling = importlib.import_module("transformers.models.gemma4.modeling_gemma4")
+        self.router = modeling.Gemma4TextRouter(config)
+        self.experts = modeling.Gemma4TextExperts(config)
+        self.pre_feedforward_layernorm_2 = modeling.Gemma4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm_2 = modeling.Gemma4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, residual: torch.Tensor) -> torch.Tensor:
+        """The MoE output [..., H] of the residual stream ``residual`` [..., H] (the layer's ``hidden_states_2``)."""
+        hidden_states_flat = residual.reshape(-1, residual.shape[-1])
+        _, top_k_weights, top_k_index = self.router(hidden_states_flat)
+        hidden_states = self.pre_feedforward_layernorm_2(hidden_states_flat)
+        hidden_states = self.experts(hidden_states, top_k_index, top_k_weights)
+        return self.post_feedforward_layernorm_2(hidden_states.reshape(residual.shape))
 
 
 #: DeepSeek-V3's routing: 8 groups of which each token's top 4 are eligible (a 6-10 schedule's widest
@@ -108,6 +152,15 @@ _BLOCKS: dict[str, _Block] = {
         experts_field="n_routed_experts",
         extra=DEEPSEEK_V3_ROUTING,
     ),
+    # no block class in transformers: the decoder layer's MoE branch, held by the bench (Gemma4MoE)
+    "gemma4": _Block(
+        "gemma4.Gemma4TextConfig",
+        Gemma4MoE,
+        "moe_intermediate_size",
+        None,  # always renormalised
+        topk_field="top_k_experts",
+        extra=(("enable_moe_block", True),),
+    ),
 }
 
 
@@ -129,10 +182,12 @@ def _sizes(hidden: int, ffn: int) -> dict[str, Size]:
     }
 
 
-FULL_SHAPES = (  # the widths of OLMoE-1B-7B and Qwen3-30B-A3B; DeepSeek-V3's routing at OLMoE's width
+FULL_SHAPES = (  # the widths of OLMoE-1B-7B, Qwen3-30B-A3B, Gemma 4 26B-A4B; DeepSeek-V3's routing at OLMoE's
     BlockShape("olmoe", experts=64, topk=8, schedule="6-10", sizes=_sizes(2048, 1024)),
     BlockShape("qwen3_moe", experts=128, topk=8, schedule="6-10", sizes=_sizes(2048, 768)),
     BlockShape("deepseek_v3", experts=64, topk=8, schedule="6-10", sizes=_sizes(2048, 1024)),
+    # google/gemma-4-26B-A4B's config.json: hidden_size 2816, moe_intermediate_size 704, 128 experts, top 8
+    BlockShape("gemma4", experts=128, topk=8, schedule="6-10", sizes=_sizes(2816, 704)),
 )
 _QUICK = {"grouped_mm": Size(128, 64, 128), "batched_mm": Size(128, 64, 32), "eager": Size(128, 64, 128)}
 QUICK_SHAPES = (
@@ -145,6 +200,7 @@ QUICK_SHAPES = (
         sizes={name: dataclasses.replace(size, ffn=48) for name, size in _QUICK.items()},
     ),
     BlockShape("deepseek_v3", experts=64, topk=8, schedule="6-10", sizes=_QUICK),
+    BlockShape("gemma4", experts=128, topk=8, schedule="6-10", sizes=_QUICK),
 )
 
 
@@ -246,23 +302,27 @@ def _resolve(dotted: str) -> Any:
 
 
 def build_block(shape: BlockShape, implementation: str) -> torch.nn.Module:
-    """transformers' sparse MoE block of ``shape.family`` in training mode, random N(0, 0.02) weights."""
+    """The sparse MoE block of ``shape.family`` in training mode (transformers' class, or Gemma 4's
+    :class:`Gemma4MoE`), random N(0, 0.02) weight matrices; vectors (norm weights, Gemma 4's router
+    scale and ``per_expert_scale``) keep the ones they are built with."""
     spec = _BLOCKS[shape.family]
     size = shape.sizes[implementation]
+    routing = dict(spec.extra)
+    if spec.norm_topk_prob is not None:
+        routing["norm_topk_prob"] = spec.norm_topk_prob
     config = _resolve(spec.config)(
         hidden_size=size.hidden,
-        num_experts_per_tok=shape.topk,
-        norm_topk_prob=spec.norm_topk_prob,
-        **{spec.experts_field: shape.experts, spec.ffn_field: size.ffn},
-        **dict(spec.extra),
+        **{spec.experts_field: shape.experts, spec.topk_field: shape.topk, spec.ffn_field: size.ffn},
+        **routing,
     )
     config._experts_implementation = implementation
     torch.manual_seed(0)
-    block = _resolve(spec.block)(config)
+    block = (_resolve(spec.block) if isinstance(spec.block, str) else spec.block)(config)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # the experts are torch.empty until a checkpoint loads
         for parameter in block.parameters():
-            parameter.normal_(0.0, 0.02, generator=generator)
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.02, generator=generator)
         for name, buffer in block.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a trained model's is not zero: selection ≠ weights
                 buffer.normal_(0.0, 0.02, generator=generator)
@@ -376,6 +436,7 @@ __all__ = [
     "ExpertGemmRows",
     "ExpertsScenarioResult",
     "ExpertsVariantResult",
+    "Gemma4MoE",
     "Size",
     "block_scenario",
     "build_block",
