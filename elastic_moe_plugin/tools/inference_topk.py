@@ -14,9 +14,11 @@ identity of the objects touched, when the block exits (also on error).
 - :func:`transformers`: in transformers 5.x every MoE router reads ``self.top_k`` in ``forward``
   (``OlmoeTopKRouter`` and ``Qwen3MoeTopKRouter`` call ``torch.topk(router_probs, self.top_k)``;
   about sixty other families set ``self.top_k = config.num_experts_per_tok`` the same way). It
-  sets ``top_k`` on every such module, the top-k keys of every config reachable from the model,
-  and the ``num_experts_per_tok`` attribute of ``*ForCausalLM`` (read by the auxiliary loss
-  only). Gate weights keep the model's own convention (OLMoE: softmax over all experts, not
+  sets ``top_k`` on every such module, where a family the plugin covers keeps it elsewhere its own
+  place (the family table's ``top_k_path``: Gemma 4's routers read ``config.top_k_experts``; DBRX
+  routes in its FFN block, whose ``top_k`` it sets), the top-k keys of every config reachable from
+  the model, and the ``num_experts_per_tok`` attribute of ``*ForCausalLM`` (read by the auxiliary
+  loss only). Gate weights keep the model's own convention (OLMoE: softmax over all experts, not
   renormalised; Qwen3-MoE: renormalised over the chosen k), so top-k k' evaluates exactly what the
   model computes when built with ``num_experts_per_tok=k'``.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -33,8 +36,8 @@ from elastic_moe_plugin.core.patching import AttributePatches
 
 logger = logging.getLogger(__name__)
 
-#: Config attributes that hold a MoE's top-k, in the order they are looked for.
-TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k")
+#: Config attributes that hold a MoE's top-k, in the order they are looked for (Gemma 4: ``top_k_experts``).
+TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "top_k_experts")
 #: Config and module attributes that hold the number of routed experts.
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _ROUTER_CLASS_HINT = re.compile(r"router|gate|moe|expert", re.IGNORECASE)
@@ -111,6 +114,21 @@ def config_num_experts(config: Any) -> int | None:
     return None
 
 
+def _covered_top_k_owners(model: Any) -> list[tuple[str, Any, str]]:
+    """``(router name, the object that holds its k, the attribute)`` of every router of a family
+    the plugin's transformers door covers (its ``top_k_path``), for the families whose modeling
+    module is imported (a built model's are)."""
+    if "transformers" not in type(model).__module__:
+        return []
+    from elastic_moe_plugin.hf.families import covered_routers
+
+    owners = []
+    for name, router, family in covered_routers(model):
+        owner_path, _, attribute = family.top_k_path.rpartition(".")
+        owners.append((name, operator.attrgetter(owner_path)(router) if owner_path else router, attribute))
+    return owners
+
+
 def find_routers(model: Any) -> list[tuple[str, Any]]:
     """Modules whose ``top_k`` decides routing at forward time: an int ``top_k`` attribute on a
     module that also holds an expert count (``num_experts``, ``num_local_experts``,
@@ -132,10 +150,10 @@ def find_routers(model: Any) -> list[tuple[str, Any]]:
 def transformers(model: Any, k: int) -> Iterator[list[str]]:
     """Route every token of every MoE layer to its top ``k`` experts inside the block.
 
-    Sets ``top_k`` on each router from :func:`find_routers`, the top-k attribute of every
-    config reachable from the model's modules (``num_experts_per_tok``, ``moe_topk``,
-    ``moe_top_k``), and any ``num_experts_per_tok`` module attribute; restores them all, by
-    identity of the objects touched, when the block exits (also on error).
+    Sets ``top_k`` on each router from :func:`find_routers` (and where a covered family keeps its
+    k, the family table's ``top_k_path``), the top-k attribute of every config reachable from the
+    model's modules (:data:`TOPK_CONFIG_KEYS`), and any ``num_experts_per_tok`` module attribute;
+    restores them all, by identity of the objects touched, when the block exits (also on error).
 
     Yields the qualified names of the routers changed.
 
@@ -145,15 +163,19 @@ def transformers(model: Any, k: int) -> Iterator[list[str]]:
     """
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"--topk {k!r} is invalid: expected an integer >= 1.")
-    routers = find_routers(model)
-    if not routers:
+    # (name, the object that holds its k, the attribute): the modules with an integer top_k, and
+    # where a covered family keeps k elsewhere (Gemma 4's router config, DBRX's FFN block)
+    targets = [(name, module, "top_k") for name, module in find_routers(model)]
+    known = {id(owner) for _, owner, _ in targets}
+    targets += [target for target in _covered_top_k_owners(model) if id(target[1]) not in known]
+    if not targets:
         raise NotAMoEError(
             f"{type(model).__name__} has no router with an integer `top_k` attribute, so the inference "
             "top-k cannot be overridden. Supported: transformers 5.x MoE models whose routers read "
             "self.top_k in forward (OLMoE, Qwen3-MoE, Mixtral, DeepSeek-V3, ...)."
         )
     config_experts = config_num_experts(getattr(model, "config", None))
-    for name, module in routers:
+    for name, module, _ in targets:
         experts = _int_attr(module, EXPERT_COUNT_KEYS) or config_experts
         if experts is not None and k > experts:
             raise ValueError(
@@ -162,10 +184,7 @@ def transformers(model: Any, k: int) -> Iterator[list[str]]:
 
     saved = AttributePatches()
     try:
-        router_ids = set()
-        for _, module in routers:
-            saved.set(module, "top_k", k)
-            router_ids.add(id(module))
+        router_ids = {id(owner) for _, owner, _ in targets}
         configs: dict[int, Any] = {}  # by identity: the model and its submodules share one config
         for module in model.modules():
             cfg = getattr(module, "config", None)
@@ -178,8 +197,11 @@ def transformers(model: Any, k: int) -> Iterator[list[str]]:
             for key in TOPK_CONFIG_KEYS:
                 if isinstance(getattr(cfg, key, None), int):
                     saved.set(cfg, key, k)
-        logger.info("top-k override: %d routers set to top_k=%d", len(routers), k)
-        yield [name for name, _ in routers]
+        for _, owner, attribute in targets:  # a config shared by every router is set once
+            if getattr(owner, attribute) != k:
+                saved.set(owner, attribute, k)
+        logger.info("top-k override: %d routers set to top_k=%d", len(targets), k)
+        yield [name for name, _, _ in targets]
     finally:
         saved.restore()
 

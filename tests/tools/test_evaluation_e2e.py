@@ -114,6 +114,43 @@ def test_topk_override_changes_routing_and_restores(model_type):
     assert model.config.num_experts_per_tok == 2 and model.num_experts_per_tok == 2
 
 
+def _gemma4(top_k: int):
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    return Gemma4ForCausalLM(Gemma4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=0, enable_moe_block=True,
+        num_experts=8, top_k_experts=top_k, moe_intermediate_size=16, layer_types=["sliding_attention"] * 2,
+        sliding_window=4))
+
+
+def _dbrx(top_k: int):
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    return DbrxForCausalLM(DbrxConfig(
+        d_model=32, n_heads=4, n_layers=2, max_seq_len=16, vocab_size=64,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 8, "moe_top_k": top_k}))
+
+
+@pytest.mark.parametrize("build", [_gemma4, _dbrx], ids=["gemma4", "dbrx"])
+def test_topk_override_reaches_families_that_keep_k_elsewhere(build):
+    """Gemma 4's routers read ``config.top_k_experts``, DBRX routes in its FFN block: evaluating at
+    k' = 3 gives exactly the model built with top-3 (the same weights), and everything is restored."""
+    import torch
+
+    torch.manual_seed(0)
+    model, built_at_3 = build(2).eval(), build(3).eval()
+    built_at_3.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        base = model(ids).logits
+        with topk_override(model, 3) as changed:
+            assert len(changed) == 2
+            assert torch.equal(model(ids).logits, built_at_3(ids).logits)
+        assert torch.equal(model(ids).logits, base)
+
+
 def test_topk_override_restores_on_error_and_checks_range():
     import torch
     from transformers import AutoModelForCausalLM, OlmoeConfig
