@@ -332,3 +332,41 @@ def test_kappa_plot_of_a_log_with_layer_means_only_names_the_per_layer_switch(tm
     assert "no 'elastic_moe/layer_<i>/kappa_frac_<r>' values in it. It holds layer means only" in err
     assert """--megatron_extra_kwargs '{"moe_per_layer_logging": true}' (megatron sft)""" in err
     assert "--moe-per-layer-logging (Megatron-LM)" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("family", ["gemma4", "dbrx"])
+def test_routed_model_reads_the_router_distribution_of_other_router_shapes(family, tmp_path):
+    """Gemma 4's router sits on the decoder layer and returns probabilities; DBRX routes in its FFN
+    block, whose router module returns the logits: the distribution captured per layer is the
+    router's softmax(z) in both, computed here from the router's own weights."""
+    from transformers import DbrxConfig, DbrxForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(0)
+    if family == "gemma4":
+        model = Gemma4ForCausalLM(Gemma4TextConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=0,
+            enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16,
+            layer_types=["sliding_attention"] * 2, sliding_window=4))
+    else:
+        model = DbrxForCausalLM(DbrxConfig(
+            d_model=32, n_heads=4, n_layers=2, max_seq_len=16, vocab_size=64,
+            attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+            ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 8, "moe_top_k": 2}))
+    model.save_pretrained(tmp_path)
+    routed = _load(tmp_path)
+    assert (routed.info.moe_layers, routed.info.num_experts, routed.info.topk) == ((0, 1), 8, 2)
+    router_inputs = {}
+    for layer, router in routed.routers.items():
+        router.register_forward_pre_hook(lambda module, args, layer=layer: router_inputs.__setitem__(layer, args[0]))
+    ids = torch.randint(3, 64, (2, 6))
+    _, captured = routed.forward(ids, torch.ones_like(ids, dtype=torch.bool), capture=True)
+    for layer, router in routed.routers.items():
+        hidden = router_inputs[layer].reshape(-1, 32).double()
+        if family == "gemma4":  # z = proj(x / rms(x) · scale · H^-1/2)
+            normed = hidden / (hidden.square().mean(-1, keepdim=True) + router.eps).sqrt()
+            logits = (normed * router.scale.double() * 32**-0.5) @ router.proj.weight.double().T
+        else:
+            logits = hidden @ router.layer.weight.double().T
+        torch.testing.assert_close(routed.router_distribution(captured[layer]).double(), torch.softmax(logits, -1),
+                                   rtol=1e-5, atol=1e-6)

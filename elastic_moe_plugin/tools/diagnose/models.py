@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 
@@ -62,14 +61,6 @@ class RoutedModel:
         return score(logits, "softmax")
 
 
-class _HFRouter(Protocol):
-    """What :class:`HFRoutedModel` reads of a transformers router (``OlmoeTopKRouter``, ...): plain
-    attributes, which ``nn.Module``'s stubs type as ``Tensor | Module``."""
-
-    num_experts: int
-    top_k: int
-
-
 class HFRoutedModel(RoutedModel):
     """A transformers MoE checkpoint; routers of the families :mod:`elastic_moe_plugin.hf` covers."""
 
@@ -80,48 +71,60 @@ class HFRoutedModel(RoutedModel):
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         except (OSError, ValueError) as error:
             raise DiagnosticsError(f"cannot load the transformers checkpoint {path!r}: {error}") from None
-        self.routers = self._find_routers(path)
+        covered = self._find_routers(path)
+        #: {layer index: the module whose weights route and whose output is the logits}: the router,
+        #: or the router module of a block that routes in a method (DBRX, Jamba 5.19)
+        self.routers: dict[int, torch.nn.Module] = {
+            layer: cast(torch.nn.Module, router.router) if family.routing_method else router
+            for layer, (router, family) in covered.items()
+        }
         config = self.model.config
         text = getattr(config, "text_config", None) or config
-        first = cast(_HFRouter, next(iter(self.routers.values())))
+        first, family = next(iter(covered.values()))
         self.info = ModelInfo(
             label=label,
             kind="hf",
             path=path,
             num_layers=int(text.num_hidden_layers),
             moe_layers=tuple(sorted(self.routers)),
-            num_experts=int(first.num_experts),
-            topk=int(first.top_k),
+            num_experts=family.num_experts_of(first),
+            topk=family.top_k_of(first),
             vocab_size=int(text.vocab_size),
             max_positions=getattr(text, "max_position_embeddings", None),
         )
         self._captured: dict[int, torch.Tensor] | None = None
-        for layer, router in self.routers.items():
-            router.register_forward_hook(self._hook(layer))
+        for layer, (_, family) in covered.items():
+            self.routers[layer].register_forward_hook(self._hook(layer, family.first_output == "probabilities"))
 
-    def _find_routers(self, path: str) -> dict[int, torch.nn.Module]:
-        """{layer index: router module} of every covered ``<layer>.mlp.gate``."""
+    def _find_routers(self, path: str) -> dict[int, tuple[torch.nn.Module, Any]]:
+        """{layer index: (router, its family)} of every covered router (one per layer)."""
         from elastic_moe_plugin import hf
+        from elastic_moe_plugin.hf.families import covered_routers, layer_index_from_name
 
-        covered = hf.covered_router_classes()
-        routers: dict[int, torch.nn.Module] = {}
-        for name, module in self.model.named_modules():
-            if type(module) in covered:
-                match = re.search(r"(?:^|\.)(\d+)\.mlp\.gate$", name)
-                if match is None:
-                    raise DiagnosticsError(f"{path}: cannot tell the layer index of router {name!r}.")
-                routers[int(match.group(1))] = module
+        routers: dict[int, tuple[torch.nn.Module, Any]] = {}
+        for name, module, family in covered_routers(self.model):
+            layer = layer_index_from_name(name)
+            if layer is None:
+                raise DiagnosticsError(f"{path}: cannot tell the layer index of router {name!r}.")
+            if layer in routers:
+                raise DiagnosticsError(
+                    f"{path}: layer {layer} holds several routers ({name!r} and another, e.g. ERNIE-4.5-VL's text "
+                    f"and vision routers), and the diagnostics compare one router per layer."
+                )
+            routers[layer] = (module, family)
         if not routers:
             raise DiagnosticsError(
                 f"{path} ({type(self.model).__name__}) has no router of a family elastic-moe covers "
-                f"({', '.join(f.router for f in hf.FAMILIES)})."
+                f"({hf.families.family_names()})."
             )
         return routers
 
-    def _hook(self, layer: int):
+    def _hook(self, layer: int, probabilities: bool):
         def hook(module, inputs, output):
             if self._captured is not None:
                 logits = output[0] if isinstance(output, tuple) else output
+                if probabilities:  # Gemma 4 returns p: log p, whose softmax the readers take, is p again
+                    logits = logits.log()
                 self._captured[layer] = logits.detach().reshape(-1, logits.shape[-1])
 
         return hook
