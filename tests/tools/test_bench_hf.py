@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from elastic_moe_plugin.cli import main
 from elastic_moe_plugin.tools.bench import schema
@@ -17,7 +18,7 @@ pytest.importorskip("transformers")
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
-BLOCKS = ("olmoe-block", "qwen3_moe-block", "deepseek_v3-block")
+BLOCKS = ("olmoe-block", "qwen3_moe-block", "deepseek_v3-block", "gemma4-block")
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +115,65 @@ def test_the_deepseek_v3_block_is_transformers_own_with_its_routing_and_shared_e
     assert (experts.num_experts, experts.hidden_dim, experts.intermediate_dim) == (shape.experts, size.hidden, size.ffn)
     assert shared.gate_proj.weight.shape == (size.ffn, size.hidden)  # n_shared_experts = 1
     assert parse_range(shape.schedule)[1] <= gate.topk_group * shape.experts // gate.num_group
+
+
+@pytest.mark.parametrize("shapes", ["FULL_SHAPES", "QUICK_SHAPES"])
+def test_the_gemma4_block_holds_transformers_own_router_and_experts(shapes):
+    """Gemma 4 has no MoE block class: the row builds the bench's ``Gemma4MoE``, which holds
+    transformers' ``Gemma4TextRouter`` and ``Gemma4TextExperts`` from a ``Gemma4TextConfig`` (k in
+    ``top_k_experts``), their weight matrices drawn, the router's scales at their built ones; its
+    router, built outside a decoder layer and so never tagged with a layer index, is covered by the
+    plugin and resolves an elastic plan under a config without ``layers``."""
+    from elastic_moe_plugin import ElasticConfig, hf
+    from elastic_moe_plugin.tools.bench import hf as bench_hf
+
+    (shape,) = [shape for shape in getattr(bench_hf, shapes) if shape.family == "gemma4"]
+    size = shape.sizes["eager"]
+    block = bench_hf.build_block(shape, "eager")
+    assert isinstance(block, bench_hf.Gemma4MoE) and block.training
+    router, experts = block.router, block.experts
+    assert (type(router).__name__, type(experts).__name__) == ("Gemma4TextRouter", "Gemma4TextExperts")
+    assert (router.config.num_experts, router.config.top_k_experts) == (shape.experts, shape.topk)
+    assert (experts.num_experts, experts.hidden_dim, experts.intermediate_dim) == (shape.experts, size.hidden, size.ffn)
+    assert experts.config._experts_implementation == "eager"
+    assert 0 < router.proj.weight.std() < 0.03 and 0 < experts.gate_up_proj.std() < 0.03  # drawn N(0, 0.02)
+    assert torch.equal(router.per_expert_scale, torch.ones(shape.experts))  # vectors as built
+    assert hf.router_keys(block) == {"router": 0}  # keyed by its position: no layer tag, no layer in its path
+    with hf.patched(ElasticConfig(schedule=shape.schedule)):
+        plans, topk = hf.model_plans(block)
+    assert topk == {0: shape.topk} and plans[0] is not None and plans[0].layer_index is None
+    assert plans[0].rule == "gemma4 softmax_topk"
+
+
+def test_the_gemma4_block_computes_the_decoder_layers_moe_branch():
+    """``Gemma4MoE`` on the residual stream gives exactly the decoder layer's ``hidden_states_2``:
+    the router on the residual, the experts on its ``pre_feedforward_layernorm_2`` norm, then
+    ``post_feedforward_layernorm_2`` (every norm weight and scale random, so a swapped or skipped
+    norm changes the output)."""
+    from transformers.models.gemma4 import modeling_gemma4
+
+    from elastic_moe_plugin.tools.bench import hf as bench_hf
+
+    config = modeling_gemma4.Gemma4TextConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, global_head_dim=16, hidden_size_per_layer_input=0, vocab_size=64, vocab_size_per_layer_input=64,
+        layer_types=["full_attention"], enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = modeling_gemma4.Gemma4TextModel(config).eval()
+    (layer,) = model.layers
+    block = bench_hf.Gemma4MoE(config).eval()
+    names = {name for name, _ in block.named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.normal_(0.5 if parameter.dim() == 1 else 0.0, 0.2, generator=generator)
+    block.load_state_dict({name: value for name, value in layer.state_dict().items() if name in names})
+    seen = {}
+    layer.router.register_forward_pre_hook(lambda module, args: seen.setdefault("residual", args[0]))
+    layer.post_feedforward_layernorm_2.register_forward_hook(lambda module, args, out: seen.setdefault("moe", out))
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (2, 5), generator=generator))
+        out = block(seen["residual"].reshape(2, 5, 32))
+    assert out.shape == seen["moe"].shape and out.abs().sum() > 0
+    assert torch.equal(out, seen["moe"])
