@@ -6,7 +6,8 @@ Elastic against stock, in one process, interleaved:
 - ``router``, ``routing``, ``layer``, ``gpt`` (:mod:`.megatron`): Megatron-core's router, its
   routing alone, a MoE layer (dropless and drop-and-pad), a GPT training step;
 - ``hf`` (:mod:`.hf`): transformers' OLMoE-, Qwen3-MoE- and DeepSeek-V3-shaped sparse MoE blocks
-  per experts implementation, with the rows the expert GEMMs multiply;
+  and Gemma 4's MoE branch (its decoder layer's router and experts) per experts implementation,
+  with the rows the expert GEMMs multiply;
 - ``kappa`` (:mod:`.kappa`): the κ draw of one router call, as the routers make it, as the number
   of token shards grows, against the draw before the counter-based stream;
 - ``calls`` (:mod:`.calls`): one router call per door, µs and the package's calls in it;
@@ -47,7 +48,8 @@ MODES: dict[str, str] = {
     "routing": "router.routing(logits) alone, from leaf logits (no gating GEMM): the part elastic routing changes",
     "layer": "a Megatron-core MoE layer: allgather, alltoall, and alltoall with drop-and-pad",
     "gpt": "a training step of a tiny Megatron-core GPT with MoE in every layer",
-    "hf": "transformers' OLMoE, Qwen3-MoE and DeepSeek-V3 sparse MoE blocks under every experts implementation",
+    "hf": "transformers' OLMoE, Qwen3-MoE and DeepSeek-V3 sparse MoE blocks and Gemma 4's MoE branch (the "
+    "router and experts of its decoder layer) under every experts implementation",
     "kappa": "the κ draw of one router call, through each door's stream as the routers draw, for 1-1024 token "
     "shards, against the draw before the counter-based stream",
     "calls": "one router call per door, stock, static and elastic: µs per call and the package's calls in it",
