@@ -21,6 +21,28 @@ from elastic_moe_plugin.hf.router_family import (
 
 HASH_ROUTED = "hash-routed: experts from a token-id table, no ranking to cut at κ"
 
+#: Gemma 4's router (DiffusionGemma's is the same): on the decoder layer, of the normalised input,
+#: probabilities first, k and E in its config, × per_expert_scale[id] after the renormalisation
+_GEMMA4: dict[str, Any] = {
+    "logits": "normed_proj",
+    "sites": ("router",),
+    "experts_class": "Gemma4TextExperts",
+    "renormalizes": "always",
+    "scaling": None,
+    "top_k_path": "config.top_k_experts",
+    "num_experts_path": "config.num_experts",
+    "first_output": "probabilities",
+    "per_expert_scale": "per_expert_scale",
+    "weights_dtype": "scores",
+}
+#: Kolibri-1 (and 1.1): the bias ranks the fp32 logits themselves, the kept logits' sigmoid weighs
+_KOLIBRI: dict[str, Any] = {
+    "rule": "logits_bias_sigmoid",
+    "logits": "linear_fp32",
+    "bias": "e_score_correction_bias",
+    "weights_dtype": "scores",
+}
+
 _GRANITE: dict[str, Any] = {
     "logits": "linear_then_fp32",
     "sites": ("block_sparse_moe.router",),
@@ -218,43 +240,10 @@ FAMILIES: tuple[RouterFamily, ...] = (
         ranking_layers=("mlp_layer_types", "moe"),
     ),
     # Gemma 4: the router on the decoder layer, fed the normalised residual stream; returns p
-    RouterFamily(
-        "gemma4",
-        "gemma4",
-        "Gemma4TextRouter",
-        "Gemma4TextDecoderLayer",
-        logits="normed_proj",
-        sites=("router",),
-        experts_class="Gemma4TextExperts",
-        renormalizes="always",
-        scaling=None,
-        top_k_path="config.top_k_experts",
-        num_experts_path="config.num_experts",
-        first_output="probabilities",
-        per_expert_scale="per_expert_scale",
-        weights_dtype="scores",
-    ),
+    RouterFamily("gemma4", "gemma4", "Gemma4TextRouter", "Gemma4TextDecoderLayer", **_GEMMA4),
     # Kolibri-1: rank z + b, weigh sigmoid(z_kept), renormalised iff norm_topk_prob
-    RouterFamily(
-        "kolibri1",
-        "kolibri1",
-        "Kolibri1TopKRouter",
-        "Kolibri1DecoderLayer",
-        rule="logits_bias_sigmoid",
-        logits="linear_fp32",
-        bias="e_score_correction_bias",
-        weights_dtype="scores",
-    ),
-    RouterFamily(
-        "kolibri1_1",
-        "kolibri1_1",
-        "Kolibri1_1TopKRouter",
-        "Kolibri1_1DecoderLayer",
-        rule="logits_bias_sigmoid",
-        logits="linear_fp32",
-        bias="e_score_correction_bias",
-        weights_dtype="scores",
-    ),
+    RouterFamily("kolibri1", "kolibri1", "Kolibri1TopKRouter", "Kolibri1DecoderLayer", **_KOLIBRI),
+    RouterFamily("kolibri1_1", "kolibri1_1", "Kolibri1_1TopKRouter", "Kolibri1_1DecoderLayer", **_KOLIBRI),
     # sigmoid + bias families whose logits, weights or experts have a shape of their own
     sigmoid_family(  # logits × output_multiplier; its experts normalise each output (a dispatcher option)
         "muse_spark",
@@ -388,16 +377,7 @@ FAMILIES: tuple[RouterFamily, ...] = (
         "DiffusionGemmaTextRouter",
         "DiffusionGemmaEncoderTextLayer",
         other_decoder_layers=("DiffusionGemmaDecoderTextLayer",),
-        logits="normed_proj",
-        sites=("router",),
-        experts_class="DiffusionGemmaTextExperts",
-        renormalizes="always",
-        scaling=None,
-        top_k_path="config.top_k_experts",
-        num_experts_path="config.num_experts",
-        first_output="probabilities",
-        per_expert_scale="per_expert_scale",
-        weights_dtype="scores",
+        **{**_GEMMA4, "experts_class": "DiffusionGemmaTextExperts"},
     ),
     # ERNIE-4.5-VL: ERNIE-4.5's rule in a text and a vision router of one layer (keyed (layer, part))
     RouterFamily(
