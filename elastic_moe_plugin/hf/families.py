@@ -303,7 +303,7 @@ def uncovered_moe(model: torch.nn.Module) -> str | None:
 
 # ---------------------------------------------------------------------------------- config.json
 #: config keys that hold a MoE's top-k, and its routed-expert count (transformers' names across families)
-TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "num_experts_per_token")
+TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "num_experts_per_token", "top_k_experts")
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
