@@ -2,11 +2,13 @@
 
 - :func:`train_tokenizer`: a byte-level BPE tokenizer trained here with ``tokenizers``, saved as a
   ``PreTrainedTokenizerFast`` with a ChatML chat template and the special tokens ms-swift's
-  ``olmoe``/``olmoe_0924``, ``qwen3``, ``deepseek_v2_5`` and ``gpt_oss`` templates write
-  (``|||IP_ADDRESS|||``, ``<|im_start|>``, ``<｜User｜>``, ``<|start|>``, ...);
+  ``olmoe``/``olmoe_0924``, ``qwen3``, ``deepseek_v2_5``/``deepseek_v4``, ``gpt_oss`` and
+  ``minimax_m2`` templates write (``|||IP_ADDRESS|||``, ``<|im_start|>``, ``<｜User｜>``,
+  ``<|start|>``, ``]~b]``, ...);
 - :func:`write_model`: a random MoE checkpoint of a transformers family (``OlmoeForCausalLM``,
-  ``Qwen3MoeForCausalLM``, ``DeepseekV3ForCausalLM``, ``GptOssForCausalLM``) from a config, written
-  with ``save_pretrained`` next to the tokenizer;
+  ``Qwen3MoeForCausalLM``, ``DeepseekV3ForCausalLM``, ``DeepseekV4ForCausalLM``,
+  ``GptOssForCausalLM``, ``MiniMaxM2ForCausalLM``) from a config, written with ``save_pretrained``
+  next to the tokenizer;
 - :func:`chat_rows` / :func:`write_chat_dataset`: ``{"messages": [user, assistant]}`` rows of
   random English words;
 - :func:`write_indexed_dataset`: Megatron's indexed dataset (``PREFIX.bin``/``PREFIX.idx``, what
@@ -40,9 +42,10 @@ __all__ = [
 ]
 
 VOCAB = 384
-#: ChatML and OLMoE's separators, then the ones ms-swift's ``deepseek_v2_5`` (DeepSeek-V3) and
-#: ``gpt_oss`` (harmony) templates write: each is one token, as in the real tokenizers, so that a
-#: template's separators never split into byte pieces of the random text around them
+#: ChatML and OLMoE's separators, then the ones ms-swift's ``deepseek_v2_5`` (DeepSeek-V3; its
+#: ``deepseek_v4`` writes the same), ``gpt_oss`` (harmony) and ``minimax_m2`` templates write: each is
+#: one token, as in the real tokenizers, so that a template's separators never split into byte pieces
+#: of the random text around them
 SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|pad|>",
@@ -60,6 +63,9 @@ SPECIAL_TOKENS = [
     "<|end|>",
     "<|return|>",
     "<|channel|>",
+    "]~!b[",
+    "]~b]",
+    "[e~[",
 ]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -163,10 +169,14 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "olmoe": ("olmoe.OlmoeConfig", "olmoe.OlmoeForCausalLM"),
     "qwen3_moe": ("qwen3_moe.Qwen3MoeConfig", "qwen3_moe.Qwen3MoeForCausalLM"),
     "qwen3": ("qwen3.Qwen3Config", "qwen3.Qwen3ForCausalLM"),  # dense: the plugin's refusal tests
-    # the other two routing styles of the transformers door: sigmoid + correction bias + groups, and
-    # top-k on the logits then softmax over the kept (``elastic_moe_plugin/hf/family_table.py``)
+    # other routing styles of the transformers door (``elastic_moe_plugin/hf/family_table.py``):
+    # sigmoid + correction bias + groups; the router's activation + correction bias, with hash-routed
+    # layers; top-k on the logits then softmax over the kept; sigmoid + a correction bias the block
+    # passes in
     "deepseek_v3": ("deepseek_v3.DeepseekV3Config", "deepseek_v3.DeepseekV3ForCausalLM"),
+    "deepseek_v4": ("deepseek_v4.DeepseekV4Config", "deepseek_v4.DeepseekV4ForCausalLM"),
     "gpt_oss": ("gpt_oss.GptOssConfig", "gpt_oss.GptOssForCausalLM"),
+    "minimax_m2": ("minimax_m2.MiniMaxM2Config", "minimax_m2.MiniMaxM2ForCausalLM"),
 }
 
 
