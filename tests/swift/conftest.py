@@ -2,10 +2,10 @@
 
 - ``tiny_assets`` (session, built by ``_tiny_assets.py``): a byte-level BPE tokenizer trained here
   with ``tokenizers`` (saved as a ``PreTrainedTokenizerFast`` with a chat template and the special
-  tokens swift's ``olmoe``, ``qwen3``, ``deepseek_v2_5`` and ``gpt_oss`` templates write), tiny
-  random OLMoE (top-2), Qwen3-MoE (top-4), DeepSeek-V3 and GPT-OSS (top-2) checkpoints (2 layers,
-  8 experts, hidden 64) saved with ``save_pretrained``, and a local jsonl of ``messages``. Nothing
-  is downloaded.
+  tokens swift's ``olmoe``, ``qwen3``, ``deepseek_v4``, ``gpt_oss`` and ``minimax_m2`` templates
+  write), tiny random OLMoE (top-2), Qwen3-MoE (top-4), DeepSeek-V4, GPT-OSS and MiniMax-M2 (top-2)
+  checkpoints (2 layers, DeepSeek-V4 3, 8 experts, hidden 64) saved with ``save_pretrained``, and a
+  local jsonl of ``messages``. Nothing is downloaded.
 - ``swift_runs`` (session): the subprocess runs the tests need (:data:`RUNS`: ``swift sft`` runs, the
   ``swift infer`` / ``swift export`` runs on their checkpoints, and the plugin probes of
   ``_plugin_probe.py``), launched together the first time any test asks for one, so their slow
@@ -367,15 +367,18 @@ RUNS = {
     "auto_top2": _auto_run("olmoe"),
     "auto_top8": _makefile_venv_run("qwen3_moe_top8"),  # typed in the Makefile's venv
     "dense_refused": _auto_run("qwen3_dense"),
-    # the transformers door's other routing styles, no settings either (test_swift_sft.py): DeepSeek-V3
-    # (sigmoid + correction bias + groups) and GPT-OSS (top-k on the logits, at mlp.router), top-2
-    "auto_deepseek_v3": _auto_run("deepseek_v3"),
+    # the transformers door's other routing styles, no settings either (test_swift_sft.py), top-2:
+    # DeepSeek-V4 (activation + correction bias, a hash-routed layer), GPT-OSS (top-k on the logits,
+    # at mlp.router) and MiniMax-M2 (sigmoid + a correction bias its block passes in)
+    "auto_deepseek_v4": _auto_run("deepseek_v4"),
     "auto_gpt_oss": _auto_run("gpt_oss", tensorboard=True),
+    "auto_minimax_m2": _auto_run("minimax_m2"),
     # inference and export on those checkpoints need no training schedule, and no plugin
     "infer_top8": _checkpoint_run("auto_top8", "infer", plugin=True),
     "export_top8": _checkpoint_run("auto_top8", "export", plugin=True),
     "no_plugin_infer_top2": _checkpoint_run("auto_top2", "infer", environment="no_plugin"),
-    "infer_gpt_oss": _checkpoint_run("auto_gpt_oss", "infer"),
+    "infer_deepseek_v4": _checkpoint_run("auto_deepseek_v4", "infer"),
+    "infer_minimax_m2": _checkpoint_run("auto_minimax_m2", "infer"),
 }
 _NEEDS_ASSETS = {name for name in RUNS if not name.startswith("probe_")}
 

@@ -8,22 +8,46 @@ before training with the plugin's message.
 
 How close the mean must be: with ``sampling=iid`` every routed token draws κ independently from
 the schedule's pmf q, so the logged mean over N tokens has standard error σ_q / √N. One step here
-routes at least ``tiny_assets.min_tokens_per_step`` (8 rows, > 2000 tokens) per layer, so the 5%
+routes at least ``tiny_assets.min_tokens_per_step`` (8 rows, over 1,900 tokens) per layer, so the 5%
 tolerance is more than 4 standard errors per layer (:func:`_assert_tolerance_is_safe` checks this
 from the numbers). ``sampling=balanced`` makes the per-step mean exact.
 
-The transformers door's other two routing styles, trained with ``swift sft --plugin elastic_moe`` and
-no settings (``conftest.RUNS``: ``auto_deepseek_v3``, ``auto_gpt_oss``; 2 steps, one checkpoint):
-a tiny DeepSeek-V3 (``DeepseekV3TopkRouter``: sigmoid, correction bias, 2 of 4 groups, ×2.5) and
-a tiny GPT-OSS (``GptOssTopKRouter`` at ``mlp.router``: top-k on the logits, softmax over the kept),
-both top-2 of 8 in every layer. Checked: the plan line (the layers, the family's gate), κ drawn over
-the whole 1-3 schedule in both layers, finite losses, TensorBoard, and ``swift infer`` on the GPT-OSS
-checkpoint (``infer_gpt_oss``: the router at ``mlp.router``; a checkpoint is stock whatever the
-routing style, as ``test_swift_lifecycle.py`` shows on OLMoE and Qwen3-MoE).
+Three more of the transformers door's routing styles, trained with ``swift sft --plugin
+elastic_moe`` under their own ms-swift model types and templates and no settings (``conftest.RUNS``:
+``auto_deepseek_v4``, ``auto_gpt_oss``, ``auto_minimax_m2``; 2 steps, one checkpoint), each top-2
+of 8 experts:
+
+- DeepSeek-V4 (``deepseek_v4`` / ``deepseek_v4``; 3 layers: ``hash_moe``, ``moe``, ``moe``): its
+  hash-routed first layer takes its experts from a token-id table, so it has no ranking to cut at
+  κ and stays static by construction; the plan line says so, with the reason, and nothing is
+  recorded or logged for it (tests/hf shows it stays stock bit for bit); layers 1-2
+  (``DeepseekV4TopKRouter``: the sqrt-softplus activation, selection on it plus the correction
+  bias) draw κ over the whole schedule;
+- GPT-OSS (``GptOssTopKRouter`` at ``mlp.router``: top-k on the logits, softmax over the kept),
+  the run that reports to TensorBoard;
+- MiniMax-M2 (``minimax_m2`` / ``minimax_m2``: sigmoid, selection on the scores plus the
+  correction bias its block passes to the router).
+
+Checked: the plan line (the family's rule and gate, which layers are elastic and which static, and
+why), κ over the whole 1-3 schedule at its pmf in every elastic layer, finite losses, the aux loss
+(all three models return a load-balancing loss), and ``swift infer`` (transformers backend, the
+run's checkpoint, no settings) generating on the DeepSeek-V4 and MiniMax-M2 checkpoints
+(``infer_deepseek_v4``, ``infer_minimax_m2``).
+
+What these runs replaced, for the CI's time (each ms-swift process costs about 20 CPU-seconds): a
+DeepSeek-V3 run (sigmoid + correction bias within 2 of 4 groups), whose group-limited rule
+tests/hf proves in process (the rule against its hand-written reference, the group reach, the plan
+line), and ``swift infer`` on the GPT-OSS checkpoint: a checkpoint is stock whatever the routing
+style (``test_swift_lifecycle.py`` shows it on OLMoE and Qwen3-MoE), so inference is checked where
+it is new: the two model types, their templates' inference prompts and response prefixes.
+Gemma 4, the third family new to the transformers door, cannot be built by ms-swift on this CPU
+machine (its processor needs torchvision, whose PyPI wheels do not import beside the CPU torch);
+``tests/hf/test_hf_trainer.py`` trains it with a plain ``transformers.Trainer`` instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -46,17 +70,36 @@ TRAINING_RUNS = {
     "olmoe_iid": ("olmoe", 2, "1-3", "iid"),
     "qwen3_moe_yaml_balanced": ("qwen3_moe", 4, "2-6", "balanced"),
 }
-#: run -> (model, swift --model_type, swift --template, the family's own gate, whether the model returns
-#: an aux loss): both families renormalise over the kept experts (DeepSeek-V3: norm_topk_prob=True;
-#: GPT-OSS: softmax over the kept logits, always), and DeepseekV3ForCausalLM has no load-balancing loss
-#: (its correction bias balances), so swift logs no aux_loss for it
+#: the plan line's static part where every MoE layer ranks its experts
+NO_STATIC = "static: none"
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyRun:
+    """One ``auto_*`` run of :data:`FAMILY_RUNS`: the model, its ms-swift model type and template,
+    the family's routing rule (all three renormalise over the kept experts), its number of MoE
+    layers, those that route elastically (the layers the logs carry), and the plan line's static
+    part."""
+
+    model: str
+    model_type: str
+    template: str
+    rule: str
+    moe_layers: int = 2
+    elastic: tuple[int, ...] = (0, 1)
+    static: str = NO_STATIC
+
+
+#: every family here returns a load-balancing loss, so swift logs an aux_loss for each
 FAMILY_RUNS = {
-    "auto_deepseek_v3": ("deepseek_v3", "deepseek_v3", "deepseek_v2_5", "sigmoid_bias", "renormalized", False),
-    "auto_gpt_oss": ("gpt_oss", "gpt_oss", "gpt_oss", "logits_topk", "renormalized", True),
+    "auto_deepseek_v4": FamilyRun(
+        "deepseek_v4", "deepseek_v4", "deepseek_v4", "activation_bias", moe_layers=3, elastic=(1, 2),
+        static="static top-2 (hash-routed: experts from a token-id table, no ranking to cut at κ): layers 0"),
+    "auto_gpt_oss": FamilyRun("gpt_oss", "gpt_oss", "gpt_oss", "logits_topk"),
+    "auto_minimax_m2": FamilyRun("minimax_m2", "minimax_m2", "minimax_m2", "sigmoid_bias"),
 }
 FAMILY_TOPK = 2
-#: the schedule no settings resolve for top-2 of 8 (k-2..k+2, within the experts); DeepSeek-V3's
-#: group limit keeps 2 groups of 2 experts, 4 candidates, so κ=3 fits in it
+#: the schedule no settings resolve for top-2 of 8 (k-2..k+2, within the experts)
 FAMILY_SCHEDULE = "1-3"
 
 
@@ -188,25 +231,36 @@ def _family_runs(names):
     return [pytest.param(name, marks=pytest.mark.swift_runs(name), id=name) for name in names]
 
 
+def _layers_text(layers: tuple[int, ...]) -> str:
+    """The plan line's form of consecutive layers: ``0-1``, ``1-2``."""
+    assert list(layers) == list(range(layers[0], layers[-1] + 1))
+    return f"{layers[0]}-{layers[-1]}"
+
+
 @pytest.mark.parametrize("run", _family_runs(FAMILY_RUNS))
-def test_swift_sft_trains_deepseek_v3_and_gpt_oss_elastically(swift_runs, tiny_assets, run):
-    """``swift sft --plugin elastic_moe`` with no settings on a tiny DeepSeek-V3 / GPT-OSS: the plan
-    line names both layers and the family's own gate, κ is drawn over the whole 1-3 schedule in both
-    layers, the loss is finite, and (GPT-OSS, the run that reports to it) TensorBoard gets the same metrics."""
+def test_swift_sft_trains_deepseek_v4_gpt_oss_and_minimax_m2_elastically(swift_runs, tiny_assets, run):
+    """``swift sft --plugin elastic_moe`` with no settings on a tiny DeepSeek-V4 / GPT-OSS / MiniMax-M2:
+    the plan line names the family's rule and gate, its elastic layers and its static ones with the
+    reason, κ is drawn over the whole 1-3 schedule at its pmf in every elastic layer (the logs carry
+    no other), the losses and the aux loss are finite, and (GPT-OSS, the run that reports to it)
+    TensorBoard gets the same metrics."""
     result = swift_runs.result(run)
-    model, model_type, template, rule, gate, has_aux_loss = FAMILY_RUNS[run]
+    family = FAMILY_RUNS[run]
     assert result.returncode == 0, result.describe()
     assert not [key for key in result.env if key.startswith("ELASTIC_MOE_")]
     flags = dict(zip(result.argv, result.argv[1:]))
-    assert (flags["--model_type"], flags["--template"], flags["--plugin"]) == (model_type, template, "elastic_moe")
+    assert (flags["--model_type"], flags["--template"], flags["--plugin"]) == (
+        family.model_type, family.template, "elastic_moe")
     assert "elastic-moe: plugin elastic_moe: passing it to ms-swift as --external_plugins" in result.output
-    checked = f"checked against {tiny_assets.model_dir(model)} (top-{FAMILY_TOPK} of {NUM_EXPERTS} experts)"
+    checked = f"checked against {tiny_assets.model_dir(family.model)} (top-{FAMILY_TOPK} of {NUM_EXPERTS} experts)"
     assert checked in result.output, result.describe()
-    # the plan line names the family's routing rule and its own gate (no ELASTIC_MOE_GATE was set)
-    plan = (f"elastic-moe plan (transformers, 2 MoE layers): elastic {FAMILY_SCHEDULE} around k={FAMILY_TOPK} "
-            f"(σ=1.5), {model} {rule} rule, {gate} gate, iid sampling: layers 0-1; static: none; {RESOLVED_FROM_MODEL}")
+    # the plan line names the family's routing rule, its own gate (no ELASTIC_MOE_GATE was set) and
+    # the layers: elastic, and static with the reason
+    plan = (f"elastic-moe plan (transformers, {family.moe_layers} MoE layers): elastic {FAMILY_SCHEDULE} around "
+            f"k={FAMILY_TOPK} (σ=1.5), {family.model} {family.rule} rule, renormalized gate, iid sampling: layers "
+            f"{_layers_text(family.elastic)}; {family.static}; {RESOLVED_FROM_MODEL}")
     assert result.output.count(plan) == 1, result.describe()
-    assert f"with a renormalised gate ({model} routers)" in result.output, result.describe()
+    assert f"with a renormalised gate ({family.model} routers)" in result.output, result.describe()
 
     schedule = _schedule(FAMILY_SCHEDULE, FAMILY_TOPK)
     standard_error = _assert_tolerance_is_safe(schedule, tiny_assets.min_tokens_per_step)
@@ -214,22 +268,24 @@ def test_swift_sft_trains_deepseek_v3_and_gpt_oss_elastically(swift_runs, tiny_a
     assert [row["global_step/max_steps"] for row in rows] == ["1/2", "2/2"], result.describe()
     for row in rows:
         assert math.isfinite(row["loss"]) and row["loss"] > 0 and math.isfinite(row["grad_norm"]), row
-        assert ("aux_loss" in row) == has_aux_loss, sorted(row)
-        if has_aux_loss:  # E·Σ f_i P_i with Σ f_i = mean κ: about k for a near-uniform router
-            assert 0.5 * FAMILY_TOPK < row["aux_loss"] < 2 * FAMILY_TOPK, row["aux_loss"]
-        means = [row[f"elastic_moe/layer_{layer}/mean_kappa"] for layer in LAYERS]
+        # E·Σ f_i P_i with Σ f_i = mean κ: about k for a near-uniform router
+        assert 0.5 * FAMILY_TOPK < row["aux_loss"] < 2 * FAMILY_TOPK, row["aux_loss"]
+        # the elastic layers, and no other: a hash-routed layer has no ranking, and no records
+        logged_layers = {key.split("/")[1] for key in row if key.startswith("elastic_moe/layer_")}
+        assert logged_layers == {f"layer_{layer}" for layer in family.elastic}, sorted(logged_layers)
+        means = [row[f"elastic_moe/layer_{layer}/mean_kappa"] for layer in family.elastic]
         assert row["elastic_moe/mean_kappa"] == pytest.approx(sum(means) / len(means), abs=1e-6)
-        for layer, mean in zip(LAYERS, means):
+        for layer, mean in zip(family.elastic, means):
             prefix = f"elastic_moe/layer_{layer}/"
-            assert abs(mean - FAMILY_TOPK) <= TOLERANCE * FAMILY_TOPK, (layer, mean, standard_error)
             fractions = {b: row[f"{prefix}kappa_frac_{b}"] for b in schedule.budgets}
             assert f"{prefix}kappa_frac_{schedule.high + 1}" not in row
             assert sum(fractions.values()) == pytest.approx(1.0, abs=1e-6)
             assert sum(b * share for b, share in fractions.items()) == pytest.approx(mean, abs=1e-6)
+            assert abs(mean - FAMILY_TOPK) <= TOLERANCE * FAMILY_TOPK, (layer, mean, standard_error)
             for budget, q in zip(schedule.budgets, schedule.pmf):  # every budget drawn, at its pmf
                 assert abs(fractions[budget] - q) < 0.06, (layer, budget, fractions[budget], q)
             assert row[f"{prefix}topk_set_changed_frac"] == pytest.approx(1 - fractions[FAMILY_TOPK], abs=1e-6)
-            # renormalised over the kept experts (DeepSeek-V3's ×routed_scaling_factor is not part of it)
+            # renormalised over the kept experts (a routed_scaling_factor is not part of it)
             assert row[f"{prefix}retained_weight_sum_mean"] == pytest.approx(1.0, abs=1e-5)
             assert 1.0 <= row[f"{prefix}tokens_per_expert_max_over_mean"] < NUM_EXPERTS
     # the logging path is the family's no more than the schedule is: one family's run reports to TensorBoard
@@ -238,21 +294,27 @@ def test_swift_sft_trains_deepseek_v3_and_gpt_oss_elastically(swift_runs, tiny_a
         _assert_tensorboard_matches_the_log(result)
 
 
-#: infer run -> the training run whose checkpoint it reads
-FAMILY_INFER_RUNS = {"infer_gpt_oss": "auto_gpt_oss"}
+#: infer run -> (the training run whose checkpoint it reads, what the template puts before the generated
+#: text of a response: both templates think by default, DeepSeek-V4's closes the thought at once)
+FAMILY_INFER_RUNS = {"infer_deepseek_v4": ("auto_deepseek_v4", "</think>"),
+                     "infer_minimax_m2": ("auto_minimax_m2", "<think>\n")}
 
 
 @pytest.mark.parametrize("run", _family_runs(FAMILY_INFER_RUNS))
-def test_swift_infer_runs_on_the_gpt_oss_checkpoint(swift_runs, run):
+def test_swift_infer_runs_on_the_deepseek_v4_and_minimax_m2_checkpoints(swift_runs, run):
     """``swift infer`` (transformers backend, 2 rows of the dataset, 4 new tokens) on the checkpoint
     of each run above, with no settings: the checkpoint's args.json names the model type and
-    template, and asks for no plugin."""
+    template, and asks for no plugin; each response is the template's prefix, then what the model
+    generated."""
     result = swift_runs.result(run)
+    trained, prefix = FAMILY_INFER_RUNS[run]
     assert result.returncode == 0, result.describe()
-    assert "checkpoint-2" in result.argv[result.argv.index("--model") + 1]
+    model = result.argv[result.argv.index("--model") + 1]
+    assert f"/{trained}" in model and model.endswith("checkpoint-2"), model
     rows = [json.loads(line) for line in result.result_file.read_text().splitlines() if line.strip()]
-    assert len(rows) == 2 and all(isinstance(row["response"], str) for row in rows), rows
-    assert any(row["response"] for row in rows), rows  # generated something (random weights: anything)
+    assert len(rows) == 2 and all(row["response"].startswith(prefix) for row in rows), rows
+    # generated something after the prefix (random weights: anything)
+    assert any(row["response"].removeprefix(prefix) for row in rows), rows
     assert "Traceback" not in result.output
     assert "Successfully imported external_plugins" not in result.output and "elastic_moe" not in result.output
 
