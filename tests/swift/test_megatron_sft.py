@@ -21,7 +21,23 @@ unless said otherwise):
 - ``export``: ``megatron export --to_hf`` (ms-swift 4.6's converter back to Hugging Face) of the
   elastic checkpoint; ``mg_forward``: Megatron's static forward of that checkpoint
   (``_megatron_forward.py``); ``hf``: the exported checkpoint in plain transformers, plugin
-  unimportable (``_hf_logits.py``).
+  unimportable (``_hf_logits.py``);
+- ``minimax_m2``: a tiny MiniMax-M2 (``minimax_m2``, 2 layers, top-2 of 8; its ``config.json``
+  carries the real checkpoint's ``scoring_func: sigmoid`` and ``use_qk_norm: true``, without which
+  mcore-bridge silently builds a different model: a softmax router, no expert bias, no q/k norms),
+  ``--plugin elastic_moe`` with 1-3 in layer 1 only (``ELASTIC_MOE_LAYERS=1``), the observer
+  replaying stock routing on every router forward.
+
+One MiniMax-M2 run stands in for its own stock/static/elastic trio (each ``megatron sft`` process
+costs about 30 CPU-seconds). The Qwen3-MoE pair proves what holds for every model: a static
+schedule leaves a whole ``megatron sft`` run stock, loss and gradients digit for digit, since the
+patched ``TopKRouter.routing`` runs the original method wherever a layer is static. What is
+MiniMax-M2's own is its router (mcore-bridge's ``TopKRouter`` subclass: sigmoid scores, an expert
+bias updated from the counts the router records), and in that run the observer calls the stock
+method (``TopKRouter.routing.__wrapped__``) on the router's own logits after each training forward,
+gradients off so that nothing is recorded twice: static layer 0 returns stock's weights and map bit
+for bit on every step, while layer 1 draws κ at the pmf and keeps stock's experts and weights on
+its κ = k tokens.
 
 Under megatron-core 0.16 (the CI's second pass, ``-m megatron``) only ``stock``, ``static`` and
 ``elastic`` run, with their assertions: that pass checks the 0.16 code paths of the CPU runtime and
@@ -87,6 +103,10 @@ needs_full_pass = pytest.mark.skipif(MCORE_016, reason="megatron-core 0.16 pass:
                                                       "budget); this one runs on 0.19.2")
 
 MODEL = "qwen3_moe_k2"
+#: the tiny MiniMax-M2 (tests/swift/_tiny_assets.py) and the layers its run routes elastically
+MINIMAX, MINIMAX_ELASTIC = "minimax_m2", (1,)
+#: model -> (megatron sft --model_type, --template)
+MODEL_TYPES = {MODEL: ("qwen3_moe", "qwen3"), MINIMAX: ("minimax_m2", "minimax_m2")}
 TOPK, NUM_EXPERTS, LAYERS = 2, 8, (0, 1)
 SCHEDULE = "1-3"
 STEPS, MICRO_BATCH, MAX_LENGTH = 4, 2, 192
@@ -182,8 +202,9 @@ class Run:
         return next(record["te"] for record in self.records()[rank] if "te" in record)
 
 
-def _site(work: Path, hook: bool) -> Path:
-    """The run's second ``sitecustomize``: the observer, and the ms-swift start-up hook if asked."""
+def _site(work: Path, hook: bool, replay: bool = False) -> Path:
+    """The run's second ``sitecustomize``: the observer (``replay``: replaying stock routing), and the
+    ms-swift start-up hook if asked."""
     site_dir = work / "site"
     site_dir.mkdir(parents=True)
     lines = [
@@ -191,7 +212,7 @@ def _site(work: Path, hook: bool) -> Path:
         f"spec = importlib.util.spec_from_file_location('_elastic_moe_tests_megatron_observer', {str(OBSERVER)!r})",
         "observer = importlib.util.module_from_spec(spec)",
         "spec.loader.exec_module(observer)",
-        f"observer.install({str(work / 'observed')!r})",
+        f"observer.install({str(work / 'observed')!r}, replay_stock={replay})",
     ]
     if hook:
         hook_dir = site_dir / "hook"
@@ -202,9 +223,10 @@ def _site(work: Path, hook: bool) -> Path:
     return site_dir
 
 
-def _env(base: dict[str, str], work: Path, *, hook: bool = False, nproc: int | None = 1, **extra: str) -> dict[str, str]:
+def _env(base: dict[str, str], work: Path, *, hook: bool = False, replay: bool = False, nproc: int | None = 1,
+         **extra: str) -> dict[str, str]:
     bootstrap = [str(BOOTSTRAP)] if DEVICE == "cpu" else []  # the CPU runtime, in every process of the run
-    path = [*bootstrap, str(_site(work, hook)), str(ROOT), *filter(None, [base.get("PYTHONPATH")])]
+    path = [*bootstrap, str(_site(work, hook, replay)), str(ROOT), *filter(None, [base.get("PYTHONPATH")])]
     env = {**base, "PYTHONPATH": os.pathsep.join(path), **extra}
     if DEVICE == "cpu":
         env["EMOE_BOOTSTRAP"] = "megatron_swift"
@@ -220,9 +242,10 @@ PLUGIN = {"path": ["--external_plugins", "patches/elastic_moe.py", "--callbacks"
 
 
 def _sft(assets, work: Path, plugin: str, *, steps: int = STEPS, global_batch: int = MICRO_BATCH,
-         extra: tuple[str, ...] = (), per_layer: bool = False) -> list[str]:
+         extra: tuple[str, ...] = (), per_layer: bool = False, model: str = MODEL) -> list[str]:
+    model_type, template = MODEL_TYPES[model]
     return [
-        _megatron(), "sft", "--model", str(assets.model_dir(MODEL)), "--model_type", "qwen3_moe", "--template", "qwen3",
+        _megatron(), "sft", "--model", str(assets.model_dir(model)), "--model_type", model_type, "--template", template,
         "--dataset", str(assets.dataset), "--split_dataset_ratio", "0", "--check_model", "false",
         *PLUGIN[plugin],
         "--tuner_type", "full", "--finetune", "true", "--micro_batch_size", str(MICRO_BATCH),
@@ -246,7 +269,7 @@ def runs(tiny_assets, swift_base_env, tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("megatron_sft")
     base = swift_base_env
     work = {name: tmp / name for name in ("stock", "static", "elastic", "resume", "export",
-                                           "mg_forward", "hf")}
+                                           "mg_forward", "hf", "minimax_m2")}
     elastic_env = {"ELASTIC_MOE_SCHEDULE": SCHEDULE}
     static_env = {"ELASTIC_MOE_SCHEDULE": "static"}
     checkpoint = work["elastic"] / "out" / "checkpoint-4"
@@ -275,6 +298,9 @@ def runs(tiny_assets, swift_base_env, tmp_path_factory) -> dict[str, Run]:
                    str(work["hf"] / "logits.pt"), f"exported={work['export'] / 'hf'}",
                    f"initial={tiny_assets.model_dir(MODEL)}"],
             {k: v for k, v in base.items() if k != "PYTHONPATH"}, work["hf"], after=("export", "mg_forward")),
+        # last: it fills the slot the export's chain leaves free
+        Job("minimax_m2", _sft(tiny_assets, work["minimax_m2"], "--plugin", model=MINIMAX),
+            _env(base, work["minimax_m2"], hook=True, replay=True, ELASTIC_MOE_LAYERS="1", **elastic_env), ROOT),
     ]
     if MCORE_016:
         jobs = [job for job in jobs if job.name in CORE_RUNS]
@@ -452,3 +478,45 @@ def test_the_exported_checkpoint_loads_in_plain_transformers_and_matches_megatro
           f"logit scale {megatron['logits'].abs().max().item():.3f}")
     assert difference <= EXPORT_ATOL
     assert before_training > 100 * EXPORT_ATOL
+
+
+@needs_full_pass
+def test_minimax_m2_static_layer_routes_stock_and_its_elastic_layer_follows_the_pmf(runs):
+    """``megatron sft --plugin elastic_moe`` on MiniMax-M2 (mcore-bridge's model type ``minimax_m2``),
+    schedule 1-3 in layer 1 only: mcore-bridge built the router the checkpoint describes (sigmoid
+    scores with an expert bias, q/k norms: read from ``config.json``'s ``scoring_func`` and
+    ``use_qk_norm``); the plan line names the gate, the elastic layer and the static one; static
+    layer 0 returns megatron-core's stock routing of the same logits bit for bit on every step (the
+    observer's replay, module docstring), which is what a static schedule does in every layer; layer
+    1's κ histogram follows the pmf, and its κ = k tokens keep stock's experts and weights; the
+    losses and the load-balancing loss are finite."""
+    run = _ok(runs, "minimax_m2")
+    output = run.output
+    # sigmoid_auto: megatron-core's sigmoid weighing (the kept scores renormalised for κ > 1, the raw score at κ = 1)
+    plan = ("elastic-moe plan (megatron-core, 2 MoE layers): elastic 1-3 around k=2 (σ=1.5), sigmoid_auto gate, "
+            "iid sampling: layers 1; static top-2: layers 0")
+    assert output.count(plan) == 1, run.result.describe()
+    forwards = run.forwards()
+    assert len(forwards) == STEPS * len(LAYERS)
+    # the router mcore-bridge built from config.json: sigmoid scores, an expert bias, q/k norms
+    assert {(r["score_function"], r["expert_bias"], r["qk_layernorm"]) for r in forwards} == {("sigmoid", True, True)}
+    schedule = _schedule()
+    for record in forwards:
+        if record["layer"] not in MINIMAX_ELASTIC:
+            assert record["stock_equal"], record  # weights and map, bit for bit
+            assert record["counts"][TOPK] == sum(record["counts"]), record
+    for layer in MINIMAX_ELASTIC:
+        at_layer = [record for record in forwards if record["layer"] == layer]
+        counts = _histogram(at_layer, layer)
+        print(f"minimax_m2 layer {layer}: κ histogram {dict(sorted(counts.items()))} over {sum(counts.values())} "
+              f"tokens; pmf {dict(zip(schedule.budgets, (round(q, 4) for q in schedule.pmf)))}")
+        assert set(counts) <= set(schedule.budgets) and not _z_bound(counts, schedule), _z_bound(counts, schedule)
+        assert not any(record["stock_equal"] for record in at_layer)  # the replay can tell them apart
+        for record in at_layer:  # at κ = k, elastic top-κ is stock top-k: same experts, same weights
+            assert record["at_k_same_experts"] == record["counts"][TOPK] > 0, record
+            assert record["at_k_max_weight_difference"] <= 1e-6, record
+    rows = run.rows()
+    assert [row["iteration"] for row in rows] == [f"{step}/{STEPS}" for step in range(1, STEPS + 1)]
+    for row in rows:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0, row
+        assert math.isfinite(row["load_balancing_loss"]) and row["load_balancing_loss"] > 0, row
