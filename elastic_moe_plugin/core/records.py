@@ -234,6 +234,8 @@ class RouterSite:
         num_experts: E.
         part: what tells this router from the others of its layer, where its layer holds several
             (the differing part of their module paths); None for a layer's only router.
+        static: the router cannot rank (DeepSeek-V4's hash-routed layers): its layer is static by
+            construction, never patched, and read as a static layer once the model has trained.
     """
 
     name: str
@@ -242,6 +244,7 @@ class RouterSite:
     topk: int
     num_experts: int
     part: str | None = None
+    static: bool = False
 
 
 # ---------------------------------------------------------------------------------- by layer
@@ -355,17 +358,19 @@ def _resolved_plan(router: torch.nn.Module) -> tuple[bool, LayerPlan | None]:
 
 def static_layers(sites: Sequence[RouterSite]) -> dict[LayerKey, int]:
     """``{layer index: k}`` of the routers that ran a training forward as stock top-k (outside
-    ``ElasticConfig.layers``, or a ``static`` schedule): their resolved plan is None.
+    ``ElasticConfig.layers``, or a ``static`` schedule): their resolved plan is None; and, once
+    another router has, of the routers that cannot rank (:attr:`RouterSite.static`).
 
     Raises:
         ValueError: two of those routers share a layer index.
     """
-    rows = []
+    rows, trained = [], False
     for index, site in keyed_sites(sites):
         resolved, plan = _resolved_plan(site.router)
-        if resolved and plan is None:
+        trained = trained or resolved
+        if (resolved and plan is None) or site.static:
             rows.append((index, site, site.topk))
-    return _by_layer(rows)
+    return _by_layer([row for row in rows if trained or not row[1].static])
 
 
 def trained_schedule(sites: Sequence[RouterSite]) -> tuple[BudgetSchedule, int] | None:
@@ -392,14 +397,14 @@ def model_plans(
 ) -> tuple[dict[LayerKey, LayerPlan | None], dict[LayerKey, int]]:
     """``({layer index: training plan, None = stock top-k}, {layer index: k})`` of every router,
     resolved by the adapter's ``resolve_plan`` as a first training forward resolves it (nothing is
-    cached); ``({}, {})`` when ``config`` is None or disabled.
+    cached; a router that cannot rank is None); ``({}, {})`` when ``config`` is None or disabled.
 
     Raises:
         ValueError: two routers share a layer index.
     """
     if config is None or not config.enabled:
         return {}, {}
-    rows = [(index, site, resolve_plan(site)) for index, site in keyed_sites(sites)]
+    rows = [(index, site, None if site.static else resolve_plan(site)) for index, site in keyed_sites(sites)]
     plans = _by_layer(rows)
     return plans, {index: site.topk for index, site, _ in rows}
 

@@ -313,10 +313,6 @@ def model_plans(model: torch.nn.Module) -> tuple[dict[LayerKey, LayerPlan | None
     plans, topk = core_records.model_plans(
         router_sites(model), config, lambda site: resolve_plan(site.router, families[type(site.router)], config)
     )
-    if plans:
-        for index, k, _ in _static_layers(model):
-            plans.setdefault(index, None)
-            topk.setdefault(index, k)
     return dict(sorted(plans.items(), key=lambda item: (layer_of(item[0]), part_of(item[0])))), topk
 
 

@@ -95,8 +95,12 @@ def test_deepseek_v4_hash_layers_are_static_by_construction_and_named_in_the_pla
         "elastic-moe plan (transformers, 3 MoE layers): elastic 1-3 around k=2 (σ=1.5), deepseek_v4 activation_bias "
         "rule, renormalized gate, iid sampling: layers 1-2; static top-2 (hash-routed: experts from a token-id "
         "table, no ranking to cut at κ): layers 0")
+    assert hf.routing_metrics(model) == {}  # nothing before a training forward
     model(**tiny.inputs("deepseek_v4"))
     assert set(hf.routing_records(model)) == {1, 2}
+    values = hf.routing_metrics(model)  # the hash layer is logged as a static layer, at κ = k
+    assert values["elastic_moe/layer_0/mean_kappa"] == 2.0 and values["elastic_moe/layer_0/kappa_frac_2"] == 1.0
+    assert all(values[f"elastic_moe/layer_{layer}/kappa_frac_2"] < 1.0 for layer in (1, 2))  # 16 draws each
 
     hf.remove()
     hf.apply(ElasticConfig(schedule="1-3", layers="0"))
