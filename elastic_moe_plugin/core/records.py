@@ -281,9 +281,9 @@ def _by_layer(entries: Iterable[tuple[LayerKey, RouterSite, Any]]) -> dict[Any, 
     for index, site, value in entries:
         if index in values:
             raise ValueError(
-                f"routers {names[index]!r} and {site.name!r} both have decoder-layer index {index}: the model has "
-                f"several MoE stacks (e.g. Qwen3-Omni's thinker and talker) or routers without a layer number. "
-                f"Pass one stack (e.g. routing_records(model.thinker)), or set each router's layer number."
+                f"routers {names[index]!r} and {site.name!r} both have decoder-layer index {index}, and nothing in "
+                f"their module paths tells them apart (a router tagged with another's layer number, or without "
+                f"one). Set each router's own layer number (hf.set_layer_index, or Megatron's layer_number)."
             )
         values[index] = value
         names[index] = site.name

@@ -16,12 +16,12 @@ and :mod:`elastic_moe_plugin.core.metrics` into logged scalars, only when a logg
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from elastic_moe_plugin.core.budget_stream import BudgetDraw, StreamHome
+from elastic_moe_plugin.core.budget_stream import BudgetDraw, StreamHome, to_device
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.core.routing import Routing, RoutingRule
 
@@ -29,7 +29,15 @@ from elastic_moe_plugin.core.routing import Routing, RoutingRule
 STATE_ATTR = "_elastic_state"
 #: draws a router keeps for a recompute to replay: a looped router's passes per forward (Inkling-2-
 #: Loop: 3 by default), with room; without checkpointing nothing replays them, and the oldest go
-MAX_PENDING_DRAWS = 16
+MAX_PENDING_DRAWS = 8
+
+
+class PendingDraw(NamedTuple):
+    """A draw kept for a recompute, on the host only: κ [T] (int64 numpy), Σκ, κ's histogram."""
+
+    host_budgets: np.ndarray
+    total: int
+    counts: np.ndarray | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +62,12 @@ class RouterState:
         layer_index: the 0-based decoder-layer index, where the door tags it (transformers).
         tensor_parallel_group: the group whose ranks share this router's tokens (transformers).
         latest_draw: the :class:`~.budget_stream.BudgetDraw` of the latest forward.
-        pending_draws: the draws of this step's forwards that no recompute has replayed yet, in
-            call order (a router run several times per forward, as Inkling-2-Loop's looped layers,
-            draws once per pass; a checkpoint's backward recomputes the passes in reverse order and
-            replays them last first: :meth:`replay`). Bounded by :data:`MAX_PENDING_DRAWS`.
+        pending_draws: where the door replays draws (transformers), the draws of this step's
+            forwards that no recompute has replayed yet, in call order, on the host (a router run
+            several times per forward, as Inkling-2-Loop's looped layers, draws once per pass; a
+            checkpoint's backward recomputes the passes in reverse order and replays them last
+            first: :meth:`replay`). Bounded by :data:`MAX_PENDING_DRAWS`; ``dropped_draws`` counts
+            those dropped since the last replay.
         replayed: the draw the latest recompute replayed (a second recompute of it replays it again).
         routed: what the latest training forward routed, ``(budgets κ [T], ids [T, b], kept
             [T, b], gate weights [T, b] detached, capacity_dropped [T, b] or None, κ's host
@@ -67,8 +77,8 @@ class RouterState:
             tensor for κ the device computed.
     """
 
-    __slots__ = ("generation", "histogram", "latest_draw", "layer_index", "options", "path", "pending_draws", "record",
-                 "replayed", "routed", "tensor_parallel_group")  # fmt: skip
+    __slots__ = ("dropped_draws", "generation", "histogram", "latest_draw", "layer_index", "options", "path",
+                 "pending_draws", "record", "replayed", "routed", "tensor_parallel_group")  # fmt: skip
 
     def __init__(self) -> None:
         self.generation: Any = None
@@ -77,7 +87,8 @@ class RouterState:
         self.layer_index: int | None = None
         self.tensor_parallel_group: Any = None
         self.latest_draw: BudgetDraw | None = None
-        self.pending_draws: list[BudgetDraw] = []
+        self.pending_draws: list[PendingDraw] = []
+        self.dropped_draws = 0
         self.replayed: BudgetDraw | None = None
         self.routed: tuple | None = None
         self.record: Any = None
@@ -93,26 +104,43 @@ class RouterState:
         self.generation, self.path, self.options = generation, path, options
         return self
 
-    def draw(self, path: ElasticPath, num_tokens: int, device: torch.device) -> BudgetDraw:
-        """κ [T] of this router's forward: one draw of its stream on its shard, kept as the latest and
-        pending a recompute's replay (a draw after a replay starts a new step: the pending ones of the
-        last are dropped)."""
+    def draw(self, path: ElasticPath, num_tokens: int, device: torch.device, *, replayable: bool = False) -> BudgetDraw:
+        """κ [T] of this router's forward: one draw of its stream on its shard, kept as the latest;
+        with ``replayable`` (a door whose recompute replays it: transformers) also kept, on the host,
+        pending a recompute (:meth:`replay`; a draw after a replay starts a new step and drops the
+        last step's pending ones)."""
         plan = path.plan
         drawn = path.stream.draw(plan.schedule, plan.sampling, path.shard, num_tokens, device)
         self.latest_draw = drawn
-        if self.replayed is not None:
-            self.pending_draws.clear()
-            self.replayed = None
-        self.pending_draws.append(drawn)
-        if len(self.pending_draws) > MAX_PENDING_DRAWS:  # no checkpointing: nothing replays them
-            del self.pending_draws[0]
+        if replayable:
+            if self.replayed is not None:
+                self.pending_draws.clear()
+                self.replayed, self.dropped_draws = None, 0
+            # host arrays only: no device memory held for a recompute that may never come
+            self.pending_draws.append(PendingDraw(drawn.host_budgets, drawn.total, drawn.counts))
+            if len(self.pending_draws) > MAX_PENDING_DRAWS:  # without checkpointing nothing replays them
+                del self.pending_draws[0]
+                self.dropped_draws += 1
         return drawn
 
-    def replay(self) -> BudgetDraw | None:
-        """The draw a gradient-checkpointing recompute replays: the latest pending one (passes
-        recompute in reverse order), else the one the last recompute replayed; None before any."""
+    def replay(self, device: torch.device) -> BudgetDraw | None:
+        """The draw a gradient-checkpointing recompute replays, κ on ``device``: the latest pending
+        one (the passes of a looped router recompute in reverse order), else the one the last
+        recompute replayed (a second recompute of it); None before any.
+
+        Raises:
+            RuntimeError: the draw to replay was dropped (more passes since the last step than
+                :data:`MAX_PENDING_DRAWS`).
+        """
         if self.pending_draws:
-            self.replayed = self.pending_draws.pop()
+            kept = self.pending_draws.pop()
+            self.replayed = BudgetDraw(to_device(kept.host_budgets, device), kept.host_budgets, kept.total, kept.counts)
+        elif self.dropped_draws and self.replayed is not None:
+            raise RuntimeError(
+                f"elastic-moe: a gradient-checkpointing recompute needs a κ this router dropped: it ran more than "
+                f"{MAX_PENDING_DRAWS} times since its last backward, the most passes of a looped layer it keeps "
+                f"for a recompute. Disable gradient checkpointing, or run fewer passes."
+            )
         return self.replayed
 
     def remember(

@@ -92,8 +92,9 @@ class RoutingRule:
             routers; 0 where the framework divides by the plain sum).
         renormalization_min: a floor on the kept sum instead of ε: the denominator is
             max(Σ_{j∈S} s_j, floor) (ERNIE-4.5's ``moe_norm_min``; ``None``: no floor).
-        renormalization_p: ``kept_sum`` divides by the p-norm of the kept scores,
-            (Σ_{j∈S} s_j^p)^(1/p) (DBRX's ``moe_normalize_expert_weights``); 1: their sum.
+        renormalization_p: ``kept_sum`` divides by the p-norm of the kept scores instead,
+            (Σ_{j∈S} |s_j|^p)^(1/p), as ``torch.linalg.vector_norm`` computes it (DBRX's
+            ``moe_normalize_expert_weights``; its p = 1 is the sum by that kernel); None: the sum.
         num_groups / groups_kept: group-limited selection (``None``: every expert competes).
         group_score_topk: the top selection values summed to score a group (Megatron: k //
             groups_kept with the model's k, so κ = k keeps the groups stock top-k keeps).
@@ -112,7 +113,7 @@ class RoutingRule:
     normalization: Normalization = "kept_sum"
     renormalization_eps: float = 0.0
     renormalization_min: float | None = None
-    renormalization_p: float = 1.0
+    renormalization_p: float | None = None
     num_groups: int | None = None
     groups_kept: int | None = None
     group_score_topk: int | None = None
@@ -139,7 +140,7 @@ class RoutingRule:
             )
         if self.renormalization_min is not None and self.renormalization_eps:
             raise ValueError("RoutingRule takes renormalization_eps or renormalization_min, not both.")
-        if self.renormalization_p != 1.0 and (self.renormalization_min is not None or self.renormalization_eps):
+        if self.renormalization_p is not None and (self.renormalization_min is not None or self.renormalization_eps):
             raise ValueError("RoutingRule's renormalization_p divides by the plain p-norm: no eps, no floor.")
         if self.groups_kept and not (self.num_groups and self.group_score_topk):
             raise ValueError("RoutingRule.groups_kept needs num_groups and group_score_topk.")
@@ -330,7 +331,7 @@ def weigh(
         return torch.softmax(torch.where(kept, values, _negative_infinity(values.dtype, values.device)), dim=-1)
     kept_values = torch.where(kept, values, torch.zeros_like(values))
     floor = rule.renormalization_min
-    if rule.renormalization_p != 1.0:  # DBRX: w = s / ||s_S||_p
+    if rule.renormalization_p is not None:  # DBRX: w = s / ||s_S||_p
         normalised = kept_values / torch.linalg.vector_norm(kept_values, rule.renormalization_p, dim=-1, keepdim=True)
         return normalised if normalization == "kept_sum" else torch.where(several_kept(kept), normalised, kept_values)
     softmax_renormalised = normalization == "kept_sum" and rule.score_function == "softmax" and floor is None

@@ -11,10 +11,11 @@ Usage (call before building the model, in every process)::
     with hf.patched(ElasticConfig()):  # or scoped
         ...
 
-Modules: :mod:`.families` (the 13 covered router families: OLMoE, FlexOlmo, Qwen2-MoE, Qwen3-MoE,
-Qwen3-Next, Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE thinker and talker, Qwen4-Exp, Mixtral,
-MiniMax, Mellum), :mod:`.patch` (what is patched, the lifecycle, plans and start-up checks),
-:mod:`.routing` (one elastic router forward, and the realised load-balancing loss),
+Modules: :mod:`.router_family` (a family as data), :mod:`.family_table` (the covered families,
+every transformers MoE family whose router ranks, and the refused ones), :mod:`.families` (finding
+them in the installed transformers and in models), :mod:`.rules` (a family's router read into a
+routing rule), :mod:`.plans` (a router's plan and start-up checks), :mod:`.patch` (what is patched,
+the lifecycle), :mod:`.routing` (one elastic router call, and the realised load-balancing loss),
 :mod:`.experts` (expert compute that follows κ in every experts implementation),
 :mod:`.records` (the routers it enumerates for the records front end of
 :mod:`elastic_moe_plugin.core.records`: records, κ histograms, static layers, logged metrics).

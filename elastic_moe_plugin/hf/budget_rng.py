@@ -44,9 +44,7 @@ import torch
 
 from elastic_moe_plugin.core.budget_stream import BudgetDraw, BudgetStream, ProcessStream
 from elastic_moe_plugin.core.patching import PATCH_MARKER, AttributePatches, unwrap
-from elastic_moe_plugin.core.plan import LayerPlan
-from elastic_moe_plugin.core.router_state import ElasticPath, RouterState, ensure_state
-from elastic_moe_plugin.core.routing import RoutingRule
+from elastic_moe_plugin.core.router_state import RouterState, ensure_state
 from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
@@ -118,25 +116,6 @@ def tag_tensor_parallel(model: torch.nn.Module) -> int:
     return tp_mesh.size()
 
 
-def draw(
-    router: torch.nn.Module, plan: LayerPlan, num_tokens: int, device: torch.device, *, replay: bool
-) -> BudgetDraw:
-    """One router forward's draw under ``plan`` (κ [T] on ``device`` and on the host, Σκ): a fresh
-    draw of the process's stream on the router's token shard, or with ``replay`` (a checkpoint's
-    recompute) the router's latest one (:func:`replayed_draw`). Kept as the router's latest draw.
-
-    Raises:
-        RuntimeError: a recompute finds no κ of that token count to replay.
-    """
-    state = ensure_state(router)
-    if replay:
-        return replayed_draw(router, state, num_tokens, device)
-    path = state.path if state.path is not None and state.path.plan is plan else None
-    if path is None:  # a caller's own plan (tests): its draw, on this process's stream and shard
-        path = ElasticPath(plan, RoutingRule(), STREAM, token_shard(router)[1])
-    return state.draw(path, num_tokens, device)
-
-
 def replayed_draw(router: torch.nn.Module, state: RouterState, num_tokens: int, device: torch.device) -> BudgetDraw:
     """The draw of the router's latest forward, for a gradient-checkpointing recompute.
 
@@ -150,7 +129,7 @@ def replayed_draw(router: torch.nn.Module, state: RouterState, num_tokens: int, 
     Raises:
         RuntimeError: the latest draw is of another token count or device (or there is none).
     """
-    latest = state.replay()
+    latest = state.replay(device)
     if latest is None or latest.budgets.numel() != num_tokens or latest.budgets.device != torch.device(device):
         found = "none" if latest is None else f"{latest.budgets.numel()} tokens on {latest.budgets.device}"
         raise RuntimeError(
@@ -279,7 +258,6 @@ __all__ = [
     "RNG_STATE_KEY",
     "STREAM",
     "current_stream",
-    "draw",
     "install",
     "load_state_dict",
     "replayed_draw",

@@ -178,15 +178,18 @@ def static_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFam
             yield name, module, entry[0], entry[1]
 
 
-def ranking_layers(family: RouterFamily, config: Any) -> tuple[int, ...] | None:
-    """The 0-based decoder layers whose router ranks, where the family mixes ranking and static
-    routers (:attr:`~.router_family.RouterFamily.ranking_layers`, read from the model's config);
-    None where every MoE layer ranks."""
+def ranking_layers(family: RouterFamily, config: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(the 0-based decoder layers whose router ranks, the others)``, where the family mixes
+    ranking and static routers (:attr:`~.router_family.RouterFamily.ranking_layers`, read from the
+    model's config: DeepSeek-V4's ``mlp_layer_types``); None where every MoE layer ranks."""
     if family.ranking_layers is None or config is None:
         return None
     attribute, kind = family.ranking_layers
     kinds = getattr(config, attribute, None)
-    return None if kinds is None else tuple(index for index, entry in enumerate(kinds) if entry == kind)
+    if kinds is None:
+        return None
+    ranking = tuple(index for index, entry in enumerate(kinds) if entry == kind)
+    return ranking, tuple(index for index in range(len(kinds)) if index not in ranking)
 
 
 def family_of(router_cls: type) -> RouterFamily:
@@ -231,6 +234,13 @@ def layer_index_from_name(name: str) -> int | None:
     any covered family: ``mlp.gate``, ``mlp.router``, ``mixer.gate``, ...), or None."""
     match = _ROUTER_NAME.search(name)
     return int(match.group(1)) if match else None
+
+
+def router_stack(name: str) -> str | None:
+    """The part of a router's qualified name before its layer index, the stack it belongs to
+    (``model.layers`` in ``model.layers.3.mlp.gate``, ``thinker.model.layers`` in Qwen3-Omni's), or None."""
+    match = _ROUTER_NAME.search(name)
+    return name[: match.start(1)].rstrip(".") if match else None
 
 
 def router_site(name: str) -> str | None:

@@ -8,7 +8,7 @@ from elastic_moe_plugin.hf.router_family import RouterFamily
 
 #: rule kind → its formula, for the docs table (the readers are :data:`.rules.RULES`)
 RULE_SUMMARIES: dict[str, str] = {
-    "softmax_topk": "p = softmax(z) (fp32); top-k by p; w = p, or p / Σ_kept p (+ ε)",
+    "softmax_topk": "p = softmax(z) (fp32); top-k by p (+ b: LongCat-Flash); w = p, or p / Σ_kept p (+ ε); × scale",
     "sigmoid_bias": "s = sigmoid(z) (fp32, or z's dtype: LFM2-MoE); top-k by s + b (inside the kept groups); "
     "w = s, or s / (Σ_kept s + ε); × scale",
     "activation_bias": "s = the router's activation of z (`score_fn`: sqrt(softplus(z)) or sigmoid(z)), in z's "

@@ -19,6 +19,7 @@ from elastic_moe_plugin.hf.router_family import (
     softmax_family,
 )
 
+#: why DeepSeek-V4's first layers stay static (the plan line shows it)
 HASH_ROUTED = "hash-routed: experts from a token-id table, no ranking to cut at κ"
 
 #: Gemma 4's router (DiffusionGemma's is the same): on the decoder layer, of the normalised input,
@@ -169,7 +170,6 @@ FAMILIES: tuple[RouterFamily, ...] = (
     logits_topk_family(
         "cohere2_moe", "Cohere2Moe", sites=("mlp.gate",), renormalizes="selection_fn", weights_dtype="input"
     ),
-    # ERNIE-4.5: softmax, selection on p + bias, p / max(sum of the kept p, moe_norm_min)
     # sigmoid + selection bias, the bias passed in by the block (a buffer of the block, not the router)
     RouterFamily(
         "minimax_m2",
@@ -393,6 +393,7 @@ FAMILIES: tuple[RouterFamily, ...] = (
         weights_dtype="input",
         merging_block="Ernie4_5_VLMoeMoeBlock",
     ),
+    # ERNIE-4.5: softmax, selection on p + bias, p / max(sum of the kept p, moe_norm_min)
     RouterFamily(
         "ernie4_5_moe",
         "ernie4_5_moe",

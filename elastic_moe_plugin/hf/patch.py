@@ -1,17 +1,22 @@
-"""The transformers patch: version guard, install targets, per-router plans and start-up checks.
+"""The transformers patch: version guard, install targets, the start-up plan line and the model checks.
 
 Per covered family (``transformers.models.<family>.modeling_<family>``, see :mod:`.families`):
 
-- ``<Router>.forward``: in training, elastic layers run :func:`.routing.patched_forward`'s elastic path; in eval
-  mode, for ``schedule="static"``, for ``enabled=False`` and in layers outside
+- ``<Router>.forward`` (or the block's routing method, DBRX's and Jamba 5.19's
+  ``route_tokens_to_experts``): in training, elastic layers run :func:`.routing.patched_forward`'s
+  elastic path; in eval mode, for ``schedule="static"``, for ``enabled=False`` and in layers outside
   ``ElasticConfig.layers`` the original method runs, so results are bit-for-bit stock.
-- ``<DecoderLayer>.__init__``: runs the original, then tags its router (``self.mlp.gate``, or the
-  family's site: ``mlp.router``, ``mixer.gate``, ...) with the 0-based
-  decoder-layer index (``layer_idx``; the router itself does not know it) and checks the config
-  against the model (:class:`~elastic_moe_plugin.core.errors.ConfigError` at model build).
+- ``<DecoderLayer>.__init__`` (each class that builds the router): runs the original, then tags its
+  routers (``self.mlp.gate``, or the family's sites: ``mlp.router``, ``router``, ...) with the
+  0-based decoder-layer index (``layer_idx``; the router itself does not know it) and checks the
+  config against the model (:class:`~elastic_moe_plugin.core.errors.ConfigError` at model build).
 - ``<Family>Experts.forward`` (transformers' implementation dispatcher): a call whose
   ``top_k_index`` an elastic router marked multiplies only the Σκ kept rows, in every experts
-  implementation (:mod:`.experts`); any other call runs the stock dispatcher, bitwise stock.
+  implementation (:mod:`.experts`); any other call runs the stock dispatcher, bitwise stock. The
+  family's own experts that sum over slots (DBRX, Step-3.7 in 5.19, Ergo) run their own forward
+  on the kept pairs (:func:`.experts.own_experts_forward`).
+- ERNIE-4.5-VL's ``Ernie4_5_VLMoeMoeBlock.forward``: the slots its two routers dispatched, merged
+  by token type for the logits the loss reads (:func:`.routing.merging_block_forward`).
 - ``modeling_<family>.load_balancing_loss_func``: counts the *realised* assignments of logits that
   came from an elastic router (paper §3.2); for any other logits the original runs, bitwise stock.
 - ``transformers.trainer.Trainer._save_rng_state`` / ``_load_rng_state``: the Trainer's
@@ -28,12 +33,12 @@ Nothing else is touched: parameters, buffers and state-dict keys are stock, so c
 interchangeable with unpatched transformers. The lifecycle (lock, idempotence,
 identity restore) is :class:`~elastic_moe_plugin.core.patching.PatchLifecycle`.
 
-Plans, the same calls as in :mod:`elastic_moe_plugin.mcore.patch`: :func:`gate_for` (the weighing
-rule of a router under a config) and :func:`resolve_plan` (a router's training plan, uncached:
-what the start-up plan line shows, and what the patched forward resolves into the router's state
-once per patch generation, :func:`.routing.resolve_state`). Visibility follows one rule in both
-adapters: what another module of the package calls or the adapter package exports has no
-underscore and a docstring; what only this module uses is private.
+Plans, the same calls as in :mod:`elastic_moe_plugin.mcore.patch`, live in :mod:`.plans`:
+``gate_for`` (the weighing rule of a router under a config) and ``resolve_plan`` (a router's
+training plan, uncached: what the start-up plan line shows, and what the patched forward resolves
+into the router's state once per patch generation, :func:`.routing.resolve_state`). Visibility
+follows one rule in both adapters: what another module of the package calls or the adapter
+package exports has no underscore and a docstring; what only this module uses is private.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from elastic_moe_plugin.core import plan as core_plan
 from elastic_moe_plugin.core import records as core_records
 from elastic_moe_plugin.core.config import ElasticConfig, log_layout
 from elastic_moe_plugin.core.errors import ConfigError, UnsupportedTransformersError
-from elastic_moe_plugin.core.layer_keys import LayerKey, layer_of, part_of
+from elastic_moe_plugin.core.layer_keys import LayerKey
 from elastic_moe_plugin.core.patching import AttributePatches, PatchLifecycle, VersionGuard
 from elastic_moe_plugin.core.plan import LayerPlan
 from elastic_moe_plugin.hf import budget_rng
@@ -71,7 +76,7 @@ from elastic_moe_plugin.hf.families import (
     uncovered_moe,
 )
 from elastic_moe_plugin.hf.plans import resolve_plan, validate_router
-from elastic_moe_plugin.hf.records import router_sites, routing_metrics
+from elastic_moe_plugin.hf.records import router_keys, router_sites, routing_metrics
 from elastic_moe_plugin.hf.routing import (
     dispatched_slots,
     merging_block_forward,
@@ -313,26 +318,23 @@ def model_plans(model: torch.nn.Module) -> tuple[dict[LayerKey, LayerPlan | None
     plans, topk = core_records.model_plans(
         router_sites(model), config, lambda site: resolve_plan(site.router, families[type(site.router)], config)
     )
-    return dict(sorted(plans.items(), key=lambda item: (layer_of(item[0]), part_of(item[0])))), topk
+    return plans, topk
 
 
-def _static_layers(model: torch.nn.Module) -> list[tuple[int, int, str]]:
-    """``(layer index, k, why)`` of the layers whose router cannot rank (:func:`.families.static_routers`)."""
-    found = []
-    for name, router, family, why in static_routers(model):
-        index = layer_index_from_name(name)
-        if index is not None:
-            found.append((index, family.top_k_of(router), why))
-    return found
+def _static_reasons(model: torch.nn.Module) -> dict[LayerKey, str]:
+    """{key: why} of the routers that cannot rank (:func:`.families.static_routers`)."""
+    keys = router_keys(model)
+    return {keys[name]: why for name, _, _, why in static_routers(model) if name in keys}
 
 
 def log_plan(model: torch.nn.Module) -> str | None:
     """Log (rank 0, once) and return the start-up line of :func:`~elastic_moe_plugin.core.plan.describe_plans`
     for ``model``; None when no config is active. Layers whose router cannot rank are shown static
     with the reason (DeepSeek-V4's hash-routed layers)."""
-    reasons: dict[LayerKey, str] = {index: why for index, _, why in _static_layers(model)}
     plans, topk = model_plans(model)
-    return core_plan.log_plan(plans, topk, "transformers", _PATCH.active_config(), static_reasons=reasons)
+    return core_plan.log_plan(
+        plans, topk, "transformers", _PATCH.active_config(), static_reasons=_static_reasons(model)
+    )
 
 
 def logged_metrics(model: torch.nn.Module) -> dict[str, float]:

@@ -18,10 +18,16 @@ from elastic_moe_plugin.core.router_state import state_of
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.hf.families import ranking_layers
 from elastic_moe_plugin.hf.router_family import RouterFamily
-from elastic_moe_plugin.hf.rules import family_gate, family_rule
+from elastic_moe_plugin.hf.rules import activation_score_function, family_gate, family_rule
 
-#: the rule kinds whose ranking is the full softmax, which top-p's budget reads
-TOP_P_RULES = frozenset({"softmax_topk"})
+#: the rule kinds that rank by the full softmax p, which top-p's budget reads (with no selection bias)
+TOP_P_RULES = frozenset({"softmax_topk", "softmax_pnorm"})
+
+
+def ranks_by_probability(family: RouterFamily) -> bool:
+    """Whether the family ranks its experts by p = softmax(z) itself: a softmax rule kind, and no
+    selection bias (LongCat-Flash ranks p + b)."""
+    return family.rule in TOP_P_RULES and family.bias is None and family.bias_argument is None
 
 
 def gate_for(router: torch.nn.Module, family: RouterFamily, config: ElasticConfig) -> str:
@@ -46,11 +52,14 @@ def validate_router(
     Raises:
         ConfigError: naming the setting, its value and the fix.
     """
-    ranking = ranking_layers(family, model_config)
-    note = None
-    if ranking is not None and family.static_routers:
-        others = [index for index in range(num_layers or 0) if index not in ranking]
-        note = f"layer(s) {', '.join(map(str, others)) or 'none'} are {family.static_routers[0][1]}"
+    if family.rule == "activation_bias":
+        activation_score_function(router)  # a scoring_func the routing core computes, or refused now
+    layer_kinds = ranking_layers(family, model_config)
+    ranking, note = None, None
+    if layer_kinds is not None:
+        ranking, static = layer_kinds
+        if static and family.static_routers:
+            note = f"layer(s) {', '.join(map(str, static))} are {family.static_routers[0][1]}"
     return config.resolve(
         num_experts=family.num_experts_of(router),
         topk=family.top_k_of(router),
@@ -84,10 +93,11 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
         return None
     gate = gate_for(router, family, config)
     warn_if_top1_gate_is_constant(schedule, gate, f"{family.name} routers")
-    if config.mode == "top_p" and family.rule not in TOP_P_RULES:
+    if config.mode == "top_p" and not ranks_by_probability(family):
+        ranked = "p plus a selection bias" if family.rule in TOP_P_RULES else f"{family.rule.replace('_', ' ')} scores"
         raise ConfigError(
             f"mode='top_p' keeps each token's smallest top-ranked set whose softmax probability reaches top_p, "
-            f"but {family.name} routers rank by {family.rule.replace('_', ' ')} scores, not by that probability. "
+            f"but {family.name} routers rank by {ranked}, not by that probability. "
             f"Use {config.spell('mode', 'elastic')} (a budget schedule) for this model.",
             field="mode",
             fixes=({"mode": "elastic"},),
@@ -138,4 +148,4 @@ def _check_group_reach(router: Any, family: RouterFamily, config: ElasticConfig,
     )
 
 
-__all__ = ["TOP_P_RULES", "gate_for", "resolve_plan", "validate_router"]
+__all__ = ["TOP_P_RULES", "gate_for", "ranks_by_probability", "resolve_plan", "validate_router"]

@@ -3,20 +3,30 @@ front end (:mod:`elastic_moe_plugin.core.records`, :func:`~elastic_moe_plugin.co
 
 The routers are the covered router classes (:func:`.families.covered_routers`), in module order,
 each at its 0-based decoder-layer index: the ``layer_idx`` the patched decoder layer tagged it
-with, else the ``...layers.<i>.mlp.gate`` of its module path (:func:`.families.router_layer_index`),
-else its position among the model's routers.
+with, else the ``...layers.<i>.<site>`` of its module path (:func:`.families.router_layer_index`),
+else its position among the model's routers; and the routers that cannot rank (DeepSeek-V4's hash
+layers), as static layers. Where a layer holds several routers, each is keyed (layer, part)
+(:func:`router_parts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from elastic_moe_plugin.core import metrics, records
 from elastic_moe_plugin.core.layer_keys import LayerKey
 from elastic_moe_plugin.core.records import RouterSite, RoutingRecord
-from elastic_moe_plugin.hf.families import covered_routers, layer_index_from_name, router_layer_index, static_routers
+from elastic_moe_plugin.hf.families import (
+    covered_routers,
+    layer_index_from_name,
+    router_layer_index,
+    router_site,
+    router_stack,
+    static_routers,
+)
 
 
 def router_sites(model: torch.nn.Module) -> list[RouterSite]:
@@ -45,24 +55,39 @@ def router_sites(model: torch.nn.Module) -> list[RouterSite]:
 
 
 def router_parts(sites: list[RouterSite]) -> dict[str, str]:
-    """{router name: part} of the routers whose layer holds several, each part the first segment of
-    its module path that differs from the others' (ERNIE-4.5-VL: ``text_moe`` / ``vision_moe``;
-    DiffusionGemma: ``encoder`` / ``decoder``). Only routers whose path shows the layer index they
-    are keyed by count: routers tagged with another router's index (no layer in their path, or
-    another one) stay an error of the readers."""
-    by_layer: dict[int, list[str]] = {}
+    """{router name: part} of every router of a model where some layer holds several (else {}):
+    the segment of its stack that tells the stacks apart (DiffusionGemma: ``encoder`` /
+    ``decoder``; Qwen3-Omni: ``thinker`` / ``talker``), then the segment of its site that tells a
+    layer's routers apart (ERNIE-4.5-VL: ``text_moe`` / ``vision_moe``), so that every router of one
+    stack and site gets the same part. Only routers whose path shows the layer index they are keyed
+    by count: routers tagged with another router's index stay an error of the readers."""
+    paths: dict[str, tuple[str, str]] = {}
+    layers: dict[int, int] = {}
     for site in sites:
-        if site.layer_index is not None and layer_index_from_name(site.name) == site.layer_index:
-            by_layer.setdefault(site.layer_index, []).append(site.name)
-    parts: dict[str, str] = {}
-    for names in by_layer.values():
-        if len(names) < 2:
+        stack, site_path = router_stack(site.name), router_site(site.name)
+        if site.layer_index is None or stack is None or site_path is None:
             continue
-        paths = [name.split(".") for name in names]
-        differs = next((i for i in range(min(map(len, paths))) if len({path[i] for path in paths}) > 1), None)
-        if differs is not None and len({path[differs] for path in paths}) == len(paths):
-            parts.update({name: path[differs] for name, path in zip(names, paths, strict=True)})
-    return parts
+        if layer_index_from_name(site.name) == site.layer_index:
+            paths[site.name] = (stack, site_path)
+            layers[site.layer_index] = layers.get(site.layer_index, 0) + 1
+    if not layers or max(layers.values()) < 2:
+        return {}
+    stack_part = _distinguishing_segment({stack for stack, _ in paths.values()})
+    site_part = _distinguishing_segment({site_path for _, site_path in paths.values()})
+    return {
+        name: ".".join(part for part in (stack_part(stack), site_part(site_path)) if part)
+        for name, (stack, site_path) in paths.items()
+    }
+
+
+def _distinguishing_segment(paths: set[str]) -> Callable[[str], str]:
+    """For dotted paths, the function that gives each one's first segment where they differ ("" for
+    all where there is only one path)."""
+    split = [path.split(".") for path in paths]
+    index = next((i for i in range(min(map(len, split))) if len({parts[i] for parts in split}) > 1), None)
+    if len(paths) < 2 or index is None:
+        return lambda path: ""
+    return lambda path: path.split(".")[index]
 
 
 def router_keys(model: torch.nn.Module) -> dict[str, LayerKey]:
@@ -76,7 +101,7 @@ def routing_records(model: torch.nn.Module) -> dict[LayerKey, RoutingRecord]:
     """{0-based layer index: RoutingRecord} of every elastic router's latest training forward.
 
     Raises:
-        ValueError: two routers share a layer index (several MoE stacks: pass one stack).
+        ValueError: two routers share a layer index that their module paths do not show.
     """
     return records.routing_records(router_sites(model))
 

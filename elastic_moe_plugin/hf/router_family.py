@@ -167,11 +167,6 @@ class RouterFamily:
         """E of one of this family's routers (the ids it ranks)."""
         return int(operator.attrgetter(self.num_experts_path)(router))
 
-    @property
-    def renormalises_own_weights(self) -> bool:
-        """Whether ``norm_topk_prob`` (or the selection function) decides the family's gate."""
-        return self.renormalizes in ("norm_topk_prob", "selection_fn")
-
 
 def softmax_family(name: str, prefix: str, **fields: Any) -> RouterFamily:
     """A softmax → top-k family whose classes are ``<prefix>TopKRouter`` and ``<prefix>DecoderLayer``."""
@@ -226,9 +221,6 @@ def logits_topk_family(name: str, prefix: str, **fields: Any) -> RouterFamily:
     """A family that ranks by the logits and softmaxes the kept ones (GPT-OSS style)."""
     defaults: dict[str, Any] = {"rule": "logits_topk", "renormalizes": "always", "sites": ("mlp.router",)}
     return RouterFamily(name, name, f"{prefix}TopKRouter", f"{prefix}DecoderLayer", **{**defaults, **fields})
-
-
-#: why DeepSeek-V4's first layers stay static (the plan line shows it)
 
 
 __all__ = [

@@ -1,37 +1,44 @@
-"""Elastic routing for one transformers router forward, the kept-slot marks the experts read, and the
-load-balancing loss on what was dispatched.
+"""Elastic routing for one transformers router call (its forward, or the block's routing method:
+DBRX, Jamba 5.19), the kept-slot marks the experts read, and the load-balancing loss on what was
+dispatched.
 
 One MoE layer in training (paper §3.2, Eq. 4-5; the routing core, :mod:`elastic_moe_plugin.core.routing`,
 does steps 3-4 under the family's :class:`~elastic_moe_plugin.core.routing.RoutingRule`, read by
 :mod:`.rules`)::
 
     (1) z [T, E] = x W^T (+ bias)                         (the stock router logits, in the family's
-                                                           dtype: :data:`.rules.LOGITS`)
+                                                           dtype: :data:`.rules.LOGITS`; a routing
+                                                           method takes its block's)
     (2) κ [T] ~ q on {a..b}                              (one draw of κ's counter-based stream,
                                                            on the host: the router's state,
                                                            core.router_state; a checkpoint's
-                                                           recompute replays the latest draw)
+                                                           recompute replays its forward's draw,
+                                                           a looped router's passes last first)
     (3) the top-b candidates by the rule's selection (the family's scores, plus its selection
         bias, inside its groups; or its logits), sorted by rank
     (4) slot j (0-based) is kept iff j < κ_t; weights by the rule over the kept set
         (docs/gates.md): the kept scores (``full_softmax``), or the family's renormalisation
         (``renormalized``: p / Σ_kept p, s / (Σ_kept s + ε), softmax of the kept logits,
-        p / max(Σ_kept p, floor)), × the family's scaling factor
-    (5) return (z, w [T, b], ids [T, b]) in the family's order and dtypes: real candidate ids, and
-        weight exactly 0 in every slot
-        beyond κ_t; ids is marked with κ on the host (:func:`mark_kept_slots`), so the patched
-        experts compact the call to its Σκ kept pairs in every experts implementation, with
-        shapes known on the host and no host sync (:mod:`.experts`). Top-p mode computes κ on
-        the device and reads it once.
-    (6) remember the realised routing (ids, kept mask), weakly keyed by the z tensor transformers'
-        output recorder collects, for ``load_balancing_loss_func``; and, in the router's state,
-        what it routed and a bounded κ histogram
+        p / max(Σ_kept p, floor), p / ||p_kept||_q), × the family's scaling factor (Gemma 4:
+        then × per_expert_scale[id]; Inkling: normalised with its shared experts,
+        :func:`shared_sink_weights`)
+    (5) return what the stock call returns, in the family's order and dtypes, at width b: (z, or
+        Gemma 4's p; w [T, b]; ids [T, b]; Inkling's shared-expert weights), a routing method its
+        own pair: real candidate ids, and weight exactly 0 in every slot beyond κ_t; ids is
+        marked with κ on the host (:func:`mark_kept_slots`), so the patched experts compact the
+        call to its Σκ kept pairs in every experts implementation, with shapes known on the host
+        and no host sync (:mod:`.experts`). Top-p mode computes κ on the device and reads it once.
+    (6) remember the realised routing (ids, kept mask), weakly keyed by the tensor transformers'
+        output recorder collects (z; Gemma 4's p; ERNIE-4.5-VL's merged logits,
+        :func:`merging_block_forward`), for ``load_balancing_loss_func``; and, in the router's
+        state, what it routed and a bounded κ histogram
 
 The experts and the MoE blocks read the routing width from ``top_k_index.size(-1)``, never from
 ``config.num_experts_per_tok``, so a width b ≠ k needs no further patch (checked for 5.19).
 
-Shapes: T = tokens in the call (batch × sequence), E = ``router.num_experts``, k = ``router.top_k``,
-b = the plan's width. Attention-mask polarity, as transformers uses it: 1 = real token.
+Shapes: T = tokens in the call (batch × sequence), E and k the router's (its family's
+``num_experts_path`` and ``top_k_path``), b = the plan's width. Attention-mask polarity, as
+transformers uses it: 1 = real token.
 """
 
 from __future__ import annotations
@@ -56,14 +63,14 @@ from elastic_moe_plugin.hf.families import family_of
 from elastic_moe_plugin.hf.rules import expert_scale, family_rule, routes_in_fp32, selection_bias
 from elastic_moe_plugin.hf.rules import router_logits as router_logits_of
 
-#: router_logits tensor → the slots dispatched for it: (candidate ids LongTensor [T, b], kept-slot
-#: mask BoolTensor [T, b]). Keyed by object identity (a tensor's == is elementwise) and weakly, so
-#: entries die with the logits.
+#: the tensor the loss reads (z; Gemma 4's p; ERNIE-4.5-VL's merged logits) → the slots dispatched
+#: for it: (candidate ids LongTensor [T, b], kept-slot mask BoolTensor [T, b]). Keyed by object
+#: identity (a tensor's == is elementwise) and weakly, so entries die with the tensor.
 _DISPATCHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-#: the slots its routers dispatched, in call order, while a merging block runs (:func:`merging_block_forward`)
-_MERGING: contextvars.ContextVar[list[tuple[torch.Tensor, torch.Tensor]] | None] = contextvars.ContextVar(
+#: (router, the slots it dispatched) in call order, while a merging block runs (:func:`merging_block_forward`)
+_MERGING: contextvars.ContextVar[list[tuple[Any, tuple[torch.Tensor, torch.Tensor]]] | None] = contextvars.ContextVar(
     "elastic_moe_merging", default=None
 )
 
@@ -208,7 +215,7 @@ def _elastic_call(
     _DISPATCHED[first] = (routing.ids.detach(), routing.kept)
     merging = _MERGING.get()
     if merging is not None:  # inside a block that merges its routers' logits (ERNIE-4.5-VL)
-        merging.append(_DISPATCHED[first])
+        merging.append((router, _DISPATCHED[first]))
     mark_kept_slots(routing.ids, host_budgets)  # (5)
     outputs = {
         "logits": first,
@@ -259,7 +266,7 @@ def _draw(router: Any, state: RouterState, path: ElasticPath, router_logits: tor
     num_tokens, device = router_logits.shape[0], router_logits.device
     if recompute:
         return budget_rng.replayed_draw(router, state, num_tokens, device)
-    return state.draw(path, num_tokens, device)
+    return state.draw(path, num_tokens, device, replayable=True)
 
 
 def _returned_weights(router: Any, family: Any, routing: Routing, hidden_states: torch.Tensor | None) -> torch.Tensor:
@@ -291,8 +298,10 @@ def merging_block_forward(original: Callable) -> Callable:
     its routers by token type (ERNIE-4.5-VL: ``moe_mm_token_type_ids`` 0 → the text router's row,
     else the vision router's; :attr:`~.router_family.RouterFamily.merging_block`): runs the original
     and registers, for the merged tensor the loss reads, the slots its elastic routers dispatched in
-    this call, merged the same way ([T, b] ids and kept mask). A call where no router routed
-    elastically (eval, static layers) registers nothing and returns stock."""
+    this call, merged the same way ([T, b] ids and kept mask). A router of the block that did not
+    route in a training call (ERNIE-4.5-VL's vision router on a text-only batch) has its latest
+    record forgotten, so that a log does not report an earlier step's routing as this one's. A call
+    where no router routed elastically (eval, static layers) registers nothing and returns stock."""
 
     @functools.wraps(original)
     def forward(self, hidden_states, moe_mm_token_type_ids=None, *args, **kwargs):
@@ -303,12 +312,17 @@ def merging_block_forward(original: Callable) -> Callable:
         finally:
             _MERGING.reset(token)
         if dispatched:
+            routed = {id(router) for router, _ in dispatched}
+            for module in self.modules():  # the block's elastic routers that did not route this call
+                state = module.__dict__.get(STATE_ATTR)
+                if state is not None and id(module) not in routed:
+                    state.routed = state.record = None
             merged = output[1]
             if len(dispatched) == 1:  # text tokens only: the text router's rows, in order
-                _DISPATCHED[merged] = dispatched[0]
+                _DISPATCHED[merged] = dispatched[0][1]
             else:
                 vision = moe_mm_token_type_ids.bool().reshape(-1)
-                (text_ids, text_kept), (vision_ids, vision_kept) = dispatched
+                (_, (text_ids, text_kept)), (_, (vision_ids, vision_kept)) = dispatched
                 ids = text_ids.new_empty((vision.numel(), text_ids.shape[-1]))
                 kept = text_kept.new_empty(ids.shape)
                 ids[~vision], ids[vision] = text_ids, vision_ids

@@ -122,8 +122,8 @@ def routes_in_fp32(router_cls: type) -> bool:
     5.19 routes in the hidden dtype): read from the installed code, whose forward names it."""
     found = _FP32_ROUTING.get(router_cls)
     if found is None:
-        forward = unwrap(router_cls.__dict__["forward"])
-        found = _FP32_ROUTING[router_cls] = "maybe_autocast" in forward.__code__.co_names
+        forward = unwrap(router_cls.__dict__.get("forward"))
+        found = _FP32_ROUTING[router_cls] = forward is not None and "maybe_autocast" in forward.__code__.co_names
     return found
 
 
@@ -227,7 +227,7 @@ def _softmax_pnorm(router: Any, family: Any, renormalize: bool) -> RoutingRule:
     q = router.moe_normalize_expert_weights
     return RoutingRule(
         normalization="kept_sum" if renormalize else "none",
-        renormalization_p=float(q) if renormalize and q is not None else 1.0,
+        renormalization_p=float(q) if renormalize and q is not None else None,
         score_dtype=None,
     )
 

@@ -53,17 +53,20 @@ def test_kappa_and_the_default_generator_leave_each_other_alone(tiny):
 
 
 def test_a_recompute_without_its_forward_is_an_error(tiny):
+    from elastic_moe_plugin.core.plan import LayerPlan
+    from elastic_moe_plugin.hf.routing import resolve_state
+
     hf.apply(ElasticConfig(schedule="1-3"))
     router = tiny.model("olmoe").model.layers[0].mlp.gate
-    plan = ElasticConfig(schedule="1-3").budget_schedule(2)
-    from elastic_moe_plugin.core.plan import LayerPlan
-
-    layer_plan = LayerPlan(schedule=plan, gate="renormalized", sampling="iid", layer_index=0)
+    layer_plan = LayerPlan(schedule=ElasticConfig(schedule="1-3").budget_schedule(2), gate="renormalized",
+                           sampling="iid", layer_index=0)
+    state = resolve_state(router, hf.covered_router_classes()[type(router)], layer_plan, None)
+    cpu = torch.device("cpu")
     with pytest.raises(RuntimeError, match=r"recompute .* routes 16 tokens.*drew κ for none"):
-        budget_rng.draw(router, layer_plan, 16, torch.device("cpu"), replay=True)
-    budget_rng.draw(router, layer_plan, 8, torch.device("cpu"), replay=False)
+        budget_rng.replayed_draw(router, state, 16, cpu)
+    state.draw(state.path, 8, cpu, replayable=True)
     with pytest.raises(RuntimeError, match=r"drew κ for 8 tokens"):
-        budget_rng.draw(router, layer_plan, 16, torch.device("cpu"), replay=True)
+        budget_rng.replayed_draw(router, state, 16, cpu)
 
 
 class _TokenDataset(torch.utils.data.Dataset):

@@ -128,3 +128,27 @@ def test_group_reach_below_k_suggests_static_and_the_fix_is_accepted(tiny):
     assert fix == {"schedule": "static"}
     hf.apply(config.replace(**fix))
     model(**tiny.inputs("deepseek_v3"))
+
+
+@pytest.mark.parametrize("family_name,accepted", [("dbrx", True), ("longcat_flash", False)])
+def test_top_p_needs_a_family_that_ranks_by_the_softmax_itself(tiny, family_name, accepted):
+    """DBRX ranks by p = softmax(z) (its q-norm only weighs): top-p reads that mass. LongCat-Flash
+    ranks p plus a selection bias: refused, and the fix it names, a budget schedule, is accepted."""
+    from elastic_moe_plugin.core.errors import ConfigError
+
+    config = ElasticConfig(mode="top_p", top_p=0.5)
+    hf.apply(config)
+    model = tiny.model(family_name)
+    if accepted:
+        with torch.no_grad():  # spread the router's logits: κ then varies with each token's mass
+            for block in model.modules():
+                if type(block).__name__ == "DbrxRouter":
+                    block.layer.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+        model(**tiny.inputs(family_name))
+        budgets = torch.cat([record.budgets for record in hf.routing_records(model).values()])
+        assert int(budgets.min()) >= 1 and len(set(budgets.tolist())) > 1  # κ from the probability mass
+        return
+    with pytest.raises(ConfigError, match=r"longcat_flash routers rank by p plus a selection bias") as refused:
+        model(**tiny.inputs(family_name))
+    hf.apply(config.replace(**refused.value.fixes[0]))
+    model(**tiny.inputs(family_name))

@@ -142,6 +142,20 @@ def _longcat_logits(router, x: torch.Tensor) -> torch.Tensor:
     return x @ router.classifier.weight.double().T
 
 
+def _dbrx(router, z, kappa, width, bias, *, q=None):
+    """p = softmax(z); rank p; w = p / ||p_kept||_q, q = moe_normalize_expert_weights (the tiny
+    model's is set to 2: a q-norm, not the sum)."""
+    q = router.moe_normalize_expert_weights if q is None else q
+    probabilities = _softmax(z)
+    ids = _top(probabilities, list(range(len(z))), width)
+    norm = sum(probabilities[e] ** q for e in ids[:kappa]) ** (1 / q)
+    return ids, [probabilities[e] / norm for e in ids[:kappa]]
+
+
+def _dbrx_logits(block, x: torch.Tensor) -> torch.Tensor:
+    return x @ block.router.layer.weight.double().T
+
+
 class Reference(NamedTuple):
     """A family's rule written out, a plausible wrong variant of it, and its logits."""
 
@@ -160,7 +174,12 @@ REFERENCES: dict[str, Reference] = {
     "longcat_flash": Reference(_longcat, lambda *a: _longcat(*a, zero_experts_rank=False), _longcat_logits),
     # ERNIE-4.5-VL's text router (the first of its two): ERNIE-4.5's rule
     "ernie4_5_vl_moe": Reference(_ernie, lambda *a: _ernie(*a, biased=False)),
+    # DBRX routes in a method of its FFN block, from its router's logits
+    "dbrx": Reference(_dbrx, lambda *a: _dbrx(*a, q=1.0), _dbrx_logits),
 }
+#: tiny-model settings a reference needs: DBRX with a q-norm other than the sum
+OVERRIDES = {"dbrx": {"ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
+                                     "moe_normalize_expert_weights": 2.0}}}
 
 
 def _route(tiny, family_name):
@@ -169,12 +188,13 @@ def _route(tiny, family_name):
     if family_name not in INSTALLED:
         pytest.skip(f"transformers {transformers.__version__} has no {family_name}")
     family = _family(family_name)
-    model = tiny.model(family_name)
+    model = tiny.model(family_name, **OVERRIDES.get(family_name, {}))
     router = next(module for module in model.modules() if type(module).__name__ == family.router)
     generator = torch.Generator().manual_seed(5)
+    projection = router.router if family.routing_method else router  # DBRX: its block's router
     with torch.no_grad():
         # spread logits: every rank decided by a margin
-        next(p for p in router.parameters() if p.dim() == 2).normal_(0.0, 1.0, generator=generator)
+        next(p for p in projection.parameters() if p.dim() == 2).normal_(0.0, 1.0, generator=generator)
         if family.bias:
             bias = operator.attrgetter(family.bias)(router)
             bias.copy_(torch.randn(bias.shape, generator=generator) * 0.1)
@@ -187,7 +207,10 @@ def _route(tiny, family_name):
     budgets = torch.randint(1, WIDTH + 1, (TOKENS,), generator=generator)
     plan = hf.LayerPlan(schedule=BudgetSchedule.parse(f"1-{WIDTH}", 2, 1.5, allow_off_center=True),
                         gate=hf.gate_for(router, family, ElasticConfig()), sampling="iid", layer_index=None)
-    _, weights, ids = hf.elastic_routing(router, plan, x, *args, budgets=budgets)
+    if family.routing_method:  # a routing method takes its block's logits; returns (weights, ids)
+        weights, ids = hf.elastic_routing(router, plan, router.router(x), budgets=budgets)
+    else:
+        _, weights, ids = hf.elastic_routing(router, plan, x, *args, budgets=budgets)
     logits = REFERENCES[family_name].logits(router, x.double())
     return router, logits, passed_bias.tolist() if args else None, budgets, ids, weights
 

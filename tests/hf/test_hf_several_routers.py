@@ -154,3 +154,37 @@ def test_a_looped_router_draws_per_pass_and_a_checkpoint_recompute_replays_each_
     assert without.keys() == with_checkpointing.keys()
     for name, grad in without.items():
         torch.testing.assert_close(with_checkpointing[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_ernie_vl_text_only_batch_counts_the_text_router_and_forgets_the_vision_record(hand_aux):
+    """A batch without vision tokens runs the text router only: the loss counts its realised slots
+    (the block reshapes its logits into the tensor the loss reads), and the vision routers' records
+    of the earlier mixed batch are forgotten rather than logged as this step's."""
+    model, inputs = _ernie_vl()
+    hf.apply(ElasticConfig(schedule="1-3"), model=model)
+    model(**inputs)
+    assert RouterKey(0, "vision_moe") in hf.routing_records(model)
+    text_only = {**inputs, "moe_mm_token_type_ids": torch.zeros_like(inputs["moe_mm_token_type_ids"])}
+    out = model(**text_only, output_router_logits=True)
+    records = hf.routing_records(model)
+    assert sorted(records) == [RouterKey(0, "text_moe"), RouterKey(1, "text_moe")]
+    assert "elastic_moe/layer_0.vision_moe/retained_weight_sum_mean" not in hf.routing_metrics(model)
+    ids = [records[RouterKey(layer, "text_moe")].expert_ids for layer in (0, 1)]
+    assert any(bool((layer_ids >= 0).sum(-1).ne(2).any()) for layer_ids in ids)
+    torch.testing.assert_close(out.aux_loss.double(), hand_aux(out.router_logits, ids, 8), rtol=1e-6, atol=0)
+
+
+def test_router_parts_name_each_stack_the_same_at_every_depth():
+    """Qwen3-Omni's thinker and talker stacks differ in depth: every router of a stack gets the same
+    part, including the thinker's layers the talker does not have."""
+    from elastic_moe_plugin.core.records import RouterSite
+    from elastic_moe_plugin.hf.records import router_parts
+
+    def site(name: str, layer: int) -> RouterSite:
+        return RouterSite(name, torch.nn.Identity(), layer, 2, 8)
+
+    sites = [site(f"thinker.model.layers.{i}.mlp.gate", i) for i in range(4)]
+    sites += [site(f"talker.model.layers.{i}.mlp.gate", i) for i in range(2)]
+    parts = router_parts(sites)
+    assert parts == {s.name: s.name.split(".")[0] for s in sites}
+    assert router_parts(sites[:4]) == {}  # one router per layer: plain layer indices

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from elastic_moe_plugin import BudgetSchedule, ConfigError, ElasticConfig
+from elastic_moe_plugin.core.config_refusals import ModelShape
 from elastic_moe_plugin.core.plan import LayerPlan, describe_plans
 from elastic_moe_plugin.mcore import hybrid_pattern
 from elastic_moe_plugin.mcore.megatron_args import check_megatron_args, model_shape
@@ -82,8 +83,8 @@ HYBRID = [*MOE_FLAGS, "--hybrid-layer-pattern", "*E*E*E*E"]
 
 
 def test_the_pattern_decides_the_layers_not_num_layers():
-    assert model_shape(HYBRID) == (2, 4, 8, (1, 3, 5, 7))
-    assert model_shape([*MOE_FLAGS, "--hybrid-override-pattern", "*E-E"]) == (2, 4, 4, (1, 3))  # the deprecated name
+    assert model_shape(HYBRID) == ModelShape(2, 4, 8, (1, 3, 5, 7))
+    assert model_shape([*MOE_FLAGS, "--hybrid-override-pattern", "*E-E"]) == ModelShape(2, 4, 4, (1, 3))  # the deprecated name
     config = _check(HYBRID, ["--elastic-moe-schedule", "1-3", "--elastic-moe-layers", "3-5"])
     assert config.layer_set == {3, 4, 5}  # layers 3 and 5 hold routers; 4 is attention
 

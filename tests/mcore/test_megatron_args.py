@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from elastic_moe_plugin import ConfigError
+from elastic_moe_plugin.core.config_refusals import ModelShape
 from elastic_moe_plugin.core.errors import UnsupportedMegatronError
 # _parser: "the mirror" below is the unit test of this private parser itself (its flags against Megatron's)
 from elastic_moe_plugin.mcore.megatron_args import _parser, check_megatron_args, megatron_options, model_shape
@@ -217,9 +218,9 @@ def test_no_num_experts_is_not_decided_either():
 
 
 def test_the_flags_give_the_model_the_config_is_checked_against():
-    assert model_shape(MEGATRON_ARGS) == (2, 4, 2, None)
+    assert model_shape(MEGATRON_ARGS) == ModelShape(2, 4, 2, None)
     # a hybrid pattern decides the layers (--num-layers is ignored, as Megatron-LM ignores it)
-    assert model_shape([*MEGATRON_ARGS, "--hybrid-layer-pattern", "M*|M*E"]) == (2, 4, 5, (4,))
+    assert model_shape([*MEGATRON_ARGS, "--hybrid-layer-pattern", "M*|M*E"]) == ModelShape(2, 4, 5, (4,))
     assert _check(MEGATRON_ARGS).config.resolve(num_experts=4, topk=2).spec() == "1-3"  # the default, from the flags
 
 

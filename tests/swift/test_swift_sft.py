@@ -270,10 +270,14 @@ def test_swift_sft_trains_deepseek_v4_gpt_oss_and_minimax_m2_elastically(swift_r
         assert math.isfinite(row["loss"]) and row["loss"] > 0 and math.isfinite(row["grad_norm"]), row
         # E·Σ f_i P_i with Σ f_i = mean κ: about k for a near-uniform router
         assert 0.5 * FAMILY_TOPK < row["aux_loss"] < 2 * FAMILY_TOPK, row["aux_loss"]
-        # the elastic layers, and no other: a hash-routed layer has no ranking, and no records
+        # every MoE layer: a hash-routed one as a static layer, at κ = k (no ranking, no records)
         logged_layers = {key.split("/")[1] for key in row if key.startswith("elastic_moe/layer_")}
-        assert logged_layers == {f"layer_{layer}" for layer in family.elastic}, sorted(logged_layers)
-        means = [row[f"elastic_moe/layer_{layer}/mean_kappa"] for layer in family.elastic]
+        assert logged_layers == {f"layer_{layer}" for layer in range(family.moe_layers)}, sorted(logged_layers)
+        for layer in set(range(family.moe_layers)) - set(family.elastic):
+            assert row[f"elastic_moe/layer_{layer}/mean_kappa"] == FAMILY_TOPK
+            assert row[f"elastic_moe/layer_{layer}/kappa_frac_{FAMILY_TOPK}"] == 1.0
+            assert f"elastic_moe/layer_{layer}/retained_weight_sum_mean" not in row
+        means = [row[f"elastic_moe/layer_{layer}/mean_kappa"] for layer in range(family.moe_layers)]
         assert row["elastic_moe/mean_kappa"] == pytest.approx(sum(means) / len(means), abs=1e-6)
         for layer, mean in zip(family.elastic, means):
             prefix = f"elastic_moe/layer_{layer}/"
