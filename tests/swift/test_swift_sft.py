@@ -277,8 +277,9 @@ def test_swift_sft_trains_deepseek_v4_gpt_oss_and_minimax_m2_elastically(swift_r
             assert row[f"elastic_moe/layer_{layer}/mean_kappa"] == FAMILY_TOPK
             assert row[f"elastic_moe/layer_{layer}/kappa_frac_{FAMILY_TOPK}"] == 1.0
             assert f"elastic_moe/layer_{layer}/retained_weight_sum_mean" not in row
-        means = [row[f"elastic_moe/layer_{layer}/mean_kappa"] for layer in range(family.moe_layers)]
-        assert row["elastic_moe/mean_kappa"] == pytest.approx(sum(means) / len(means), abs=1e-6)
+        every_layer = [row[f"elastic_moe/layer_{layer}/mean_kappa"] for layer in range(family.moe_layers)]
+        assert row["elastic_moe/mean_kappa"] == pytest.approx(sum(every_layer) / len(every_layer), abs=1e-6)
+        means = [row[f"elastic_moe/layer_{layer}/mean_kappa"] for layer in family.elastic]
         for layer, mean in zip(family.elastic, means):
             prefix = f"elastic_moe/layer_{layer}/"
             fractions = {b: row[f"{prefix}kappa_frac_{b}"] for b in schedule.budgets}
