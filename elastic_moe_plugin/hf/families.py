@@ -165,17 +165,27 @@ def imported_router_classes() -> dict[type, RouterFamily]:
     return found
 
 
-def static_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFamily, str]]:
-    """``(qualified name, router, family, why)`` of every router of ``model`` that belongs to a
-    covered family but has no ranking to cut at κ (DeepSeek-V4's hash-routed layers), in module
-    order: its layer stays stock top-k."""
-    classes = {cls: (family, why) for _, family, static in _imported_families() for cls, why in static.items()}
-    if not classes:
-        return
+def model_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFamily, str | None]]:
+    """``(qualified name, router, family, why it cannot rank)`` of every router of a covered family
+    in ``model``, in module order, in one pass: ``why`` is None for a router that ranks, the reason
+    for one that cannot (DeepSeek-V4's hash-routed layers, whose layers stay stock top-k)."""
+    classes: dict[type, tuple[RouterFamily, str | None]] = {}
+    for router, family, static in _imported_families():
+        classes[router] = (family, None)
+        classes.update({cls: (family, why) for cls, why in static.items()})
+    _FAMILY_OF.update({cls: family for cls, (family, why) in classes.items() if why is None})
     for name, module in model.named_modules():
         entry = classes.get(type(module))
         if entry is not None:
             yield name, module, entry[0], entry[1]
+
+
+def static_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFamily, str]]:
+    """``(qualified name, router, family, why)`` of every router of ``model`` that belongs to a
+    covered family but has no ranking to cut at κ (:func:`model_routers`)."""
+    for name, router, family, why in model_routers(model):
+        if why is not None:
+            yield name, router, family, why
 
 
 def ranking_layers(family: RouterFamily, config: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -222,11 +232,9 @@ def _logits_last(loaded: LoadedFamily) -> bool:
 def covered_routers(model: torch.nn.Module) -> Iterator[tuple[str, Any, RouterFamily]]:
     """``(qualified name, router, family)`` of every covered router in ``model``, in module order (the
     router typed ``Any``: its attributes are its family's, ``top_k``, ``num_experts``, ...)."""
-    classes = imported_router_classes()
-    for name, module in model.named_modules():
-        family = classes.get(type(module))
-        if family is not None:
-            yield name, module, family
+    for name, router, family, why in model_routers(model):
+        if why is None:
+            yield name, router, family
 
 
 def layer_index_from_name(name: str) -> int | None:

@@ -20,12 +20,11 @@ from elastic_moe_plugin.core import metrics, records
 from elastic_moe_plugin.core.layer_keys import LayerKey
 from elastic_moe_plugin.core.records import RouterSite, RoutingRecord
 from elastic_moe_plugin.hf.families import (
-    covered_routers,
     layer_index_from_name,
+    model_routers,
     router_layer_index,
     router_site,
     router_stack,
-    static_routers,
 )
 
 
@@ -35,20 +34,15 @@ def router_sites(model: torch.nn.Module) -> list[RouterSite]:
     (:func:`router_parts`)."""
     sites = [
         RouterSite(
-            name, router, router_layer_index(name, router), family.top_k_of(router), family.num_experts_of(router)
-        )
-        for name, router, family in covered_routers(model)
-    ]
-    sites += [  # routers that cannot rank (DeepSeek-V4's hash layers): static layers of the model
-        RouterSite(
             name,
             router,
-            layer_index_from_name(name),
+            router_layer_index(name, router) if why is None else layer_index_from_name(name),
             family.top_k_of(router),
             family.num_experts_of(router),
-            static=True,
+            # a router that cannot rank (DeepSeek-V4's hash layers): a static layer of the model
+            static=why is not None,
         )
-        for name, router, family, _ in static_routers(model)
+        for name, router, family, why in model_routers(model)
     ]
     parts = router_parts(sites)
     return [dataclasses.replace(site, part=parts[site.name]) if site.name in parts else site for site in sites]
