@@ -15,6 +15,13 @@ MCORE_BRIDGE_DIR := .mcore-bridge
 # asks for a newer huggingface-hub and for kernels than the venv has: they go in the same folder.
 TRANSFORMERS_HIGH := 5.25.0
 TRANSFORMERS_HIGH_DIR := .transformers-$(TRANSFORMERS_HIGH)
+# DeepSpeed for the tests of the transformers door's engines (ZeRO-2/3 on CPU ranks, docs/transformers.md,
+# "Engines"). Its only release is an sdist whose setup imports torch: built against the venv's torch
+# (--no-build-isolation; an isolated build would pull a CUDA torch), with no op compiled ahead
+# (DS_BUILD_OPS=0). The one op a CPU run uses, deepspeed_shm_comm, is JIT-compiled at the first
+# DeepSpeed world into TORCH_EXTENSIONS_DIR, kept in build/ so a checkout compiles it once.
+DEEPSPEED := 0.19.8
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/build/torch_extensions
 PYTEST_ARGS ?=
 UV_VERSION := 0.13.9
 UV_INSTALL := $(BIN)/uv pip install -q --python $(BIN)/python
@@ -58,6 +65,7 @@ $(VENV)/.installed: pyproject.toml Makefile dev-constraints.txt
 	# 0.16.1, the newest that declares Python 3.11 support). `pip check` then proves every requirement
 	# of the venv, mcore-bridge's included, is satisfied, megatron-core 0.19.2 still in place.
 	$(UV_INSTALL) --no-deps mcore-bridge==$(MCORE_BRIDGE)
+	DS_BUILD_OPS=0 $(UV_INSTALL) -c dev-constraints.txt --no-build-isolation deepspeed==$(DEEPSPEED)
 	$(BIN)/pip check
 	# The same files in a folder of its own: tests/mcore/test_mcore_bridge_router.py looks there when
 	# the installed package cannot be found (it finds the venv's first now).
@@ -77,8 +85,10 @@ constraints:
 	$(CONSTRAINTS_VENV)/bin/pip install -q torch==2.13.0 uv==$(UV_VERSION)
 	$(CONSTRAINTS_VENV)/bin/uv pip install -q --python $(CONSTRAINTS_VENV)/bin/python ".[dev,plot,hf,swift,eval]" \
 		torch==2.13.0
+	DS_BUILD_OPS=0 $(CONSTRAINTS_VENV)/bin/uv pip install -q --python $(CONSTRAINTS_VENV)/bin/python \
+		--no-build-isolation deepspeed==$(DEEPSPEED)
 	{ sed -n '/^#/p' dev-constraints.txt; $(CONSTRAINTS_VENV)/bin/pip freeze \
-		| grep -v -i -e '^elastic[-_]moe[-_]plugin' -e '^uv==' | sed 's/+cpu$$//' | sort -f; } \
+		| grep -v -i -e '^elastic[-_]moe[-_]plugin' -e '^uv==' -e '^deepspeed==' | sed 's/+cpu$$//' | sort -f; } \
 		> dev-constraints.txt.new && mv dev-constraints.txt.new dev-constraints.txt
 	rm -rf $(CONSTRAINTS_VENV)
 

@@ -840,7 +840,7 @@ def test_the_child_bootstrap_refuses_a_feature_it_does_not_know():
     done = _bootstrapped("print('ran')", "grad_clip,megatron-swift")
     assert done.returncode != 0 and "ran" not in done.stdout
     assert ("EMOE_BOOTSTRAP='grad_clip,megatron-swift': megatron-swift is no start-up feature; expected a "
-            "comma-separated list of megatron_swift, grad_clip, step_probe.") in done.stderr
+            "comma-separated list of megatron_swift, engines, grad_clip, step_probe.") in done.stderr
     with pytest.raises(ValueError, match="megatron-swift is no start-up feature"):
         child_bootstrap.environment(["megatron-swift"])
     # in the order they run, whatever the variable's

@@ -15,6 +15,11 @@ calls :func:`start`, which switches on what :data:`BOOTSTRAP_ENV` names, comma-s
   asserts they are unset under the CPU flags' local attention). Where CUDA is available the runtime
   refuses, and the process stops with its message rather than go on half set up. For ``megatron
   sft`` on a CPU (``elastic-moe launch RECIPE --rehearse``, the tests, ``bench --only e2e``);
+- ``engines``: DeepSpeed ZeRO and FSDP2 through accelerate on CPU ranks
+  (:func:`elastic_moe_plugin.cpu_runtime.engines.enable`: ``zero.Init`` initialises DeepSpeed's
+  communication first, and accelerate enables FSDP for ``MULTI_CPU``). For ``swift sft
+  --deepspeed ...`` or an FSDP2 config on a CPU (``elastic-moe launch RECIPE --rehearse``, the
+  tests); where CUDA is available it refuses, as ``megatron_swift`` does;
 - ``grad_clip``: host-tensor gradient clipping alone
   (:mod:`elastic_moe_plugin.cpu_runtime.grad_clip`), so a recipe keeps its ``--clip-grad`` under
   ``python -m elastic_moe_plugin.megatron_lm --cpu``, which switches the rest of the runtime on
@@ -70,6 +75,15 @@ def _megatron_swift() -> None:
         raise SystemExit(f"elastic-moe child bootstrap ({BOOTSTRAP_ENV}=megatron_swift): {error}") from None
 
 
+def _engines() -> None:
+    from elastic_moe_plugin.cpu_runtime import MegatronCPUError, engines
+
+    try:
+        engines.enable()
+    except MegatronCPUError as error:
+        raise SystemExit(f"elastic-moe child bootstrap ({BOOTSTRAP_ENV}=engines): {error}") from None
+
+
 def _grad_clip() -> None:
     from elastic_moe_plugin.cpu_runtime import grad_clip
 
@@ -85,6 +99,7 @@ def _step_probe() -> None:
 #: name -> what it switches on, in the order they run
 FEATURES: dict[str, Callable[[], None]] = {
     "megatron_swift": _megatron_swift,
+    "engines": _engines,
     "grad_clip": _grad_clip,
     "step_probe": _step_probe,
 }
