@@ -69,9 +69,9 @@ import logging
 from collections.abc import Callable
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from elastic_moe_plugin.hf.routing import KeptSlots, kept_slots, mark_kept_slots
+from elastic_moe_plugin.hf.tensor_marks import TensorMarks
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 
@@ -262,7 +262,7 @@ def _grouped_mm(experts, original, hidden_states, top_k_index, top_k_weights, sl
 
 # ------------------------------------------------------------------------------ expert parallelism
 #: the ``order`` tensor of a compacted token dispatch → (flat positions [P], tokens [P], T)
-_COMPACTED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_COMPACTED: TensorMarks[tuple[torch.Tensor, torch.Tensor, int]] = TensorMarks()
 
 
 def _dispatch_kept_pairs(original: Callable) -> Callable:

@@ -52,7 +52,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
 from elastic_moe_plugin.core.budget_stream import to_device
 from elastic_moe_plugin.core.plan import LayerPlan
@@ -62,11 +61,12 @@ from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf.families import family_of
 from elastic_moe_plugin.hf.rules import expert_scale, family_rule, routes_in_fp32, selection_bias
 from elastic_moe_plugin.hf.rules import router_logits as router_logits_of
+from elastic_moe_plugin.hf.tensor_marks import TensorMarks
 
 #: the tensor the loss reads (z; Gemma 4's p; ERNIE-4.5-VL's merged logits) → the slots dispatched
-#: for it: (candidate ids LongTensor [T, b], kept-slot mask BoolTensor [T, b]). Keyed by object
-#: identity (a tensor's == is elementwise) and weakly, so entries die with the tensor.
-_DISPATCHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: for it: (candidate ids LongTensor [T, b], kept-slot mask BoolTensor [T, b]). Keyed by the tensor's
+#: data, so an alias finds it (DeepSpeed ZeRO-3 re-creates every module output), and weakly.
+_DISPATCHED: TensorMarks[tuple[torch.Tensor, torch.Tensor]] = TensorMarks()
 
 
 #: (router, the slots it dispatched) in call order, while a merging block runs (:func:`merging_block_forward`)
@@ -427,9 +427,10 @@ class KeptSlots:
         return index[0], index[1]
 
 
-#: top_k_index tensor → its KeptSlots. Keyed by identity and weakly: the mark dies with the tensor,
-#: and a tensor the MoE block rebuilt is unmarked (the stock forward then computes every slot).
-_MARKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: top_k_index tensor → its KeptSlots. Keyed by the tensor's data and weakly (:class:`TensorMarks`):
+#: an alias finds the mark (ZeRO-3's module hooks hand the experts one), the mark dies with the
+#: data, and a tensor the MoE block rebuilt is unmarked (the stock forward then computes every slot).
+_MARKS: TensorMarks[KeptSlots] = TensorMarks()
 
 
 def mark_kept_slots(top_k_index: torch.Tensor, host_budgets: np.ndarray) -> None:

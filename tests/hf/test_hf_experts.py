@@ -423,6 +423,61 @@ def test_the_slot_count_sees_b_slot_shapes():
     assert {rows for op, rows in counted.rows if op == "silu"} == {BLOCK_TOKENS * WIDTH}
 
 
+# ------------------------------------------------------------------------------- aliases of the marked tensors
+class _Alias(torch.autograd.Function):
+    """What DeepSpeed ZeRO-3's module hooks do to every input and output: a new tensor object over
+    the same data (``detach``), with a backward that passes the gradient through."""
+
+    @staticmethod
+    def forward(tensor):
+        return tensor.detach()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _alias_every_module_boundary(model) -> list:
+    def alias(value):
+        if isinstance(value, torch.Tensor):
+            return _Alias.apply(value)
+        if isinstance(value, tuple):
+            return type(value)(alias(item) for item in value) if not hasattr(value, "_fields") else value
+        return value
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(lambda module, args: alias(args)))
+        handles.append(module.register_forward_hook(lambda module, args, output: alias(output)))
+    return handles
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_marks_survive_new_tensor_objects_at_every_module_boundary(tiny, expert_rows, impl):
+    """Under ZeRO-3 every module's inputs and outputs reach the next module as new tensor objects
+    (tests/hf/test_hf_engines.py runs the real thing): the experts must still compute Σκ rows, and the
+    loss count the realised slots, exactly as without the aliases. With marks keyed by object
+    identity (before), the experts computed T·b rows and the aux loss recounted a static top-3."""
+    hf.apply(ElasticConfig(schedule=SCHEDULE))
+    plain = _train_step(tiny.model("olmoe", experts_implementation=impl))
+    model = tiny.model("olmoe", experts_implementation=impl)
+    handles = _alias_every_module_boundary(model)
+    try:
+        with expert_rows(model) as counted:
+            aliased = _train_step(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert counted.rows == _kappa_sums(model)
+    assert all(rows < TOKENS * WIDTH for rows in counted.rows.values())
+    assert torch.equal(aliased["aux_loss"], plain["aux_loss"]) and torch.equal(aliased["loss"], plain["loss"])
+    assert hf_experts.kept_slots(torch.zeros(TOKENS, WIDTH, dtype=torch.long)) is None
+
+
 # ------------------------------------------------------------------------------- whoever chooses, whenever
 @pytest.mark.parametrize("impl", IMPLS)
 def test_model_built_before_apply_follows_kappa(tiny, expert_rows, impl):
