@@ -194,7 +194,7 @@ class ExpertRows(OpCounter):
     experts have no gate, as Nemotron-H's) of experts module ``name`` in the forwards run under the
     mode, recognised by shape in each implementation of transformers. With D_in = H and D_out = 2F
     (F without a gate), the weight is [E, D_out, D_in], or [E, D_in, D_out] where the experts are
-    ``is_transposed`` (GPT-OSS, Aria):
+    ``is_transposed`` (GPT-OSS, Aria); under DeepSpeed ZeRO-3, the gathered shape (``ds_shape``):
 
     - eager: ``aten.mm(x [n, D_in], W_e^T [D_in, D_out])`` (or ``x @ W_e``) per expert e: n rows;
     - batched_mm: ``aten.bmm(W [S, D_out, D_in], x [S, D_in, 1])``, or transposed
@@ -225,9 +225,12 @@ class ExpertRows(OpCounter):
             proj = getattr(module, "gate_up_proj", None)
             if proj is None:
                 proj = getattr(module, "up_proj", None)
-            if isinstance(proj, torch.nn.Parameter) and proj.dim() == 3:
+            # DeepSpeed ZeRO-3 keeps a parameter as an empty local shard outside its module's
+            # forward; ``ds_shape`` is the shape the forward gathers
+            shape = getattr(proj, "ds_shape", None) or getattr(proj, "shape", ())
+            if isinstance(proj, torch.nn.Parameter) and len(shape) == 3:
                 self.rows[name] = 0
-                d_out, d_in = proj.shape[1:] if not getattr(module, "is_transposed", False) else proj.shape[:0:-1]
+                d_out, d_in = shape[1:] if not getattr(module, "is_transposed", False) else shape[:0:-1]
                 self._handles.append(module.register_forward_pre_hook(self._enter(name, (d_out, d_in))))
                 self._handles.append(module.register_forward_hook(self._leave))
 
