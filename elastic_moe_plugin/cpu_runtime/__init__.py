@@ -28,6 +28,9 @@ What it redirects, by concern (each module lists its redirections and says why):
   ``get_device_arch_version``, and the checkpoint writer's results queue started by fork.
 - :mod:`.megatron_training`: not CUDA, and a switch of its own: the megatron-core wheel's
   ``megatron.training`` on Python 3.11 (``typing.override``) and without its dataset-helper Makefile.
+- :mod:`.engines` (a switch of its own, not part of :func:`enable`): DeepSpeed ZeRO and FSDP2
+  through accelerate on CPU ranks, for the transformers and ``swift sft`` doors (``zero.Init``
+  initialises DeepSpeed's communication first; accelerate enables FSDP for ``MULTI_CPU``).
 - :mod:`.process_groups`: gloo plus Megatron's model-parallel groups for code that builds Megatron
   modules itself (:func:`initialize_model_parallel`, :func:`destroy`).
 
