@@ -3,12 +3,18 @@
 Each run is the ``elastic-moe`` command line in a subprocess (``python -m elastic_moe_plugin.cli``),
 which plans the rehearsal (tiny same-family model, local data, the replacements it prints), then
 runs the recipe's own launcher: ``megatron sft`` for ``qwen3_sft/6-10`` (4 CPU processes: PP 2 x
-EP 2 x DP 2), ``swift sft`` for ``olmoe_sft/6-10``, Megatron-LM's trainer for ``pretrain/6-10`` (2
-processes, EP 2). Two steps each here (the default is 3), the OLMoE and pretraining recipes with
-``--set batch.global=16`` (their 256 sequences a step are 256 micro-batches a step on one CPU process;
-the accumulation code is the same at 16). A user overlay (of the OLMoE recipe: one ``swift sft``
-process, where the Qwen3 recipe's ``megatron sft`` starts four to fail alike) with a flag ms-swift
-does not know must fail with ms-swift's own message before any step.
+EP 2 x DP 2), ``swift sft`` for ``olmoe_sft/6-10`` (2 processes, DP 2, under the recipe's DeepSpeed
+ZeRO-2), Megatron-LM's trainer for ``pretrain/6-10`` (2 processes, EP 2). Two steps each here (the
+default is 3), the OLMoE and pretraining recipes with ``--set batch.global=16`` (their 256 sequences
+a step are 128 micro-batches a step on each of 2 CPU processes; the accumulation code is the same at
+16). A user overlay of the OLMoE recipe with a flag ms-swift does not know (rehearsed with
+``--nproc-per-node 1``: one ``swift sft`` rank fails as two would) must fail with ms-swift's own
+message before any step.
+
+That the OLMoE rehearsal trained under DeepSpeed ZeRO-2 is read from the engine each rank built
+(``_engine_probe.py``, run at the start of every process through the ``PYTHONPATH`` the rehearsal
+passes on): ZeRO stage 2 over 2 ranks, each holding the whole model and half of the optimizer's
+fp32 partition.
 
 How close the logged mean κ must be to 8: with ``sampling=iid`` each token draws κ independently
 from the 6-10 pmf (mean 8, standard deviation σ_q), so one rank's per-step, per-layer mean over N
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -45,6 +52,7 @@ def _load(name: str):
 
 
 _jobs = _load("_jobs")
+_probe = _load("_engine_probe")
 
 
 def _missing(*modules: str) -> list[str]:
@@ -65,15 +73,15 @@ GLOBAL_BATCH = 16
 #: name -> (recipe, what must be importable, its weight in processes, recipe keys set on the command line)
 REHEARSALS = {
     "qwen3": ("qwen3_sft/6-10", _missing("swift", "mcore_bridge", "megatron.core"), 2, []),
-    "olmoe": ("olmoe_sft/6-10", _missing("swift", "transformers"), 1, [f"batch.global={GLOBAL_BATCH}"]),
+    "olmoe": ("olmoe_sft/6-10", _missing("swift", "transformers", "deepspeed"), 2, [f"batch.global={GLOBAL_BATCH}"]),
     "pretrain": ("pretrain/6-10", [m for m in [_megatron_training_missing()] if m], 2, [f"batch.global={GLOBAL_BATCH}"]),
     "broken": (None, _missing("swift", "transformers"), 1, []),
 }
 
 
-def _cli(recipe: str, work: Path, sets: list[str]) -> list[str]:
+def _cli(recipe: str, work: Path, sets: list[str], *options: str) -> list[str]:
     return [sys.executable, "-m", "elastic_moe_plugin.cli", "launch", recipe, "--rehearse", "--steps", str(STEPS),
-            "--rehearse-dir", str(work), *[option for item in sets for option in ("--set", item)]]
+            "--rehearse-dir", str(work), *options, *[option for item in sets for option in ("--set", item)]]
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +97,24 @@ def rehearsals(swift_base_env, tmp_path_factory):
     for name, (recipe, missing, weight, sets) in REHEARSALS.items():
         if missing:
             continue
-        jobs.append(_jobs.Job(name, _cli(recipe or str(broken), tmp / name / "work", sets), env, tmp / name, weight=weight,
-                              timeout=300))
+        job_env = env
+        if name == "olmoe":  # every process records the DeepSpeed engine it builds
+            probe = _probe.sitecustomize_dir(tmp / name / "probe")
+            job_env = {**env, "PYTHONPATH": f"{probe}:{env['PYTHONPATH']}",
+                       _probe.PROBE_ENV: str(tmp / name / "engine")}
+        options = ("--nproc-per-node", "1") if name == "broken" else ()
+        jobs.append(_jobs.Job(name, _cli(recipe or str(broken), tmp / name / "work", sets, *options), job_env,
+                              tmp / name, weight=weight, timeout=300))
     results = _jobs.run_jobs(jobs, tmp / "logs")
     for name, result in results.items():
         print(f"rehearsal {name}: rc={result.returncode} in {result.seconds:.1f}s")
     return {name: (result, tmp / name / "work") for name, result in results.items()}
+
+
+def _engines(rehearsals, name: str) -> list[dict]:
+    """What ``_engine_probe.py`` recorded of each rank's DeepSpeed engine, by rank."""
+    folder = rehearsals[name][1].parent / "engine"
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))]
 
 
 def _get(rehearsals, name):
@@ -151,16 +171,32 @@ def test_rehearsal_of_an_ms_swift_recipe_trains_and_logs_routing_metrics(rehears
         assert "--lr 1e-05" in output and "--moe_aux_loss_coeff 0.001" in output and "--recompute_granularity full" in output
         plan = "elastic-moe plan (megatron-core, 2 MoE layers): elastic 6-10 around k=8 (σ=1.5), renormalized gate"
     else:
-        _check_replacements(output, ["args.attn_impl: flash_attn -> sdpa  (flash attention is GPU-only)",
-                                     "args.deepspeed: zero2 -> removed  (DeepSpeed ZeRO needs CUDA; plain data parallelism here)"])
+        _check_replacements(output, [
+            "args.attn_impl: flash_attn -> sdpa  (flash attention is GPU-only)",
+            "args.use_cpu: unset -> true  (no CUDA here: accelerate's CPU processes over gloo; without it DeepSpeed "
+            "sizes its batch for a world of 1)",
+            "args.fp16: unset -> false  (ms-swift turns fp16 on for float32 weights, and DeepSpeed's CPU accelerator "
+            "refuses fp16; float32 here)"])
         assert "--optim adamw_torch_fused" in output and "--router_aux_loss_coef 0.01" in output
+        # the recipe's own DeepSpeed ZeRO-2, not replaced: ms-swift reads its zero2 config, and each of the
+        # 2 ranks builds a ZeRO-2 engine holding the whole model and its half of the fp32 optimizer state
+        assert not [line for line in output.splitlines() if line.startswith("#   args.deepspeed")]
+        assert "--deepspeed zero2" in output and "EMOE_BOOTSTRAP=engines" in output
+        assert re.search(r"Using deepspeed: \{.*'zero_optimization': \{'stage': 2,", output), result.describe()
+        engines = _engines(rehearsals, name)
+        assert [(e["rank"], e["world"], e["stage"]) for e in engines] == [(0, 2, 2), (1, 2, 2)], engines
+        total = engines[0]["params_total"]
+        for engine in engines:
+            assert engine["params_local"] == total and engine["params_partitioned"] == 0, engine
+            assert total // 2 <= engine["optimizer_local"] < total, engine
         plan = ("elastic-moe plan (transformers, 4 MoE layers): elastic 6-10 around k=8 (σ=1.5), olmoe softmax_topk rule, "
                 "full_softmax gate")
     assert plan in output, result.describe()
     rows = _swift_rows(work)
     assert len(rows) == STEPS, rows
-    # qwen3: global batch 16 over 2 data-parallel ranks; olmoe: GLOBAL_BATCH rows on 1 rank (micro-batch 1)
-    tolerance = _tolerance(work, "qwen3_moe", 8) if name == "qwen3" else _tolerance(work, "olmoe", GLOBAL_BATCH)
+    # qwen3: global batch 16 over 2 data-parallel ranks; olmoe: GLOBAL_BATCH rows over 2 (micro-batch 1); the
+    # logged routing is rank 0's
+    tolerance = _tolerance(work, "qwen3_moe", 8) if name == "qwen3" else _tolerance(work, "olmoe", GLOBAL_BATCH // 2)
     for row in rows:
         if name == "qwen3":
             # megatron sft logs as Megatron-SWIFT logs its MoE losses: layer means only (no
@@ -170,6 +206,7 @@ def test_rehearsal_of_an_ms_swift_recipe_trains_and_logs_routing_metrics(rehears
         else:
             means = {key: float(value) for key, value in row.items() if key.endswith("/mean_kappa") and "/layer_" in key}
         print(f"rehearsal {name} step: loss={row['loss']} mean κ {means} (tolerance ±{tolerance:.3f})")
+        assert math.isfinite(float(row["loss"])), row
         assert means and all(abs(value - 8) <= tolerance for value in means.values()), means
         for key in means:
             prefix = key.rsplit("/", 1)[0]

@@ -875,7 +875,11 @@ def test_rehearse_dry_run_through_the_cli(capsys, tmp_path):
     assert cli.main(["launch", "olmoe_sft/6-10", "--rehearse", "--dry-run", "--rehearse-dir", str(work)]) == 0
     out = capsys.readouterr().out
     assert "# rehearsal of configs/olmoe_sft/6-10.yaml (swift_sft)" in out
-    assert "#   args.deepspeed: zero2 -> removed  (DeepSpeed ZeRO needs CUDA; plain data parallelism here)" in out
+    # the recipe's DeepSpeed ZeRO-2 is kept, on 2 CPU ranks, with the CPU settings it needs there
+    assert "args.deepspeed" not in out.split("# recipe:")[0] and "--deepspeed zero2" in out
+    assert "#   args.use_cpu: unset -> true  (no CUDA here: accelerate's CPU processes over gloo" in out
+    assert "#   args.fp16: unset -> false  (ms-swift turns fp16 on for float32 weights" in out
+    assert "-> 1 node x 2 CPU processes (gloo)" in out and "EMOE_BOOTSTRAP=engines" in out
     assert "swift sft" in out and "--max_steps 3" in out
 
 

@@ -150,7 +150,12 @@ def _tiny_layout(plan: _Plan, nproc: int | None) -> int:
     pp, ep = min(parallel["pp"], 2), min(parallel["ep"], 2)
     for key, value in (("tp", 1), ("cp", 1), ("etp", 1), ("pp", pp), ("ep", ep)):
         plan.set(f"parallel.{key}", value, "", show=False)
-    world = nproc if nproc is not None else pp * ep
+    if nproc is not None:
+        world = nproc
+    elif plan.recipe.launcher == "swift_sft":
+        world = 2  # pure data parallelism: 2 ranks, so that DeepSpeed ZeRO or FSDP has a partition to shard
+    else:
+        world = pp * ep
     changed = {
         k: (parallel[k], v) for k, v in (("tp", 1), ("pp", pp), ("cp", 1), ("ep", ep), ("etp", 1)) if parallel[k] != v
     }
@@ -187,10 +192,19 @@ def _olmoe_args(plan: _Plan, dataset: str, steps: int, world: int) -> None:
     plan.set("args.max_steps", steps, "the rehearsal's length (--steps)")
     plan.set("args.attn_impl", "sdpa", "flash attention is GPU-only")
     plan.set("args.packing", False, "packing needs flash attention (ms-swift checks it)")
-    plan.drop("args.deepspeed", "DeepSpeed ZeRO needs CUDA; plain data parallelism here")
     plan.set("args.dataloader_num_workers", 0, "data loader workers of a small machine")
     if world > 1:
         plan.set("args.ddp_backend", "gloo", "NCCL is GPU-only")
+    plan.set(
+        "args.use_cpu",
+        True,
+        "no CUDA here: accelerate's CPU processes over gloo; without it DeepSpeed sizes its batch for a world of 1",
+    )
+    plan.set(
+        "args.fp16",
+        False,
+        "ms-swift turns fp16 on for float32 weights, and DeepSpeed's CPU accelerator refuses fp16; float32 here",
+    )
 
 
 def _megatron_sft_args(plan: _Plan, dataset: str, steps: int, world: int) -> None:

@@ -5,11 +5,14 @@ before you allocate").
 What runs is the command the recipe renders (:func:`~elastic_moe_plugin.tools.recipes.render.render`),
 with the recipe's own flags and its ``ELASTIC_MOE_*`` overlay, through the launcher it names:
 
-- ``swift_sft`` (OLMoE): ``swift sft``, ms-swift's transformers trainer;
+- ``swift_sft`` (OLMoE): ``swift sft``, ms-swift's transformers trainer, with the recipe's own engine
+  (DeepSpeed ZeRO-2) on 2 CPU ranks, every process under the CPU runtime's engines part
+  (:mod:`elastic_moe_plugin.cpu_runtime.engines`, switched on by the child bootstrap,
+  :mod:`elastic_moe_plugin.tools.child_bootstrap`, with ``EMOE_BOOTSTRAP=engines``: the recipe's
+  ZeRO-2 needs none of it, an overlay's ZeRO-3 or FSDP2 does);
 - ``megatron_sft`` (Qwen3): ``megatron sft``, Megatron-SWIFT with mcore-bridge, every process under
   the CPU runtime (:mod:`elastic_moe_plugin.cpu_runtime.megatron_swift`, switched on by the child
-  bootstrap, :mod:`elastic_moe_plugin.tools.child_bootstrap`, on ``PYTHONPATH`` with
-  ``EMOE_BOOTSTRAP=megatron_swift``);
+  bootstrap on ``PYTHONPATH`` with ``EMOE_BOOTSTRAP=megatron_swift``);
 - ``megatron_lm`` (pretraining): torchrun of ``python -m elastic_moe_plugin.megatron_lm SCRIPT``
   (Megatron-LM's ``megatron.training``: the recipe's ``pretrain_gpt.py`` of ``--megatron-lm-dir`` when
   given, else the megatron-core wheel's trainer with this repository's
@@ -21,8 +24,8 @@ Only what cannot apply on this machine is replaced, each replacement printed wit
 (:class:`Replacement`): the checkpoint by a random one of the same family (router, gate convention,
 top-k, and the elastic layer range scaled to 4 layers), the hub dataset and tokenizer by tiny local
 ones, the node count and parallel sizes by one node of a few CPU processes, bf16 by float32, GPU-only
-kernels (flash attention, grouped GEMM, fused kernels, DeepSpeed) by their CPU paths, the length of
-the run by ``--steps``, and the batch's sequence length by the tiny model's. Everything runs in a
+kernels (flash attention, grouped GEMM, fused kernels) by their CPU paths, the length of the run by
+``--steps``, and the batch's sequence length by the tiny model's. Everything runs in a
 fresh work folder (the current directory of the launcher, so the recipe's relative output paths
 land there). It exits with the launcher's status on the first error the launcher raises, and
 non-zero if the run logged no ``elastic_moe/`` metric for its training steps.
@@ -68,7 +71,7 @@ __all__ = [
 DEFAULT_STEPS = 3
 MEGATRON_LM_ENTRY = "elastic_moe_plugin.megatron_lm"
 #: what the child bootstrap switches on in every process of a rehearsal, per launcher
-BOOTSTRAP_FEATURES = {"megatron_sft": ("megatron_swift",), "megatron_lm": ("grad_clip",)}
+BOOTSTRAP_FEATURES = {"swift_sft": ("engines",), "megatron_sft": ("megatron_swift",), "megatron_lm": ("grad_clip",)}
 
 
 @dataclass
@@ -164,7 +167,13 @@ def _adapt_command(command: LaunchCommand, recipe: Recipe, work: Path) -> None:
     features = BOOTSTRAP_FEATURES.get(recipe.launcher)
     if features:
         env.update(child_bootstrap.environment(features, os.environ.get("PYTHONPATH")))
-    if recipe.launcher == "megatron_sft":
+    if recipe.launcher == "swift_sft":
+        command.notes.append(
+            f"CPU runtime: {child_bootstrap.directory()} first on PYTHONPATH with "
+            f"{child_bootstrap.BOOTSTRAP_ENV}=engines switches elastic_moe_plugin.cpu_runtime.engines on in every "
+            "process swift sft starts (DeepSpeed's zero.Init and FSDP2 on CPU ranks over gloo)"
+        )
+    elif recipe.launcher == "megatron_sft":
         command.notes.append(
             f"CPU runtime: {child_bootstrap.directory()} first on PYTHONPATH with "
             f"{child_bootstrap.BOOTSTRAP_ENV}=megatron_swift switches elastic_moe_plugin.cpu_runtime.megatron_swift "
