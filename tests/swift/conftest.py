@@ -23,7 +23,8 @@ the accepted forms (:data:`PLUGIN_FORMS`: the documented fallback ``--external_p
 patches/elastic_moe.py --callbacks elastic_moe``, ``--plugin=elastic_moe``, ``--external_plugins
 elastic_moe``, ``plugin: elastic_moe`` in a YAML), the checkout's start-up hook made active by
 :func:`with_start_up_hook`; the ``wheel_*`` runs use the installed wheel from a folder outside the
-checkout (``wheel_venv``). All: full fine-tuning,
+checkout (``wheel_venv``); ``olmoe_zero3`` trains under DeepSpeed ZeRO-3 on 2 ranks
+(:func:`_engine_run`). All: full fine-tuning,
 ``--max_steps 3 --logging_steps 1``, ``--router_aux_loss_coef 0.01``, ``--check_model false``,
 ``--add_version false`` (a fixed output dir), TensorBoard reporting only where a test reads the
 event file (``olmoe_iid``, ``auto_gpt_oss``: at the end of a run ms-swift draws one PNG per logged
@@ -70,6 +71,7 @@ def _load_helper(name: str):
 
 _assets = _load_helper("_tiny_assets")
 TinyAssets, MODELS, BATCH_SIZE = _assets.TinyAssets, _assets.MODELS, _assets.BATCH_SIZE
+engine_probe = _load_helper("_engine_probe")
 
 
 @pytest.fixture(scope="session")
@@ -282,6 +284,28 @@ def _wheel_run(model: str, env: dict[str, str], plugin: str = "--plugin", *, yam
     return build
 
 
+def _engine_run(model: str, engine: str, env: dict[str, str]):
+    """``swift sft --plugin elastic_moe --deepspeed ENGINE`` from the checkout on 2 CPU ranks, launched as
+    docs/swift.md ("Engines: DeepSpeed and FSDP2") says for a CPU host: ``--use_cpu true --fp16 false
+    --ddp_backend gloo``, the child bootstrap's ``engines`` in every process. Every rank records the
+    DeepSpeed engine it builds in ``work/engine/rank<R>.json`` (``_engine_probe.py``, run by a ``.pth``
+    next to the start-up hook's)."""
+    def build(assets: TinyAssets, work: Path, base: dict[str, str]) -> RunSpec:
+        from elastic_moe_plugin.tools import child_bootstrap
+
+        output_dir = work / "out"
+        run_env = {**base, **env, "NPROC_PER_NODE": "2", "MASTER_PORT": str(_free_port()),
+                   engine_probe.PROBE_ENV: str(work / "engine")}
+        run_env = with_start_up_hook(run_env, work)
+        (work / "hook" / "site" / "engine-probe.pth").write_text(engine_probe.START_UP_LINE + "\n")
+        run_env.update(child_bootstrap.environment(["engines"], run_env["PYTHONPATH"]))
+        flags = [*sft_flags(assets, model, output_dir, "--plugin"), "--deepspeed", engine, "--ddp_backend", "gloo",
+                 "--use_cpu", "true", "--fp16", "false"]
+        return RunSpec([*swift_command(), "sft", *flags], run_env, output_dir)
+
+    return build
+
+
 def _auto_run(model: str, tensorboard: bool = False):
     """``swift sft ... --plugin elastic_moe`` from the checkout with no ``ELASTIC_MOE_*`` variable at all:
     the schedule comes from the model; 2 steps, one model-only checkpoint."""
@@ -360,6 +384,8 @@ RUNS = {
     "wheel_unknown_plugin": _wheel_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3"}, plugin="unknown name"),
     "wheel_off_switch": _wheel_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3", "ELASTIC_MOE_SWIFT_HOOK": "0"}),
     "wheel_two_ranks": _wheel_run("olmoe", {"ELASTIC_MOE_SCHEDULE": "1-3"}, nproc=2),
+    # DeepSpeed ZeRO-3 (zero.Init) on 2 CPU ranks under the CPU runtime's engines part (test_swift_engines.py)
+    "olmoe_zero3": _engine_run("olmoe", "zero3", {"ELASTIC_MOE_SCHEDULE": "1-3"}),
     # the plugin file in a `swift sft`-like and a `megatron sft`-like process
     "probe_hf": _probe_run("hf"),
     "probe_megatron": _probe_run("megatron"),
