@@ -11,15 +11,29 @@ What a forward keeps costs no device op: references to the routing call's own te
 was drawn there (one ``scatter_add_`` on the device for top-p κ, which the device computes).
 :mod:`elastic_moe_plugin.core.records` turns them into :class:`~.records.RoutingRecord` objects,
 and :mod:`elastic_moe_plugin.core.metrics` into logged scalars, only when a logger asks.
+
+What a router call hands the code downstream (the transformers door's kept-slot marks on its
+``top_k_index``, its dispatched slots on its logits) is attached to the tensor's data by
+:class:`TensorMarks`, not to the tensor object: DeepSpeed ZeRO-3 passes every module's inputs and
+outputs through an autograd function returning ``tensor.detach()``, a new object over the same
+data, so a mark keyed by identity was lost at the first module boundary (the experts computed all
+T·b slots, the loss recounted a static top-b). A mark is keyed by the tensor's storage (held
+weakly), offset, shape, strides and dtype: every alias finds it (``detach``, ZeRO-3's hooks, a view
+of the same elements), a copy does not (``clone``, a rebuilt tensor: the stock behaviour), and it
+dies with its storage. The key is sound: while an entry's weak reference exists, the storage's
+control block is not freed, so no other storage can take its address. A tensor without plain
+storage (a ``DTensor``, a fake tensor) is keyed by identity.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.weak import WeakIdKeyDictionary
 
 from elastic_moe_plugin.core.budget_stream import BudgetDraw, StreamHome, to_device
 from elastic_moe_plugin.core.plan import LayerPlan
@@ -237,4 +251,75 @@ class HostHistogram:
 #: pending draws a :class:`HostHistogram` sums into its counts at once
 PENDING_FOLD = 256
 
-__all__ = ["PENDING_FOLD", "STATE_ATTR", "ElasticPath", "HostHistogram", "RouterState", "ensure_state", "state_of"]
+# ---------------------------------------------------------------------------------- marks
+Value = TypeVar("Value")
+
+
+class TensorMarks(Generic[Value]):
+    """A mapping from tensors to values, keyed by the tensor's data (the module docstring says why).
+
+    ``marks[tensor] = value``; ``marks.get(tensor)``, ``marks[tensor]`` (``KeyError`` if unmarked).
+    """
+
+    def __init__(self) -> None:
+        self._by_data: dict[tuple, tuple[StorageWeakRef, Value]] = {}
+        self._by_identity: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    @staticmethod
+    def _key(tensor: torch.Tensor) -> tuple | None:
+        """(storage pointer, offset, shape, strides, dtype), or None where there is no plain storage."""
+        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+            return None
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        # StorageWeakRef hashes and compares by the storage's address
+        return (StorageWeakRef(storage), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+
+    def __setitem__(self, tensor: torch.Tensor, value: Value) -> None:
+        key = self._key(tensor)
+        if key is None:
+            self._by_identity[tensor] = value
+            return
+        self._forget_expired()
+        self._by_data[key] = (key[0], value)
+
+    def get(self, tensor: torch.Tensor, default: Value | None = None) -> Value | None:
+        key = self._key(tensor)
+        if key is None:
+            return self._by_identity.get(tensor, default)
+        entry = self._by_data.get(key)
+        if entry is None or entry[0].expired():
+            return default
+        return entry[1]
+
+    def __getitem__(self, tensor: torch.Tensor) -> Value:
+        marked = self.get(tensor, _UNMARKED)  # type: ignore[arg-type]
+        if marked is _UNMARKED:
+            raise KeyError("tensor is not marked")
+        return marked  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        self._forget_expired()
+        return len(self._by_data) + len(self._by_identity)
+
+    def _forget_expired(self) -> None:
+        expired = [key for key, (reference, _) in self._by_data.items() if reference.expired()]
+        for key in expired:
+            del self._by_data[key]
+
+
+_UNMARKED = object()
+
+
+__all__ = [
+    "PENDING_FOLD",
+    "STATE_ATTR",
+    "ElasticPath",
+    "HostHistogram",
+    "RouterState",
+    "TensorMarks",
+    "ensure_state",
+    "state_of",
+]

@@ -70,8 +70,8 @@ from collections.abc import Callable
 
 import torch
 
+from elastic_moe_plugin.core.router_state import TensorMarks
 from elastic_moe_plugin.hf.routing import KeptSlots, kept_slots, mark_kept_slots
-from elastic_moe_plugin.hf.tensor_marks import TensorMarks
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
 

@@ -55,13 +55,12 @@ import torch.nn.functional as F
 
 from elastic_moe_plugin.core.budget_stream import to_device
 from elastic_moe_plugin.core.plan import LayerPlan
-from elastic_moe_plugin.core.router_state import STATE_ATTR, ElasticPath, RouterState, ensure_state
+from elastic_moe_plugin.core.router_state import STATE_ATTR, ElasticPath, RouterState, TensorMarks, ensure_state
 from elastic_moe_plugin.core.routing import Routing, RoutingRule, balancing_scores, route, score
 from elastic_moe_plugin.hf import budget_rng
 from elastic_moe_plugin.hf.families import family_of
 from elastic_moe_plugin.hf.rules import expert_scale, family_rule, routes_in_fp32, selection_bias
 from elastic_moe_plugin.hf.rules import router_logits as router_logits_of
-from elastic_moe_plugin.hf.tensor_marks import TensorMarks
 
 #: the tensor the loss reads (z; Gemma 4's p; ERNIE-4.5-VL's merged logits) → the slots dispatched
 #: for it: (candidate ids LongTensor [T, b], kept-slot mask BoolTensor [T, b]). Keyed by the tensor's
@@ -427,9 +426,9 @@ class KeptSlots:
         return index[0], index[1]
 
 
-#: top_k_index tensor → its KeptSlots. Keyed by the tensor's data and weakly (:class:`TensorMarks`):
-#: an alias finds the mark (ZeRO-3's module hooks hand the experts one), the mark dies with the
-#: data, and a tensor the MoE block rebuilt is unmarked (the stock forward then computes every slot).
+#: top_k_index tensor → its KeptSlots, keyed by the tensor's data and weakly (core.router_state's
+#: TensorMarks): an alias finds the mark (ZeRO-3's module hooks hand the experts one), the mark dies
+#: with the data, and a tensor the MoE block rebuilt is unmarked (the stock forward computes every slot).
 _MARKS: TensorMarks[KeptSlots] = TensorMarks()
 
 
