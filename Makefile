@@ -22,6 +22,15 @@ TRANSFORMERS_HIGH_DIR := .transformers-$(TRANSFORMERS_HIGH)
 # DeepSpeed world into TORCH_EXTENSIONS_DIR, kept in build/ so a checkout compiles it once.
 DEEPSPEED := 0.19.8
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/build/torch_extensions
+# torchtitan for the third door (docs/torchtitan.md), in a folder of its own put first on PYTHONPATH
+# for its lane: 0.3.0 asks datasets<4.8, ms-swift's venv holds 4.8.4 (torchtitan imports and runs
+# with it; `pip check` of the venv stays clean). With the requirements the venv lacks, --no-deps:
+# its others (tokenizers, safetensors, tensorboard, einops, pillow) are in the venv; wandb, which it
+# imports only when a run asks for W&B, is left out.
+TORCHTITAN := 0.3.0
+TORCHTITAN_DIR := .torchtitan-$(TORCHTITAN)
+TORCHTITAN_REQUIREMENTS := torchtitan==$(TORCHTITAN) torchdata==0.11.0 torch_checkpointing==0.1.1 tyro==1.0.17 \
+	docstring_parser==0.18.0 typeguard==4.6.1 spmd_types==0.2.3 expecttest==0.3.0
 PYTEST_ARGS ?=
 UV_VERSION := 0.13.9
 UV_INSTALL := $(BIN)/uv pip install -q --python $(BIN)/python
@@ -74,6 +83,8 @@ $(VENV)/.installed: pyproject.toml Makefile dev-constraints.txt
 	rm -rf $(TRANSFORMERS_HIGH_DIR)
 	$(UV_INSTALL) --no-deps --target $(TRANSFORMERS_HIGH_DIR) transformers==$(TRANSFORMERS_HIGH) \
 		"huggingface-hub==2.4.0" "kernels==0.19.1"
+	rm -rf $(TORCHTITAN_DIR)
+	$(UV_INSTALL) --no-deps --target $(TORCHTITAN_DIR) $(TORCHTITAN_REQUIREMENTS)
 	touch $@
 
 # Rewrite dev-constraints.txt (after a change of the extras in pyproject.toml): set up a scratch venv
@@ -131,9 +142,12 @@ format: setup
 # wall time before the lanes; the package lane, the longest, starts first.
 DURATIONS ?= 15
 SWIFT_TESTS := tests/swift tests/test_packaging.py
-LANES := package swift mcore-low transformers-high
+TITAN_TESTS := tests/titan
+LANES := package swift mcore-low transformers-high titan
 LANE_SELECT_swift := $(SWIFT_TESTS)
-LANE_SELECT_package := $(addprefix --ignore=,$(SWIFT_TESTS))
+LANE_SELECT_package := $(addprefix --ignore=,$(SWIFT_TESTS) $(TITAN_TESTS))
+LANE_SELECT_titan := $(TITAN_TESTS)
+LANE_PATH_titan := $(CURDIR)/$(TORCHTITAN_DIR)
 LANE_SELECT_mcore-low := -m megatron --ignore=tests/tools
 LANE_SELECT_transformers-high := -m "hf and not swift" --ignore=tests/tools
 LANE_PATH_mcore-low := $(CURDIR)/$(MCORE_LOW_DIR)
@@ -144,7 +158,7 @@ LANE_COVERAGE ?=
 
 test: setup
 	$(MAKE) --no-print-directory -j2 -k --output-sync=target lane-package lane-swift lint lane-mcore-low \
-		lane-transformers-high
+		lane-transformers-high lane-titan
 
 $(addprefix lane-,$(LANES)): lane-%:
 	@echo '=== lane $*: pytest $(LANE_SELECT_$*)$(if $(LANE_PATH_$*), with PYTHONPATH=$(LANE_PATH_$*))'
@@ -168,4 +182,4 @@ coverage: setup
 		$(BIN)/python -m coverage report; exit $$status
 
 clean:
-	rm -rf $(VENV) $(CONSTRAINTS_VENV) $(MCORE_LOW_DIR) $(MCORE_BRIDGE_DIR) $(TRANSFORMERS_HIGH_DIR) demo_out .pytest_cache .coverage .coverage.*
+	rm -rf $(VENV) $(CONSTRAINTS_VENV) $(MCORE_LOW_DIR) $(MCORE_BRIDGE_DIR) $(TRANSFORMERS_HIGH_DIR) $(TORCHTITAN_DIR) demo_out .pytest_cache .coverage .coverage.*

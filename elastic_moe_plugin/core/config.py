@@ -42,6 +42,7 @@ from elastic_moe_plugin.core.config_sources import (
     OPERATIONAL_ENV_VARS,
     _command_line_values,
     _environment_values,
+    _override_values,
     _read_yaml,
     _TextError,
     _unknown_keys,
@@ -64,7 +65,7 @@ from elastic_moe_plugin.core.config_values import (
 )
 from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.core.schedule import SAMPLING_MODES, BudgetSchedule, symmetric_range
-from elastic_moe_plugin.core.spelling import CLI_PREFIX, ENV_PREFIX, NONE_WORDS, PYTHON, Spelling
+from elastic_moe_plugin.core.spelling import CLI_PREFIX, ENV_PREFIX, NONE_WORDS, PYTHON, TYPED_KINDS, Spelling
 
 #: what a resolved schedule is kept under: (num_experts, topk, num_layers, moe_layers, static_layers_note)
 #: of ``resolve``
@@ -269,16 +270,16 @@ class ElasticConfig:
         parsed: dict[str, Any] = {}
         for name, value in values.items():
             if spellings[name].reads_text and isinstance(value, str):
-                if spellings[name].kind != "yaml":  # YAML values are typed: echo the parsed value
+                if spellings[name].kind not in TYPED_KINDS:  # YAML and JSON values are typed: echo the parsed value
                     spellings[name] = spellings[name].typed_as(value)
                 try:
                     value = parse_text(name, value, spellings[name])
                 except _TextError as error:
                     fixes = cls._accepted_text_fixes(error, values, spellings, model)
                     raise ConfigError(f"{prefix}{error.message(fixes)}", field=name, fixes=fixes) from None
-            elif spellings[name].kind == "yaml" and name == "log_metrics" and value in (True, False):
+            elif spellings[name].kind in TYPED_KINDS and name == "log_metrics" and value in (True, False):
                 value = LOG_METRICS_BOOLEANS[bool(value)]  # `log_metrics: off` is YAML's false, `true` its true
-            elif spellings[name].kind == "yaml" and isinstance(value, int) and not isinstance(value, bool):
+            elif spellings[name].kind in TYPED_KINDS and isinstance(value, int) and not isinstance(value, bool):
                 # YAML typed the number; the user meant what the same text means in every entry point
                 if name in ("layers", "schedule"):
                     value = str(value)  # `layers: 4` is the text '4'
@@ -368,6 +369,18 @@ def config_from_cli(
     return ElasticConfig.from_dict(values, source=source, spelling=spellings, model=model)
 
 
+def config_from_override(
+    fields: Mapping[str, Any], environ: Mapping[str, str] | None = None, *, model: ModelShape | None = None
+) -> ElasticConfig:
+    """Merge defaults < YAML (the key ``"config"``, or ``ELASTIC_MOE_CONFIG``) < environment < ``fields``:
+    the JSON keyword arguments of torchtitan's ``--override.imports`` entry
+    (``'elastic_moe_plugin.titan.elastic_moe={"schedule": "6-10"}'``), spelled that way in messages.
+
+    ``model``: as in :meth:`ElasticConfig.from_dict`."""
+    values, spellings, source = _override_values(fields, environ, ENV_VARS)
+    return ElasticConfig.from_dict(values, source=source, spelling=spellings, model=model)
+
+
 __all__ = [
     "ALL_LAYERS",
     "AUTO_SCHEDULE",
@@ -386,6 +399,7 @@ __all__ = [
     "Spelling",
     "add_cli_arguments",
     "config_from_cli",
+    "config_from_override",
     "log_layout",
     "parse_layers",
     "parse_text",

@@ -29,6 +29,7 @@ OPERATIONAL_ENV_VARS: frozenset[str] = frozenset(
     {
         "ELASTIC_MOE_ALLOW_UNSUPPORTED_MCORE",  # try an untested megatron-core
         "ELASTIC_MOE_ALLOW_UNSUPPORTED_TRANSFORMERS",  # try an untested transformers
+        "ELASTIC_MOE_ALLOW_UNSUPPORTED_TORCHTITAN",  # try an untested torchtitan
         "ELASTIC_MOE_DEBUG",  # assert dispatcher invariants (syncs)
         "ELASTIC_MOE_SWIFT_HOOK",  # 0: the ms-swift --plugin start-up hook stands aside
     }
@@ -291,4 +292,26 @@ def _command_line_values(
             spellings[name] = cli
     if overrides or not values:
         source = "command line"
+    return {**values, **overrides}, spellings, source
+
+
+#: the key of torchtitan's override arguments that names a YAML file (as ``--elastic-moe-config``)
+OVERRIDE_CONFIG_KEY = "config"
+
+
+def _override_values(
+    fields: Mapping[str, Any], environ: Mapping[str, str] | None, env_vars: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, Spelling], str]:
+    """(values, spellings, source) of defaults < YAML (``fields["config"]`` or ``ELASTIC_MOE_CONFIG``)
+    < environment < the other ``fields`` (torchtitan's override arguments, typed by JSON), unparsed."""
+    environ = dict(os.environ if environ is None else environ)
+    if fields.get(OVERRIDE_CONFIG_KEY):
+        environ[ENV_CONFIG_FILE] = str(fields[OVERRIDE_CONFIG_KEY])
+    values, spellings, source = _environment_values(environ, env_vars)
+    overrides = {name: value for name, value in fields.items() if name != OVERRIDE_CONFIG_KEY}
+    for name in env_vars:
+        if name in overrides or name not in values:
+            spellings[name] = Spelling("override")
+    if overrides or not values:
+        source = "torchtitan --override.imports"
     return {**values, **overrides}, spellings, source

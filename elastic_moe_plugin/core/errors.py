@@ -40,6 +40,10 @@ class UnsupportedTransformersError(UnsupportedFrameworkError):
     """The installed transformers, or a covered family's code in it, cannot be routed elastically."""
 
 
+class UnsupportedTorchtitanError(UnsupportedFrameworkError):
+    """The installed torchtitan, or a training option its trainer was given, cannot be routed elastically."""
+
+
 class NoMoERouterError(UnsupportedFrameworkError):
     """The model has no mixture-of-experts router the plugin covers (a dense model, or an uncovered
     family): elastic routing would silently change nothing, so the run stops instead."""

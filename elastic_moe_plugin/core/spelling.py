@@ -15,18 +15,22 @@ kind               a setting                              where
                                                           replaces ``--elastic-moe-``, e.g. ``--``)
 ``schedule_cli``   ``elastic-moe schedule 6-10``,         ``elastic-moe schedule`` (the spec is its
                    ``--sigma 1.5``, ``--allow-off-center``  positional argument)
+``override``       ``"schedule": "6-10"``                 the JSON keyword arguments of torchtitan's
+                                                          ``--override.imports`` entry
+                                                          (``elastic_moe_plugin.titan.elastic_moe``)
 =================  =====================================  ===========================================
 
 Values are written as the entry point reads them back: ``None`` as the word that means it
 (:data:`NONE_WORDS`: ``auto``, ``all``, ``none``; ``None`` in Python), booleans as ``1``/``0``
-(environment), ``true``/``false`` (flags, YAML) or ``True``/``False`` (Python), and text quoted for
-a shell (environment, flags) or for YAML where it would otherwise read as another type. The
+(environment), ``true``/``false`` (flags, YAML, JSON) or ``True``/``False`` (Python), and text quoted for
+a shell (environment, flags), for YAML where it would otherwise read as another type, or as a JSON string. The
 current value of a setting read from text is echoed as typed (``ELASTIC_MOE_SIGMA=0``, not ``0.0``).
 Nothing here imports a framework.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,8 +42,10 @@ NONE_WORDS: dict[str, str] = {"center": "auto", "layers": "all", "top_p_max_expe
 #: ``elastic-moe schedule``'s spelling of the fields it takes (the spec is its positional argument)
 SCHEDULE_CLI_FLAGS: dict[str, str] = {"sigma": "--sigma", "allow_off_center": "--allow-off-center"}
 
-SpellingKind = Literal["python", "env", "yaml", "cli", "schedule_cli"]
-TEXT_KINDS: frozenset[str] = frozenset({"env", "yaml", "cli", "schedule_cli"})
+SpellingKind = Literal["python", "env", "yaml", "cli", "schedule_cli", "override"]
+TEXT_KINDS: frozenset[str] = frozenset({"env", "yaml", "cli", "schedule_cli", "override"})
+#: the kinds whose values arrive typed by their parser (YAML, JSON): a number there means its text
+TYPED_KINDS: frozenset[str] = frozenset({"yaml", "override"})
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,8 @@ class Spelling:
                 if name == "schedule"
                 else SCHEDULE_CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
             )
+        if self.kind == "override":
+            return json.dumps(name)
         return f"{self.prefix}{name}" if self.kind == "yaml" else name
 
     def setting(self, name: str, value: Any) -> str:
@@ -94,6 +102,9 @@ class Spelling:
             return f"{self.name(name)} {_shell(_word(name, value, true='true', false='false'))}"
         if self.kind == "yaml":
             return f"{self.name(name)}: {_yaml_scalar(name, value)}"
+        if self.kind == "override":
+            written = NONE_WORDS.get(name, None) if value is None else value
+            return f"{self.name(name)}: {json.dumps(written)}"
         if self.kind == "schedule_cli":
             if name == "schedule":
                 return f"elastic-moe schedule {_shell(str(value))}"
@@ -121,7 +132,7 @@ class Spelling:
             return "no SPEC given to elastic-moe schedule"
         if self.kind in ("cli", "schedule_cli"):
             return f"no {self.name(name)}"
-        if self.kind == "yaml":
+        if self.kind in ("yaml", "override"):
             return f"no {self.name(name)} key"
         return f"{self.name(name)} unset"
 
@@ -158,4 +169,13 @@ def _yaml_scalar(name: str, value: Any) -> str:
     return str(value)
 
 
-__all__ = ["CLI_PREFIX", "ENV_PREFIX", "NONE_WORDS", "PYTHON", "SCHEDULE_CLI_FLAGS", "Spelling", "SpellingKind"]
+__all__ = [
+    "CLI_PREFIX",
+    "ENV_PREFIX",
+    "NONE_WORDS",
+    "PYTHON",
+    "SCHEDULE_CLI_FLAGS",
+    "TYPED_KINDS",
+    "Spelling",
+    "SpellingKind",
+]
