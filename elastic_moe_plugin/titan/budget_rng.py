@@ -1,0 +1,96 @@
+"""κ's stream on the torchtitan path: one counter-based stream per process, seeded from the trainer's
+seed, carried by torchtitan's checkpoints.
+
+- **Draws**: :class:`~elastic_moe_plugin.core.budget_stream.BudgetStream` ``(seed, counter)``; each
+  elastic MoE forward draws this process's T uniforms on the host from (seed, counter, token shard)
+  and advances the counter by one, whatever T. The token shard is ``rank // tp``: torchtitan's
+  device mesh puts ``tp`` innermost, so tensor-parallel peers, which route the same tokens, share a
+  shard and draw the same κ, and every data-parallel, context-parallel and expert-parallel rank
+  (expert parallelism borrows the data-parallel ranks) holds its own tokens and its own shard.
+- **Seed**: ``BUDGET_SEED_OFFSET + --debug.seed`` (0 where the run sets none), the same on every
+  rank, set when the trainer validates its config (:func:`start`). Nothing else draws from the
+  stream: dropout, data order and initialisation leave κ where it was.
+- **Activation checkpointing** (torchtitan's ``selective`` and ``full`` modes) re-runs a block's
+  forward inside backward: the MoE forward sees it (:func:`in_backward`) and replays the κ of its
+  latest forward (:meth:`~elastic_moe_plugin.core.router_state.RouterState.replay`), exact because
+  each micro-batch's backward runs before the next forward of the same layer (torchtitan's loop
+  without pipeline parallelism, the only one the door admits).
+- **Resume**: :class:`StreamState`, a ``Stateful`` the door adds to the ``states`` torchtitan's
+  ``CheckpointManager`` saves with DCP (key :data:`CHECKPOINT_KEY`), so a resumed run continues the
+  κ sequence exactly on every rank (the counter is the same on all of them).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from elastic_moe_plugin.core.budget_stream import BudgetDraw, BudgetStream, ProcessStream
+from elastic_moe_plugin.core.router_state import RouterState
+from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
+
+logger = logging.getLogger("elastic_moe_plugin.titan")
+
+#: the key of κ's stream in torchtitan's checkpoint ``states``
+CHECKPOINT_KEY = "elastic_moe_budget_stream"
+
+_SEED = [0]
+#: the process's κ stream, seeded from the trainer's seed (0 until a trainer sets it)
+STREAM = ProcessStream(lambda: _SEED[0])
+_TENSOR_PARALLEL = [1]
+
+
+def start(seed: int | None, tensor_parallel: int) -> None:
+    """Restart the stream at ``(BUDGET_SEED_OFFSET + seed, 0)`` (seed None: 0) for a trainer whose
+    tensor-parallel degree is ``tensor_parallel``."""
+    _SEED[0] = 0 if seed is None else int(seed)
+    _TENSOR_PARALLEL[0] = max(1, int(tensor_parallel))
+    STREAM.replace(None)
+
+
+def token_shard() -> int:
+    """This process's token shard: ``rank // tp`` (0 without ``torch.distributed``)."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return 0
+    return distributed.get_rank() // _TENSOR_PARALLEL[0]
+
+
+def in_backward() -> bool:
+    """Whether the caller runs inside autograd's backward: an activation-checkpointing recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def replayed_draw(moe: torch.nn.Module, state: RouterState, num_tokens: int, device: torch.device) -> BudgetDraw:
+    """The κ of the MoE's latest forward, for an activation-checkpointing recompute.
+
+    Raises:
+        RuntimeError: the latest draw is of another token count or device (or there is none).
+    """
+    latest = state.replay(device)
+    if latest is None or latest.budgets.numel() != num_tokens or latest.budgets.device != torch.device(device):
+        found = "none" if latest is None else f"{latest.budgets.numel()} tokens on {latest.budgets.device}"
+        raise RuntimeError(
+            f"elastic-moe: an activation-checkpointing recompute of {type(moe).__name__} routes {num_tokens} tokens "
+            f"on {device}, but the layer's latest forward drew κ for {found}. The recompute replays the κ of the "
+            f"layer's latest forward, so each micro-batch's backward must run before the next forward of the same "
+            f"layer (torchtitan's loop without pipeline parallelism); set --activation_checkpoint.mode none otherwise."
+        )
+    return latest
+
+
+class StreamState:
+    """κ's stream as a ``torch.distributed.checkpoint.stateful.Stateful``: ``{"seed", "counter"}``."""
+
+    def state_dict(self) -> dict[str, int]:
+        stream = STREAM.load()
+        return {"seed": stream.seed, "counter": stream.counter}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        STREAM.replace(BudgetStream(int(state["seed"]), int(state["counter"])))
+        logger.info("elastic-moe: κ's stream restored at counter %d", int(state["counter"]))
+
+
+__all__ = ["CHECKPOINT_KEY", "STREAM", "StreamState", "in_backward", "replayed_draw", "start", "token_shard"]
