@@ -12,7 +12,7 @@ seed, carried by torchtitan's checkpoints.
   stream: dropout, data order and initialisation leave κ where it was.
 - **Activation checkpointing** (torchtitan's ``selective`` and ``full`` modes) re-runs a block's
   forward inside backward: the MoE forward sees it (:func:`in_backward`) and replays the κ of its
-  latest forward (:meth:`~elastic_moe_plugin.core.router_state.RouterState.replay`), exact because
+  latest forward (:func:`replayed_draw`: the forward's own tensor), exact because
   each micro-batch's backward runs before the next forward of the same layer (torchtitan's loop
   without pipeline parallelism, the only one the door admits).
 - **Resume**: :class:`StreamState`, a ``Stateful`` the door adds to the ``states`` torchtitan's
@@ -64,12 +64,15 @@ def in_backward() -> bool:
 
 
 def replayed_draw(moe: torch.nn.Module, state: RouterState, num_tokens: int, device: torch.device) -> BudgetDraw:
-    """The κ of the MoE's latest forward, for an activation-checkpointing recompute.
+    """The κ of the MoE's latest forward, for an activation-checkpointing recompute: the forward's own
+    draw, its device tensor included, so the recompute dispatches no op the forward did not
+    (torchtitan's selective checkpointing saves tensor creations such as ``aten.lift_fresh`` and
+    matches the recompute's ops against them).
 
     Raises:
         RuntimeError: the latest draw is of another token count or device (or there is none).
     """
-    latest = state.replay(device)
+    latest = state.latest_draw
     if latest is None or latest.budgets.numel() != num_tokens or latest.budgets.device != torch.device(device):
         found = "none" if latest is None else f"{latest.budgets.numel()} tokens on {latest.budgets.device}"
         raise RuntimeError(

@@ -122,10 +122,10 @@ def elastic_forward(
 def _draw(
     moe: Any, state: RouterState, path: ElasticPath, num_tokens: int, device: torch.device, recompute: bool
 ) -> BudgetDraw:
-    """κ of this forward: the replayed draw in a recompute, else a fresh one kept for its recompute."""
+    """κ of this forward: the replayed draw in a recompute, else a fresh one (kept as the state's latest)."""
     if recompute:
         return budget_rng.replayed_draw(moe, state, num_tokens, device)
-    return state.draw(path, num_tokens, device, replayable=True)
+    return state.draw(path, num_tokens, device)
 
 
 def realised_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
