@@ -31,6 +31,12 @@ What it redirects, by concern (each module lists its redirections and says why):
 - :mod:`.engines` (a switch of its own, not part of :func:`enable`): DeepSpeed ZeRO and FSDP2
   through accelerate on CPU ranks, for the transformers and ``swift sft`` doors (``zero.Init``
   initialises DeepSpeed's communication first; accelerate enables FSDP for ``MULTI_CPU``).
+- :mod:`.titan` (a switch of its own, not part of :func:`enable`): torchtitan's trainer
+  (``torchrun -m torchtitan.train``) on CPU ranks: the device type ``"cpu"`` with a device module
+  answering what torchtitan asks, a stand-in for MinimalAsyncEP's triton kernels, torch 2.13's
+  missing ``torch.distributed.set_timeout``, FSDP2's gradient reduction on gloo (no
+  ``PREMUL_SUM``), FlexAttention as dense attention (no CPU backward) and the experts' grouped GEMM
+  as float32 matmuls (speed).
 - :mod:`.process_groups`: gloo plus Megatron's model-parallel groups for code that builds Megatron
   modules itself (:func:`initialize_model_parallel`, :func:`destroy`).
 

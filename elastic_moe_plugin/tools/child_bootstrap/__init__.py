@@ -20,6 +20,12 @@ calls :func:`start`, which switches on what :data:`BOOTSTRAP_ENV` names, comma-s
   communication first, and accelerate enables FSDP for ``MULTI_CPU``). For ``swift sft
   --deepspeed ...`` or an FSDP2 config on a CPU (``elastic-moe launch RECIPE --rehearse``, the
   tests); where CUDA is available it refuses, as ``megatron_swift`` does;
+- ``titan``: torchtitan's trainer on CPU ranks (:func:`elastic_moe_plugin.cpu_runtime.titan.enable`:
+  the device type ``"cpu"``, a stand-in for MinimalAsyncEP's triton kernels, FSDP2's gradient
+  reduction on gloo, FlexAttention and the experts' grouped GEMM on the CPU). For ``torchrun -m
+  torchtitan.train`` on a CPU; only in torchrun's workers (``LOCAL_RANK`` set): the launcher, and
+  any other interpreter that inherits the environment, runs no trainer and is left untouched (no
+  torch import added to its start). Where CUDA is available it refuses, as ``megatron_swift`` does;
 - ``grad_clip``: host-tensor gradient clipping alone
   (:mod:`elastic_moe_plugin.cpu_runtime.grad_clip`), so a recipe keeps its ``--clip-grad`` under
   ``python -m elastic_moe_plugin.megatron_lm --cpu``, which switches the rest of the runtime on
@@ -84,6 +90,17 @@ def _engines() -> None:
         raise SystemExit(f"elastic-moe child bootstrap ({BOOTSTRAP_ENV}=engines): {error}") from None
 
 
+def _titan() -> None:
+    if "LOCAL_RANK" not in os.environ:
+        return  # torchrun's launcher (or another helper process): no trainer runs here
+    from elastic_moe_plugin.cpu_runtime import MegatronCPUError, titan
+
+    try:
+        titan.enable()
+    except MegatronCPUError as error:
+        raise SystemExit(f"elastic-moe child bootstrap ({BOOTSTRAP_ENV}=titan): {error}") from None
+
+
 def _grad_clip() -> None:
     from elastic_moe_plugin.cpu_runtime import grad_clip
 
@@ -100,6 +117,7 @@ def _step_probe() -> None:
 FEATURES: dict[str, Callable[[], None]] = {
     "megatron_swift": _megatron_swift,
     "engines": _engines,
+    "titan": _titan,
     "grad_clip": _grad_clip,
     "step_probe": _step_probe,
 }
