@@ -114,8 +114,13 @@ class RouterState:
         return None if self.path is None else self.path.plan
 
     def resolved(self, generation: Any, path: ElasticPath | None, options: Any = None) -> RouterState:
-        """Set what was resolved for ``generation`` (returns the state)."""
+        """Set what was resolved for ``generation`` (returns the state). A router resolved to stock
+        top-k (``path`` None) forgets what its last elastic forward routed and its κ histogram, so
+        the readers report it as a static layer from its next forward on, not as its stale record
+        (a config switched to ``static`` mid-run)."""
         self.generation, self.path, self.options = generation, path, options
+        if path is None:
+            self.routed = self.record = self.histogram = self.latest_draw = None
         return self
 
     def draw(self, path: ElasticPath, num_tokens: int, device: torch.device, *, replayable: bool = False) -> BudgetDraw:

@@ -103,7 +103,7 @@ class Spelling:
         if self.kind == "yaml":
             return f"{self.name(name)}: {_yaml_scalar(name, value)}"
         if self.kind == "override":
-            written = NONE_WORDS.get(name, None) if value is None else value
+            written = NONE_WORDS.get(name) if value is None else value
             return f"{self.name(name)}: {json.dumps(written)}"
         if self.kind == "schedule_cli":
             if name == "schedule":

@@ -29,7 +29,6 @@ import torch
 
 from elastic_moe_plugin.core.budget_stream import BudgetDraw, BudgetStream, ProcessStream
 from elastic_moe_plugin.core.router_state import RouterState
-from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
 
 logger = logging.getLogger("elastic_moe_plugin.titan")
 

@@ -146,7 +146,7 @@ def tag_layers(model: torch.nn.Module) -> dict[str, int]:
 
     tagged: dict[str, int] = {}
     layers = getattr(model, "layers", None)
-    for index, layer in (layers.items() if layers is not None else ()):
+    for index, layer in layers.items() if layers is not None else ():
         for name, module in layer.named_modules():
             if isinstance(module, MoE):
                 ensure_state(module).layer_index = int(index)

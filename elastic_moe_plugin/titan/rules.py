@@ -1,7 +1,7 @@
 """A torchtitan router read into the routing core's rule, and one MoE layer's training plan.
 
 torchtitan has one router, ``TokenChoiceTopKRouter`` (``torchtitan.models.common.moe``), shared by
-every MoE model it registers (DeepSeek-V3, Qwen3-MoE, GPT-OSS, Llama 4 style). Its forward, for
+every MoE model it registers (DeepSeek-V3, Qwen3-MoE, Qwen3.5, GPT-OSS). Its forward, for
 logits z [B, L, E] computed in fp32::
 
     s          = softmax(z) or sigmoid(z)                         (``score_func``)
