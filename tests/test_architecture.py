@@ -5,7 +5,7 @@ Layers, each importing only those below it (and itself)::
     cli                                      the ``elastic-moe`` command
     tools                                    demo, bench, eval, diagnose, gate lab, recipes
     swift                                    the ms-swift integration
-    mcore | hf                               one adapter per framework, never each other
+    mcore | hf | titan                       one adapter per framework, never each other
     compat                                   version and framework shims on the training path
     cpu_runtime                              the opt-in CPU runtime: tools, tests and entry points
                                              may switch it on, no adapter and no shim imports it
@@ -39,10 +39,11 @@ ALLOWED: dict[str, set[str]] = {
     "cpu_runtime": {"core", "root"},
     "mcore": {"core", "compat", "root"},
     "hf": {"core", "compat", "root"},
+    "titan": {"core", "compat", "root"},
     "swift": {"core", "compat", "mcore", "hf", "root"},
-    "tools": {"core", "compat", "cpu_runtime", "mcore", "hf", "swift", "root"},
-    "cli": {"core", "compat", "cpu_runtime", "mcore", "hf", "swift", "tools", "root"},
-    "entry": {"core", "compat", "cpu_runtime", "mcore", "hf", "swift", "tools", "root"},
+    "tools": {"core", "compat", "cpu_runtime", "mcore", "hf", "titan", "swift", "root"},
+    "cli": {"core", "compat", "cpu_runtime", "mcore", "hf", "titan", "swift", "tools", "root"},
+    "entry": {"core", "compat", "cpu_runtime", "mcore", "hf", "titan", "swift", "tools", "root"},
 }
 
 
@@ -139,13 +140,15 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 # ---------------------------------------------------------------------------------- static checks
 def test_every_layer_is_known():
     assert {_layer(module) for module in MODULES} <= set(ALLOWED)
-    assert {"core", "compat", "cpu_runtime", "mcore", "hf", "swift", "tools", "cli"} <= {_layer(module) for module in MODULES}
+    assert {"core", "compat", "cpu_runtime", "mcore", "hf", "titan", "swift", "tools", "cli"} <= {
+        _layer(module) for module in MODULES
+    }
 
 
 def test_no_shim_and_no_adapter_imports_the_cpu_runtime():
     """The CPU runtime is opt-in: nothing on a training path (compat, the adapters) may load it."""
     importers = sorted(f"{module} imports {target}" for module, targets in GRAPH.items() for target in targets
-                       if _layer(target) == "cpu_runtime" and _layer(module) in ("compat", "mcore", "hf", "swift"))
+                       if _layer(target) == "cpu_runtime" and _layer(module) in ("compat", "mcore", "hf", "titan", "swift"))
     assert importers == []
     assert any(_layer(module) == "compat" for module in MODULES)
 
@@ -225,7 +228,7 @@ def test_the_routing_core_holds_only_what_the_doors_run():
 #: the longest module of the package, and the longest function where the routing runs
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
-SMALL_FUNCTION_LAYERS = ("core", "mcore", "hf", "swift")
+SMALL_FUNCTION_LAYERS = ("core", "mcore", "hf", "titan", "swift")
 
 
 def _oversized(path: Path, root: Path = ROOT) -> list[str]:
