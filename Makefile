@@ -128,24 +128,28 @@ format: setup
 	$(BIN)/ruff check --fix elastic_moe_plugin
 	$(BIN)/ruff format elastic_moe_plugin
 
-# The suite in four lanes, run two at a time (the 2-core CI machine sat at about one busy core with
+# The suite in six lanes, run two at a time (the 2-core CI machine sat at about one busy core with
 # the passes one after another: most tests wait on one subprocess or run one thread), each lane's
 # output printed whole when it ends, with its slowest tests. Pass 1, against megatron-core 0.19.2 and
-# transformers 5.19, is two lanes: the ms-swift runs (tests/swift, with the wheel's packaging tests,
-# which share its installed wheel) and the rest of the tree. Then the Megatron tests again against
-# megatron-core 0.16.1, and the transformers tests against 5.25 (the newest release the transformers
-# door supports), each a lane with its folder first on PYTHONPATH; they leave out tests/tools, whose
-# tools run on the adapters proven there. One torch thread per process: two lanes of two-thread
-# processes on two cores spend their time in OpenMP's spin-waits. -k: every lane runs and reports
-# even when another fails. `make lint` (about 45 s of mypy on a fresh clone) is one more job of the
-# same pool, started when the first lane ends, so that it costs the CPU time it takes instead of its
-# wall time before the lanes; the package lane, the longest, starts first.
+# transformers 5.19, is three lanes: the ms-swift runs (tests/swift, with the wheel's packaging tests,
+# which share its installed wheel), the tools (tests/tools: the bench, demo, recipes, eval) and the
+# rest of the tree. Then the Megatron tests again against megatron-core 0.16.1, the transformers
+# tests against 5.25 (the newest release the transformers door supports), and the torchtitan door's
+# tests (tests/titan) with torchtitan 0.3.0, each a lane with its folder first on PYTHONPATH; the
+# first two leave out tests/tools, whose tools run on the adapters proven there. One torch thread per
+# process: two lanes of two-thread processes on two cores spend their time in OpenMP's spin-waits.
+# -k: every lane runs and reports even when another fails. `make lint` (about 45 s of mypy on a fresh
+# clone) is one more job of the same pool, so that it costs the CPU time it takes instead of its wall
+# time before the lanes; the package lane, the longest, starts first, and the order of the others
+# keeps the two slots about equally busy.
 DURATIONS ?= 15
 SWIFT_TESTS := tests/swift tests/test_packaging.py
 TITAN_TESTS := tests/titan
-LANES := package swift mcore-low transformers-high titan
+TOOLS_TESTS := tests/tools
+LANES := package swift tools mcore-low transformers-high titan
 LANE_SELECT_swift := $(SWIFT_TESTS)
-LANE_SELECT_package := $(addprefix --ignore=,$(SWIFT_TESTS) $(TITAN_TESTS))
+LANE_SELECT_tools := $(TOOLS_TESTS)
+LANE_SELECT_package := $(addprefix --ignore=,$(SWIFT_TESTS) $(TITAN_TESTS) $(TOOLS_TESTS))
 LANE_SELECT_titan := $(TITAN_TESTS)
 LANE_PATH_titan := $(CURDIR)/$(TORCHTITAN_DIR)
 LANE_SELECT_mcore-low := -m megatron --ignore=tests/tools
@@ -157,8 +161,8 @@ LANE_COVERAGE ?=
 .PHONY: $(addprefix lane-,$(LANES))
 
 test: setup
-	$(MAKE) --no-print-directory -j2 -k --output-sync=target lane-package lane-swift lint lane-mcore-low \
-		lane-transformers-high lane-titan
+	$(MAKE) --no-print-directory -j2 -k --output-sync=target lane-package lane-swift lane-tools lint \
+		lane-mcore-low lane-titan lane-transformers-high
 
 $(addprefix lane-,$(LANES)): lane-%:
 	@echo '=== lane $*: pytest $(LANE_SELECT_$*)$(if $(LANE_PATH_$*), with PYTHONPATH=$(LANE_PATH_$*))'
