@@ -28,8 +28,23 @@ switch on the CPU runtime first (:mod:`elastic_moe_plugin.cpu_runtime.titan`).
 
 from typing import Any
 
-from torchtitan.config import override
-from torchtitan.models.common.moe import MoE
+try:
+    from torchtitan.config import override
+    from torchtitan.models.common.moe import MoE
+except ModuleNotFoundError as missing:
+    if missing.name == "triton":  # torchtitan imports MinimalAsyncEP's triton kernels at import
+        raise ModuleNotFoundError(
+            "elastic_moe_plugin.titan: torchtitan imports triton, which this torch lacks (a CPU-only build). "
+            "On a CPU host switch on the CPU runtime first: "
+            "from elastic_moe_plugin.cpu_runtime import titan; titan.enable() (docs/torchtitan.md).",
+            name=missing.name,
+        ) from missing
+    if missing.name is not None and missing.name.split(".")[0] == "torchtitan":
+        raise ModuleNotFoundError(
+            "elastic_moe_plugin.titan needs torchtitan>=0.3,<0.4: pip install 'elastic-moe-plugin[titan]'.",
+            name=missing.name,
+        ) from missing
+    raise
 
 from elastic_moe_plugin.core.config import config_from_override
 from elastic_moe_plugin.core.errors import UnsupportedTorchtitanError
