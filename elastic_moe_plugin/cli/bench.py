@@ -73,22 +73,22 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--steps",
         type=int,
         default=None,
-        help="training steps per run (e2e default: swift sft 20; megatron sft and Megatron-LM 91 interleaved, "
-        "the warm-up then 16 blocks of 5 (megatron sft) or 8 of 10 (Megatron-LM) and one step, or "
-        "60 with --separate-runs; --quick: 4, interleaved 7; swift-profile: 8, --quick 4)",
+        help="training steps per run (e2e default: swift sft 20; megatron sft, Megatron-LM and torchtitan 91 "
+        "interleaved, the warm-up then 16 blocks of 5 (megatron sft, torchtitan) or 8 of 10 (Megatron-LM) and "
+        "one step, or 60 with --separate-runs; --quick: 4, interleaved 7; swift-profile: 8, --quick 4)",
     )
     e2e.add_argument(
         "--warmup",
         type=int,
         default=None,
-        help="steps left out of the steady-state rate (default: 4, 10, 10; --quick: 2)",
+        help="steps left out of the steady-state rate (default: swift sft 4, the others 10; --quick: 2)",
     )
     e2e.add_argument(
         "--launchers",
         nargs="+",
         choices=LAUNCHERS,
         default=list(LAUNCHERS),
-        help="which launchers (default: all four)",
+        help="which launchers (default: all five; torchtitan's row only where torchtitan is importable)",
     )
     e2e.add_argument(
         "--hidden",
@@ -104,8 +104,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument(
         "--separate-runs",
         action="store_true",
-        help="megatron sft and Megatron-LM too in one static and one elastic run per round, as swift "
-        "sft runs (separate peak RSS; default: one run per round that switches between static and "
+        help="megatron sft, Megatron-LM and torchtitan too in one static and one elastic run per round, as "
+        "swift sft runs (separate peak RSS; default: one run per round that switches between static and "
         "elastic blocks of 5 or 10 steps, timed in the one process)",
     )
     e2e.add_argument(

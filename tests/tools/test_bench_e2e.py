@@ -22,9 +22,10 @@ from elastic_moe_plugin.cli import main
 from elastic_moe_plugin.tools.bench import schema
 
 LABELS = {"swift_sft": "swift sft", "swift_sft_deepseek_v3": "swift sft DSv3", "megatron_sft": "megatron sft",
-          "megatron_lm": "Megatron-LM"}
+          "megatron_lm": "Megatron-LM", "torchtitan": "torchtitan"}
 #: the launchers the quick run here runs: swift sft on DeepSeek-V3 is the OLMoE row's launcher on another
-#: model, whose command is checked below without a run
+#: model, whose command is checked below without a run; torchtitan's row runs in the titan lane
+#: (tests/titan/test_titan_bench.py), where torchtitan is importable
 RUN = ("swift_sft", "megatron_sft", "megatron_lm")
 HIDDEN = 64  # the swift sft rows' --hidden
 INTERLEAVED = {"megatron_sft", "megatron_lm"}  # one run per round, static and elastic blocks of 2 steps

@@ -107,3 +107,14 @@ def test_the_step_probe_alternates_blocks_and_times_call_to_call(tmp_path):
     # 10 ms in the step + 5 ms after it; the 30 ms switches before calls 3, 5 and 7 are in none
     assert all(0.014 <= timed[call] < 0.040 for call in (1, 2, 4, 6)), timed
     assert set(data["syncs"]) == {"static", "elastic"} and statistics.fmean(data["syncs"].values()) == 0
+
+
+def test_the_step_probe_switches_the_door_of_its_target(tmp_path):
+    """torchtitan's ``Trainer.train_step`` switches the titan door (its static blocks: the door at
+    ``schedule="static"``); a door the probe cannot switch is refused, naming the ones it can."""
+    from elastic_moe_plugin.tools.bench import step_probe
+
+    assert step_probe.TARGETS["torchtitan"] == ("torchtitan.trainer", "Trainer", "train_step")
+    assert step_probe.DOORS == {"megatron_lm": "mcore", "megatron_swift": "mcore", "torchtitan": "titan"}
+    with pytest.raises(ValueError, match=r"E2E_BENCH_DOOR='deepspeed': expected mcore or titan\."):
+        step_probe._Interleaving(2, str(tmp_path / "interleaved.json"), door="deepspeed")

@@ -19,7 +19,7 @@ Elastic against stock, in one process, interleaved:
 In child processes:
 
 - ``e2e`` (:mod:`.e2e`): training end to end, one row per launcher (``swift sft`` on OLMoE and
-  on DeepSeek-V3, ``megatron sft``, Megatron-LM's trainer), static against elastic;
+  on DeepSeek-V3, ``megatron sft``, Megatron-LM's trainer, torchtitan's trainer), static against elastic;
 - ``swift-profile`` (:mod:`.swift_profile`): ``swift sft`` under torch.profiler, op by op;
 - ``hook-cost`` (:mod:`.hook_cost`): what the ms-swift start-up hook costs a process.
 
@@ -57,8 +57,9 @@ MODES: dict[str, str] = {
     "layer, a Qwen3-sized layer timed (without CUDA: tiny shapes on the CPU runtime)",
     "log-metrics": "a logging step of the transformers door's routing metrics through TensorBoard's writer, "
     "log_metrics layers against means, at 48 MoE layers (--quick: 8)",
-    "e2e": "training steps/s of swift sft (OLMoE, DeepSeek-V3), megatron sft and Megatron-LM's trainer on "
-    "tiny models, static against elastic 6-10, in child processes (minutes)",
+    "e2e": "training steps/s of swift sft (OLMoE, DeepSeek-V3), megatron sft, Megatron-LM's trainer and "
+    "torchtitan's trainer (where importable) on tiny models, static against elastic (6-10; torchtitan: 1-5), "
+    "in child processes (minutes)",
     "swift-profile": "swift sft under torch.profiler, static against 6-10: the ops whose self CPU time "
     "differs most (two child runs)",
     "hook-cost": "what the ms-swift start-up hook (elastic-moe-swift.pth) costs a process: the wheel "
@@ -278,7 +279,15 @@ def environment(threads: int) -> dict[str, Scalar]:
     import torch
 
     values: dict[str, Scalar] = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("numpy", "megatron-core", "transformers", "ms-swift", "mcore-bridge", "elastic-moe-plugin"):
+    for name in (
+        "numpy",
+        "megatron-core",
+        "transformers",
+        "ms-swift",
+        "mcore-bridge",
+        "torchtitan",
+        "elastic-moe-plugin",
+    ):
         values[name.replace("-", "_")] = _version(name)
     values.update(
         device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",

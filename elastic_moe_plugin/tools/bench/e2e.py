@@ -13,10 +13,14 @@ number of steps on a tiny model of the launcher's family (built offline here):
   (:mod:`.e2e_megatron`);
 - ``megatron_lm``: Megatron-LM's trainer (``examples/megatron_lm/pretrain_gpt_moe.py`` through
   ``python -m elastic_moe_plugin.megatron_lm --cpu``) on a GPT of 16 experts, top-8, static against
-  ``6-10`` (:mod:`.e2e_megatron`).
+  ``6-10`` (:mod:`.e2e_megatron`);
+- ``torchtitan``: torchtitan's trainer (``torchrun -m torchtitan.train``, the door through
+  ``--override.imports``, the CPU runtime's child bootstrap) on its DeepSeek-V3 debug model, 8
+  experts, top-3, static against ``1-5`` (:mod:`.e2e_titan`). Where torchtitan is not importable
+  the row is left out, the table saying why.
 
-Per launcher, ``rounds`` rounds. A round of a Megatron launcher is by default one run that switches
-between static and elastic blocks of steps inside the one trainer process (:mod:`.e2e_interleaved`):
+Per launcher, ``rounds`` rounds. A round of a Megatron or torchtitan launcher is by default one run
+that switches between static and elastic blocks of steps inside the one trainer process (:mod:`.e2e_interleaved`):
 the house rule for speed, elastic against stock in one process, interleaved, and the only way to
 resolve a few percent on a machine whose speed drifts by far more between runs minutes apart
 (docs/performance.md). A round of ``swift sft`` (and, with ``separate=True``, ``--separate-runs``,
@@ -28,7 +32,8 @@ separate run:
 - steps/s, steady state: the steps after ``warmup`` over the time they took, from the launcher's
   own logged timings (ms-swift and Megatron-SWIFT: the cumulative ``train_speed(s/it)`` of
   ``logging.jsonl`` at step ``warmup`` and at the last step; Megatron-LM: the sum of its
-  ``elapsed time per iteration (ms)`` over iterations ``warmup + 1`` to the last);
+  ``elapsed time per iteration (ms)`` over iterations ``warmup + 1`` to the last; torchtitan: the
+  time from step ``warmup``'s log line to the last step's);
 - peak RSS: ``ru_maxrss`` of ``os.wait4`` on the launcher's process, which Linux reports as the
   largest resident set of that process and of every descendant it waited for (the trainer
   processes of ``swift sft``, of ``megatron sft`` and of torchrun): the largest single process, not
@@ -39,12 +44,13 @@ separate run:
   counts each read as the device read it would be on a GPU) during training step ``warmup``, the
   last warm-up step, so the counter's own cost stays out of the timed steps; counted by a second
   plugin file for ``swift sft`` (``swift_plugin/bench_callbacks.py``) and by the step probe that wraps
-  the trainer's ``train_step`` for the two Megatron launchers (:mod:`.step_probe`), on
+  the trainer's ``train_step`` for the two Megatron launchers and torchtitan (:mod:`.step_probe`), on
   rank 0. The whole step counts: the trainer's own reads (loss logging, gradient clipping, ...)
   as well as the router's and the dispatcher's, static and elastic alike;
 - mean κ: the realised experts per token the launcher logged (``elastic_moe/mean_kappa``), averaged
-  over the run's logged steps (static: exactly k where the launcher logs it, ms-swift and
-  Megatron-SWIFT; Megatron-LM's static run logs no routing metrics).
+  over the run's logged steps (static: exactly k where the launcher logs it, ms-swift, Megatron-SWIFT
+  and torchtitan, whose interleaved static blocks log it too; Megatron-LM's static run and the
+  Megatron launchers' interleaved stock blocks log no routing metrics).
 
 The ratio of a round is its elastic steps/s over its static steps/s (an interleaved round: the
 median of its block pairs' ratios, :mod:`.e2e_interleaved`); the row gives the median of the rounds'
@@ -52,6 +58,10 @@ ratios and their spread (min-max). An interleaved round's two rows share the one
 ``--quick`` (CI) runs one round of a few steps (interleaved: blocks of 2; separate: the two runs of
 a launcher side by side; the DeepSeek-V3 row on a 2-layer model of width 64), so its times say
 nothing; it shows that every launcher runs and reports every column.
+
+A launcher whose framework is missing here raises :class:`~.e2e_child.LauncherUnavailable` from
+``prepare`` (torchtitan: not importable); its row is left out of the table and the schema rows, and
+the table says why. The other launchers raise RuntimeError naming what to install.
 """
 
 from __future__ import annotations
@@ -68,11 +78,11 @@ from pathlib import Path
 from typing import Protocol
 
 from elastic_moe_plugin.tools.bench import e2e_interleaved
-from elastic_moe_plugin.tools.bench.e2e_child import Command, RunReading
+from elastic_moe_plugin.tools.bench.e2e_child import Command, LauncherUnavailable, RunReading
 from elastic_moe_plugin.tools.bench.e2e_interleaved import InterleavedReading
 
 #: ``--launchers`` choices, in the order the rows are printed
-LAUNCHERS = ("swift_sft", "swift_sft_deepseek_v3", "megatron_sft", "megatron_lm")
+LAUNCHERS = ("swift_sft", "swift_sft_deepseek_v3", "megatron_sft", "megatron_lm", "torchtitan")
 DEFAULT_ROUNDS = 3
 QUICK_STEPS, QUICK_WARMUP = 4, 2
 
@@ -135,9 +145,11 @@ class E2EOptions:
 
 
 class Launcher(Protocol):
-    """One row of the table. ``prepare`` builds the tiny model and data (for runs of ``steps``) once;
-    ``command`` is one run (with ``interleave_block``, where ``interleaves``: one run of both modes);
-    ``read`` / ``read_interleaved`` parse its logs (raise RuntimeError when they lack what the row needs)."""
+    """One row of the table. ``prepare`` builds the tiny model and data (for runs of ``steps``) once
+    (raises :class:`~.e2e_child.LauncherUnavailable` where the launcher cannot run here); ``command``
+    is one run (with ``interleave_block``, where ``interleaves``: one run of both modes); ``read`` /
+    ``read_interleaved`` parse its logs (raise RuntimeError when they lack what the row needs);
+    ``read_interleaved`` gives the mean κ each mode's steps logged (a mode that logs none: None or left out)."""
 
     key: str
     label: str
@@ -160,7 +172,9 @@ class Launcher(Protocol):
 
     def read(self, out: Path, output: str, warmup: int) -> RunReading: ...
 
-    def read_interleaved(self, out: Path, output: str, warmup: int) -> tuple[InterleavedReading, float | None]: ...
+    def read_interleaved(
+        self, out: Path, output: str, warmup: int
+    ) -> tuple[InterleavedReading, dict[str, float | None]]: ...
 
     def syncs(self, out: Path) -> int | None: ...
 
@@ -194,6 +208,7 @@ class E2EResult:
     timing: str
     runs: list[E2ERun] = field(default_factory=list)
     interleave_block: int | None = None  # the blocks' steps when each round is one interleaved run
+    unavailable: str | None = None  # why the launcher did not run here (no runs, no summary)
 
     def of(self, schedule: str) -> list[E2ERun]:
         return sorted((run for run in self.runs if run.schedule == schedule), key=lambda run: run.round)
@@ -297,7 +312,7 @@ def _interleaved_runs(
     output = log.read_text(errors="replace")
     if code != 0:
         raise RuntimeError(f"{launcher.label} (interleaved) exited {code}; its log: {log}\n{output[-3000:]}")
-    reading, kappa = launcher.read_interleaved(out, output, warmup)
+    reading, kappas = launcher.read_interleaved(out, output, warmup)
     mode_schedule = {"static": launcher.static, "elastic": launcher.elastic}
     return [
         E2ERun(
@@ -306,7 +321,7 @@ def _interleaved_runs(
             steps_per_second=reading.steps_per_second[mode],
             peak_rss_bytes=peak,
             syncs_per_step=reading.syncs[mode],
-            mean_kappa=kappa if mode == "elastic" else None,
+            mean_kappa=kappas.get(mode),
             wall_s=seconds,
             pair_ratios=list(reading.pair_ratios) if mode == "elastic" else None,
         )
@@ -342,7 +357,7 @@ def run_plan(launcher: Launcher, options: E2EOptions, quick: bool) -> tuple[int,
 def launchers(options: E2EOptions, quick: bool = False) -> list[Launcher]:
     """The launchers of ``options``, in :data:`LAUNCHERS`' order (``quick``: the DeepSeek-V3 row on its
     smaller model, :data:`.e2e_swift.DEEPSEEK_V3_QUICK`)."""
-    from elastic_moe_plugin.tools.bench import e2e_megatron, e2e_swift
+    from elastic_moe_plugin.tools.bench import e2e_megatron, e2e_swift, e2e_titan
 
     make: dict[str, Callable[[], Launcher]] = {
         "swift_sft": lambda: e2e_swift.SwiftSft(hidden=options.hidden, experts_impl=options.experts_impl),
@@ -351,6 +366,7 @@ def launchers(options: E2EOptions, quick: bool = False) -> list[Launcher]:
         ),
         "megatron_sft": e2e_megatron.MegatronSft,
         "megatron_lm": e2e_megatron.MegatronLM,
+        "torchtitan": e2e_titan.Torchtitan,
     }
     return [make[key]() for key in LAUNCHERS if key in options.launchers]
 
@@ -367,8 +383,25 @@ def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None 
     plans = [run_plan(launcher, options, quick) for launcher in chosen]  # every launcher's check, first
     for launcher, (steps, warmup, block) in zip(chosen, plans, strict=True):
         started = time.perf_counter()
-        launcher.prepare(work / launcher.key / "assets", steps)
         timing = e2e_interleaved.TIMING.format(block=block) if block is not None else launcher.timing
+        try:
+            launcher.prepare(work / launcher.key / "assets", steps)
+        except LauncherUnavailable as missing:
+            log(f"e2e {launcher.label}: not run: {missing}")
+            results.append(
+                E2EResult(
+                    launcher.key,
+                    launcher.label,
+                    launcher.describe(),
+                    launcher.static,
+                    launcher.elastic,
+                    steps,
+                    warmup,
+                    timing,
+                    unavailable=str(missing),
+                )
+            )
+            continue
         result = E2EResult(
             launcher.key,
             launcher.label,

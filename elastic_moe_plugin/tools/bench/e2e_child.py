@@ -1,5 +1,6 @@
 """A launcher's run in ``elastic-moe bench --only e2e`` (:mod:`.e2e`): its command, its environment,
-and the variables of the step probe, :mod:`.step_probe` (:mod:`.e2e_swift`, :mod:`.e2e_megatron` build on it)."""
+and the variables of the step probe, :mod:`.step_probe` (:mod:`.e2e_swift`, :mod:`.e2e_megatron`,
+:mod:`.e2e_titan` build on it)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ from pathlib import Path
 
 SYNC_STEP_ENV, SYNC_OUT_ENV, TARGET_ENV = "E2E_BENCH_SYNC_STEP", "E2E_BENCH_SYNC_OUT", "E2E_BENCH_TARGET"
 INTERLEAVE_BLOCK_ENV, INTERLEAVE_OUT_ENV = "E2E_BENCH_INTERLEAVE_BLOCK", "E2E_BENCH_INTERLEAVE_OUT"
+
+
+class LauncherUnavailable(RuntimeError):
+    """A launcher's ``prepare`` found its framework missing here: the bench leaves its row out and
+    says why (the message names what is missing and how to get it)."""
 
 
 @dataclass
@@ -59,6 +65,19 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def probe_env(out: Path, step: int, target: str, interleave_block: int | None) -> dict[str, str]:
+    """The step probe's variables (:mod:`.step_probe`): count the syncs of call ``step``, or interleave
+    blocks (and count the syncs of each mode's first call after the warm-up of ``step`` calls)."""
+    if interleave_block:
+        return {
+            INTERLEAVE_BLOCK_ENV: str(interleave_block),
+            INTERLEAVE_OUT_ENV: str(out / "interleaved.json"),
+            SYNC_STEP_ENV: str(step),
+            TARGET_ENV: target,
+        }
+    return {SYNC_STEP_ENV: str(step), SYNC_OUT_ENV: str(out / "syncs.json"), TARGET_ENV: target}
+
+
 def console_script(name: str) -> str:
     """``swift`` / ``megatron`` of this interpreter's environment."""
     script = Path(sys.executable).with_name(name)
@@ -74,7 +93,9 @@ __all__ = [
     "SYNC_STEP_ENV",
     "TARGET_ENV",
     "Command",
+    "LauncherUnavailable",
     "RunReading",
     "child_env",
     "console_script",
+    "probe_env",
 ]

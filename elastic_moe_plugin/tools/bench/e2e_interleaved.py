@@ -2,14 +2,16 @@
 
 The house rule for speed, end to end: one Megatron trainer (``megatron sft`` or Megatron-LM's),
 started elastic, switches its routing between blocks of ``b`` training iterations, stock top-k
-(``mcore.remove()``) then elastic (``mcore.apply`` of its own config), and so on; the step probe
+(``mcore.remove()``) then elastic (``mcore.apply`` of its own config), and so on (torchtitan's
+trainer alike, its static blocks the door at ``schedule="static"``: :mod:`.e2e_titan`); the step probe
 (:mod:`.step_probe`, switched on by the child bootstrap) times every iteration (start of one
 ``train_step`` to the start of the next: the logging step included, the switch left out) and counts host syncs on the
 first iteration of each mode after the warm-up (left out of the times). Blocks are short where
 they can be: ``megatron sft`` logs every step and takes blocks of 5 (8 pairs), Megatron-LM logs
-every 10 (its recipe's interval) and takes blocks of 10 (4 pairs). Both Megatron rows' batches
-have one shape (mock data of a fixed length; chat rows longer than ``--max_length``, cut to it),
-so blocks of different steps do the same work. Load on the machine then hits both modes within
+every 10 (its recipe's interval) and takes blocks of 10 (4 pairs); torchtitan logs every step and
+takes blocks of 5 (8 pairs). Every interleaved row's batches have one shape (mock data of a fixed
+length; chat rows longer than ``--max_length``, cut to it; torchtitan's documents packed into rows of
+``--training.seq_len``), so blocks of different steps do the same work. Load on the machine then hits both modes within
 seconds of each other, where separate runs minutes apart drift by far more than the effect measured
 (docs/performance.md).
 

@@ -31,17 +31,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from elastic_moe_plugin.tools.bench import e2e_interleaved
-from elastic_moe_plugin.tools.bench.e2e_child import (
-    INTERLEAVE_BLOCK_ENV,
-    INTERLEAVE_OUT_ENV,
-    SYNC_OUT_ENV,
-    SYNC_STEP_ENV,
-    TARGET_ENV,
-    Command,
-    RunReading,
-    child_env,
-    console_script,
-)
+from elastic_moe_plugin.tools.bench.e2e_child import Command, RunReading, child_env, console_script, probe_env
 from elastic_moe_plugin.tools.bench.e2e_swift import logged_mean_kappa, read_syncs, steady_steps_per_second
 
 SCHEDULES = ("static", "6-10")
@@ -53,19 +43,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _probe_env(out: Path, step: int, target: str, interleave_block: int | None) -> dict[str, str]:
-    """The step probe's variables (:mod:`.step_probe`): count the syncs of call ``step``, or interleave blocks
-    (and count the syncs of each mode's first call after the warm-up of ``step`` calls)."""
-    if interleave_block:
-        return {
-            INTERLEAVE_BLOCK_ENV: str(interleave_block),
-            INTERLEAVE_OUT_ENV: str(out / "interleaved.json"),
-            SYNC_STEP_ENV: str(step),
-            TARGET_ENV: target,
-        }
-    return {SYNC_STEP_ENV: str(step), SYNC_OUT_ENV: str(out / "syncs.json"), TARGET_ENV: target}
 
 
 class MegatronSft:
@@ -138,7 +115,7 @@ class MegatronSft:
             HF_DATASETS_CACHE=str(out / "hf_datasets"),
             MODELSCOPE_CACHE=str(out / "modelscope"),
             ELASTIC_MOE_SCHEDULE=schedule,
-            **_probe_env(out, sync_step, "megatron_swift", interleave_block),
+            **probe_env(out, sync_step, "megatron_swift", interleave_block),
         )
         argv = [
             console_script("megatron"),
@@ -210,15 +187,16 @@ class MegatronSft:
 
     def read_interleaved(
         self, out: Path, output: str, warmup: int
-    ) -> tuple[e2e_interleaved.InterleavedReading, float | None]:
-        """The interleaved run's timings, and the mean κ its elastic iterations logged."""
+    ) -> tuple[e2e_interleaved.InterleavedReading, dict[str, float | None]]:
+        """The interleaved run's timings, and the mean κ its elastic iterations logged (its stock
+        blocks log none)."""
         reading = e2e_interleaved.read(out / "interleaved.json", warmup)
         rows = [
             row
             for row in self._logged_rows(out)  # "iteration": "i/n"
             if int(str(row["iteration"]).split("/")[0]) in reading.elastic_iterations
         ]
-        return reading, logged_mean_kappa(rows)
+        return reading, {"elastic": logged_mean_kappa(rows)}
 
     def syncs(self, out: Path) -> int | None:
         return read_syncs(out / "syncs.json")
@@ -341,7 +319,7 @@ class MegatronLM:
         env = child_env(
             **startup,
             NO_VCS_VERSION="1",
-            **_probe_env(out, sync_step, "megatron_lm", interleave_block),
+            **probe_env(out, sync_step, "megatron_lm", interleave_block),
         )
         argv = [
             sys.executable,
@@ -380,13 +358,14 @@ class MegatronLM:
 
     def read_interleaved(
         self, out: Path, output: str, warmup: int
-    ) -> tuple[e2e_interleaved.InterleavedReading, float | None]:
-        """The interleaved run's timings, and the mean κ its elastic iterations logged."""
+    ) -> tuple[e2e_interleaved.InterleavedReading, dict[str, float | None]]:
+        """The interleaved run's timings, and the mean κ its elastic iterations logged (its stock
+        blocks log none)."""
         reading = e2e_interleaved.read(out / "interleaved.json", warmup)
         kappas = [
             kappa for iteration, kappa in self._logged(output)[1].items() if iteration in reading.elastic_iterations
         ]
-        return reading, sum(kappas) / len(kappas) if kappas else None
+        return reading, {"elastic": sum(kappas) / len(kappas) if kappas else None}
 
     def read(self, out: Path, output: str, warmup: int) -> RunReading:
         elapsed, logged_kappas = self._logged(output)

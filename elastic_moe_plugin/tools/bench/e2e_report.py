@@ -9,7 +9,8 @@ COLUMNS = ("launcher", "schedule", "steps/s", "x static", "min-max x", "peak RSS
 
 
 def format_table(results: list[E2EResult]) -> str:
-    """One row per launcher and schedule; the ratio columns on the elastic row."""
+    """One row per launcher and schedule; the ratio columns on the elastic row (a launcher that could
+    not run here: one line saying why)."""
     widths = (14, 8, 8, 8, 13, 12, 10, 7)
     header = " ".join(
         f"{name:{width}s}" if i < 2 else f"{name:>{width}s}"
@@ -17,6 +18,9 @@ def format_table(results: list[E2EResult]) -> str:
     )
     lines = [header]
     for result in results:
+        if result.unavailable is not None:
+            lines.append(f"-- {result.label}: not run: {result.unavailable}")
+            continue
         summary = result.summary()
         lines.append(
             f"-- {result.label}: {result.model}; {result.steps} steps, {result.warmup} warm-up, "
@@ -52,9 +56,12 @@ def _or_na(value) -> str:
 
 def rows(results: list[E2EResult]) -> list[BenchRow]:
     """The schema rows: per launcher one row per schedule (static, then elastic against it). The
-    metrics are the table's columns and, per round in order, what each run measured."""
+    metrics are the table's columns and, per round in order, what each run measured. A launcher
+    that could not run here has none (the table says why)."""
     out = []
     for result in results:
+        if result.unavailable is not None:
+            continue
         summary = result.summary()
         shape = (
             f"{result.label}: {result.model}; {result.steps} steps, {result.warmup} warm-up; steps/s {result.timing}"

@@ -304,7 +304,9 @@ class SwiftSft:
             family=self.family,
         )
 
-    def read_interleaved(self, out: Path, output: str, warmup: int) -> tuple[InterleavedReading, float | None]:
+    def read_interleaved(
+        self, out: Path, output: str, warmup: int
+    ) -> tuple[InterleavedReading, dict[str, float | None]]:
         raise NotImplementedError("swift sft does not interleave: its rounds are separate static and elastic runs")
 
     def read(self, out: Path, output: str, warmup: int) -> RunReading:
