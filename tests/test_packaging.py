@@ -55,7 +55,8 @@ def test_the_wheel_not_the_checkout_is_imported(installed):
         assert Path(found[key]).resolve().is_relative_to(installed["site"].resolve()), (key, found[key])
     assert not Path(found["package"]).resolve().is_relative_to(REPO)
     configs = Path(found["configs"])
-    assert sorted(p.name for p in configs.iterdir()) == ["eval", "olmoe_sft", "overlays", "pretrain", "qwen3_sft"]
+    assert sorted(p.name for p in configs.iterdir()) == ["eval", "olmoe_sft", "overlays", "pretrain", "pretrain_titan",
+                                                         "qwen3_sft"]
     assert len(list(configs.glob("*/*.yaml"))) == len(list((REPO / "elastic_moe_plugin" / "configs").glob("*/*.yaml")))
     plugin = Path(found["plugin"])
     assert plugin.is_file() and [p.name for p in plugin.parent.glob("*.py")] == ["elastic_moe.py"]
@@ -75,7 +76,7 @@ def test_recipes_resolve_by_name_from_the_installed_package(installed):
     assert "  --plugin elastic_moe" in command_lines and not any("--external_plugins" in line for line in command_lines)
     assert "# the plugin: --plugin elastic_moe" in launch.stdout
     listing = _run(installed, "elastic-moe", "launch", "--list")
-    assert listing.returncode == 0 and "olmoe_sft/6-10" in listing.stdout and "33 recipes" in listing.stdout
+    assert listing.returncode == 0 and "olmoe_sft/6-10" in listing.stdout and "44 recipes" in listing.stdout
 
     budget = _run(installed, "elastic-moe", "budget", "pretrain/6-10")
     assert budget.returncode == 0, budget.stderr

@@ -16,11 +16,12 @@ _USAGE = (
     "       elastic-moe launch --list"
 )
 _EPILOG = (
-    "Rehearse before you allocate: --rehearse runs the recipe's own launcher (swift sft, megatron sft, or "
-    "Megatron-LM's trainer) here, on CPU, for --steps steps on a tiny random model of the same family, with "
-    "the recipe's flags and schedule; it prints every flag it had to replace and why, and exits non-zero on "
-    "the first error the launcher raises (an unknown flag, a bad value, a schedule that does not fit) or when "
-    "no routing metric was logged. About 1-3 minutes on 2 CPU cores; nothing is downloaded."
+    "Rehearse before you allocate: --rehearse runs the recipe's own launcher (swift sft, megatron sft, "
+    "Megatron-LM's or torchtitan's trainer) here, on CPU, for --steps steps on a tiny random model of the "
+    "same family, with the recipe's flags and schedule; it prints every flag it had to replace and why, and "
+    "exits non-zero on the first error the launcher raises (an unknown flag, a bad value, a schedule that "
+    "does not fit) or when no routing metric was logged. About 1-3 minutes on 2 CPU cores; nothing is "
+    "downloaded."
 )
 
 

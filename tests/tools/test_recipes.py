@@ -34,7 +34,7 @@ from elastic_moe_plugin.tools.recipes.topology import first_slurm_host, resolve_
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "recipes.md"
-SETTINGS = ("olmoe_sft", "qwen3_sft", "pretrain")
+SETTINGS = ("olmoe_sft", "qwen3_sft", "pretrain", "pretrain_titan")
 RECIPES = list_recipe_files()
 RECIPE_IDS = [name for name, _ in RECIPES]
 OWN_YAML = sorted(
@@ -169,6 +169,16 @@ def test_recipe_renders_for_2x8_with_its_elastic_environment(path):
         assert command.argv[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]
         assert "-m elastic_moe_plugin.megatron_lm" in text
         assert f"--moe-router-topk {recipe.model.training_topk}" in text
+    elif recipe.launcher == "torchtitan":
+        from elastic_moe_plugin.core.config import config_from_override
+
+        assert command.argv[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]
+        assert command.argv[command.argv.index("-m") + 1] == "torchtitan.train"
+        # the door's JSON is the recipe's elastic block, alone and over the rendered variables
+        target, _, fields = command.argv[-1].partition("=")
+        assert command.argv[-2] == "--override.imports" and target == "elastic_moe_plugin.titan.elastic_moe"
+        assert config_from_override(json.loads(fields), environ={}) == recipe.elastic
+        assert config_from_override(json.loads(fields), environ=elastic_env) == recipe.elastic
     else:
         assert command.argv[:2] == (["swift", "sft"] if recipe.launcher == "swift_sft" else ["megatron", "sft"])
         assert command.env["NNODES"] == "2" and command.env["NPROC_PER_NODE"] == "8"
@@ -221,7 +231,7 @@ def test_launch_list_prints_every_recipe_with_its_description(capsys):
     assert main(["launch", "--list"]) == 0
     out = capsys.readouterr().out
     rows = list_recipes()
-    assert len(rows) == 33
+    assert len(rows) == 44
     for row in rows:
         assert any(line.startswith(row["name"] + " ") and line.rstrip().endswith(row["description"])
                    for line in out.splitlines()), row
@@ -251,7 +261,7 @@ def test_prepare_model_override_writes_config_and_links_weights(tmp_path):
 
 
 # ====================================================================================== framework argument parsers
-SWIFT_RECIPES = [(n, p) for n, p in RECIPES if not n.startswith("pretrain/")]
+SWIFT_RECIPES = [(n, p) for n, p in RECIPES if n.split("/")[0] in ("olmoe_sft", "qwen3_sft")]
 MLM_RECIPES = [(n, p) for n, p in RECIPES if n.startswith("pretrain/")]
 
 
@@ -391,7 +401,7 @@ def test_paper_table_covers_every_key_of_the_base(file):
     assert not extra, f"docs/recipes.md has rows for keys {file} does not set: {extra}"
 
 
-_KEY_LINE = re.compile(r"^(\s*)([A-Za-z0-9_.\-]+):(.*)$")
+_KEY_LINE = re.compile(r"^(\s*)[\"']?([A-Za-z0-9_.\-]+)[\"']?:(.*)$")  # a quoted key too ("0": a list index)
 
 
 def _unspecified_keys(path: Path) -> set[str]:
@@ -504,6 +514,13 @@ WRAPPERS = {
                  ["torchrun", "--nnodes 2", "--nproc-per-node 8", "--node-rank 1", "--master-addr node0",
                   "ELASTIC_MOE_SCHEDULE=6-10", "ELASTIC_MOE_SIGMA=1.5", "-m elastic_moe_plugin.megatron_lm",
                   "--expert-model-parallel-size 4", "--exit-interval 10"]),
+    "pretrain_titan": ("6-10_L8-12", ["--node-rank", "1", "--master-addr", "node0", "--", "--training.gc_freq", "100"],
+                       ["torchrun", "--nnodes 2", "--nproc-per-node 8", "--node-rank 1", "--master-addr node0",
+                        "ELASTIC_MOE_LAYERS=8-12", "-m torchtitan.train", "--parallelism.expert_parallel_degree 4",
+                        "--parallelism.data_parallel_shard_degree 16",
+                        """--override.imports 'elastic_moe_plugin.titan.elastic_moe={"schedule": "6-10", "sigma": 1.5, """
+                        """"layers": "8-12", "gate": "auto", "sampling": "iid", "mode": "elastic"}'""",
+                        "--training.gc_freq 100"]),
 }
 
 
@@ -731,7 +748,10 @@ _STRUCTURED = {"model", "tensor_model_parallel_size", "pipeline_model_parallel_s
                "max_length", "num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "kv-channels",
                "num-experts", "moe-ffn-hidden-size", "make-vocab-size-divisible-by", "seq-length",
                "max-position-embeddings", "expert-model-parallel-size", "external_plugins", "nproc-per-node",
-               "master-port", "nnodes", "node-rank", "master-addr"}
+               "master-port", "nnodes", "node-rank", "master-addr",
+               # torchtitan: batch.seq_length, cluster/parallel, and the door's JSON (elastic.layers scaled)
+               "training.seq_len", "parallelism.data_parallel_shard_degree", "parallelism.expert_parallel_degree",
+               "override.imports"}
 
 
 @pytest.mark.parametrize("name", RECIPE_IDS)
@@ -840,7 +860,7 @@ def test_the_child_bootstrap_refuses_a_feature_it_does_not_know():
     done = _bootstrapped("print('ran')", "grad_clip,megatron-swift")
     assert done.returncode != 0 and "ran" not in done.stdout
     assert ("EMOE_BOOTSTRAP='grad_clip,megatron-swift': megatron-swift is no start-up feature; expected a "
-            "comma-separated list of megatron_swift, engines, grad_clip, step_probe.") in done.stderr
+            "comma-separated list of megatron_swift, engines, titan, grad_clip, step_probe.") in done.stderr
     with pytest.raises(ValueError, match="megatron-swift is no start-up feature"):
         child_bootstrap.environment(["megatron-swift"])
     # in the order they run, whatever the variable's
@@ -891,3 +911,163 @@ def test_rehearse_refuses_a_used_folder_and_steps_without_rehearse(tmp_path, cap
     assert "is not empty; a rehearsal starts in a fresh folder" in capsys.readouterr().err
     assert cli.main(["launch", "olmoe_sft/6-10", "--steps", "2", "--dry-run"]) == 2
     assert "--steps and --rehearse-dir belong to a rehearsal: add --rehearse" in capsys.readouterr().err
+
+
+# ================================================================================== torchtitan (configs/pretrain_titan/)
+# Rendering, validation and the rehearsal's plan need no torchtitan; torchtitan's own parsing of every
+# recipe and the rehearsal itself are tests/titan/test_titan_rehearse.py (the titan lane).
+def _flat(text: str) -> str:
+    return re.sub(r"\s*\\\n\s*", " ", text)
+
+
+def test_torchtitan_recipe_dry_run_through_the_cli(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(CLEAN_ENV_PREFIXES) or key in CLEAN_ENV_NAMES:
+            monkeypatch.delenv(key)
+    code, out, err = _run_cli("launch", "pretrain_titan/6-10", "--dry-run", "--master-addr", "node0",
+                              "--set", "args.dataloader.dataset_path=/data/fineweb-edu", "--", "--training.gc_freq", "100")
+    assert code == 0, err
+    flat = _flat(out)
+    assert ("torchrun --nnodes 2 --nproc-per-node 8 --node-rank 0 --master-addr node0 --master-port 29500 "
+            "-m torchtitan.train --module elastic_moe_plugin.tools.recipes.titan_models --config eer_1p42b_a365m "
+            "--training.local_batch_size 4 --training.global_batch_size 256 --training.seq_len 4096 "
+            "--parallelism.data_parallel_replicate_degree 1 --parallelism.data_parallel_shard_degree 16 ") in flat
+    for fragment in ("--parallelism.expert_parallel_degree 4", "--dataloader.dataset fineweb_edu",
+                     "--dataloader.dataset_path /data/fineweb-edu", "--training.steps 25034",
+                     "--training.disable_cuda_graphs", "--optimizer.param_groups.0.optimizer_kwargs.lr 0.00109516",
+                     "--optimizer.param_groups.0.optimizer_kwargs.betas 0.9 0.95",
+                     "--optimizer.param_groups.0.optimizer_kwargs.weight_decay 0.01", "--lr_scheduler.warmup_steps 251",
+                     "--lr_scheduler.decay_ratio 0.0", "--parallelism.spmd_backend partial_dtensor",
+                     "--validator.steps 380", "--dump_folder checkpoints/pretrain_titan/6-10", "ELASTIC_MOE_SCHEDULE=6-10"):
+        assert fragment in flat, fragment
+    assert flat.rstrip().endswith("""--override.imports 'elastic_moe_plugin.titan.elastic_moe={"schedule": "6-10", """
+                                  """"sigma": 1.5, "layers": null, "gate": "auto", "sampling": "iid", "mode": "elastic"}' """
+                                  "--training.gc_freq 100")
+    assert "global batch 256 = micro 4 x DP 16 x accumulation 4" in out
+    assert "FSDP over 16 ranks, EP 4 inside them (32 experts per EP rank)" in out
+
+
+def test_torchtitan_models_are_the_pretraining_recipes_model():
+    from elastic_moe_plugin.tools.recipes import titan_models
+
+    megatron = load_recipe("pretrain/6-10").data["model"]
+    assert titan_models.ARCHITECTURES["eer_1p42b_a365m"] == {k: v for k, v in megatron.items() if k != "name"}
+    for name, path in RECIPES:
+        if name.startswith("pretrain_titan/"):
+            recipe = load_recipe(path)
+            variant = titan_models.CONFIGS[recipe.args["config"]]
+            assert variant.facts == {"train_topk": None, **{k: v for k, v in recipe.data["model"].items() if k != "name"}}
+            assert variant.expert_bias is (recipe.elastic.mode != "top_p")
+            assert recipe.model == load_recipe(f"pretrain/{recipe.name}").model
+    tiny = titan_models.ARCHITECTURES[titan_models.TINY]
+    assert tiny["topk"] == 8 and tiny["num_experts"] >= 2 * 10 and tiny["num_experts"] % 2 == 0
+    assert tiny["num_layers"] == 4 and tiny["vocab_size"] >= 1024  # the rehearsal's depth and tokenizer
+    assert [titan_models.tiny_variant(name) for name in ("eer_1p42b_a365m", "eer_1p42b_a365m_top10",
+                                                          "eer_1p42b_a365m_no_expert_bias")] == [
+        "eer_tiny", "eer_tiny_top10", "eer_tiny_no_expert_bias"]
+    for name in titan_models.CONFIGS:  # torchtitan's --config resolves these names in the module
+        assert callable(getattr(titan_models, name)) and getattr(titan_models, name).__name__ == name
+
+
+def test_budget_of_the_torchtitan_recipe_is_the_pretraining_recipes():
+    reports = [json.loads(_run_cli("budget", f"configs/{setting}/6-10.yaml", "--json")[1])
+               for setting in ("pretrain", "pretrain_titan")]
+    for key in ("params", "flops", "tokens", "compute"):
+        assert reports[0][key] == reports[1][key], key
+    assert reports[1]["params"]["total"] == 1_426_784_256 and reports[1]["tokens"]["warmup_steps"] == 251
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["model.train_topk=10", "elastic.schedule=static"],
+     "model.train_topk=10, but args.config eer_1p42b_a365m (configs/pretrain_titan/base.yaml) builds train_topk=None"
+     ": torchtitan takes the model from elastic_moe_plugin.tools.recipes.titan_models, not from the model: block; "
+     "set args.config: eer_1p42b_a365m_top10."),
+    (["model.num_layers=12"], "set model.num_layers: 20 (or register a config there)"),
+    (["elastic.mode=top_p", "elastic.top_p=0.4"], "set args.config: eer_1p42b_a365m_no_expert_bias."),
+    (["parallel.tp=2"], "parallel.tp=2: the door refuses tensor parallelism"),
+    (["parallel.etp=2"], "parallel.etp=2: torchtitan 0.3 has no expert tensor parallelism"),
+    (["args.training.seq_len=3"], "args.training.seq_len is rendered from batch.seq_length"),
+    (["args.parallelism.expert_parallel_degree=2"], "args.parallelism.expert_parallel_degree is rendered from parallel.ep"),
+    (["args.config=eer_2b"], "args.config='eer_2b' is no config of elastic_moe_plugin.tools.recipes.titan_models"),
+], ids=["train_topk", "layers", "top_p", "tp", "etp", "seq_len", "ep", "config"])
+def test_torchtitan_recipe_mistakes_are_named(overrides, fragment):
+    with pytest.raises(RecipeError) as error:
+        load_recipe("pretrain_titan/6-10", overrides)
+    assert fragment in str(error.value)
+
+
+def test_rendering_and_planning_a_torchtitan_recipe_import_no_torchtitan(tmp_path):
+    probe = (
+        "import sys; sys.modules['torchtitan'] = None\n"  # any import of torchtitan fails
+        "from elastic_moe_plugin.tools.recipes.load import load_recipe\n"
+        "from elastic_moe_plugin.tools.recipes.render import render\n"
+        "from elastic_moe_plugin.tools.recipes.rehearse import plan_rehearsal\n"
+        "from elastic_moe_plugin.tools.recipes.topology import resolve_topology\n"
+        "from elastic_moe_plugin.tools.recipes import titan_models\n"
+        "recipe = load_recipe('pretrain_titan/6-10')\n"
+        "render(recipe, resolve_topology(recipe, environ={}))\n"
+        f"plan_rehearsal('pretrain_titan/top9', work_dir={str(tmp_path / 'work')!r}, build_assets=False)\n"
+        "print('rendered', sorted(name for name in sys.modules if name.startswith('torchtitan.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_clean_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "rendered []"
+
+
+def test_a_torchtitan_launch_without_torchtitan_names_the_fix(monkeypatch, tmp_path):
+    import importlib.util as importlib_util
+
+    find_spec = importlib_util.find_spec
+    monkeypatch.setattr(importlib_util, "find_spec", lambda name, *a: None if name == "torchtitan" else find_spec(name, *a))
+    for key in list(os.environ):
+        if key.startswith(CLEAN_ENV_PREFIXES) or key in CLEAN_ENV_NAMES:
+            monkeypatch.delenv(key)
+    fix = "torchtitan is not importable in this environment: pip install 'elastic-moe-plugin[titan]' (torchtitan>=0.3,<0.4)"
+    code, out, err = _run_cli("launch", "pretrain_titan/6-10", "--nnodes", "1", "--nproc-per-node", "8")
+    assert code == 2 and f"# WARNING: {fix}; a launch refuses to start" in out and fix in err
+    code, out, err = _run_cli("launch", "pretrain_titan/6-10", "--rehearse", "--rehearse-dir", str(tmp_path / "w"))
+    assert code == 2 and fix in err
+
+
+@pytest.mark.parametrize("name,config,layers", [("6-10", "eer_tiny", None), ("top9", "eer_tiny_top9", None),
+                                                ("top-p0.4", "eer_tiny_no_expert_bias", None),
+                                                ("6-10_L3-7", "eer_tiny", "0-1")])
+def test_rehearsal_of_the_torchtitan_recipe_runs_torchtitan_train_under_the_titan_bootstrap(tmp_path, name, config,
+                                                                                               layers):
+    from elastic_moe_plugin.tools import child_bootstrap
+    from elastic_moe_plugin.tools.recipes import titan_models
+    from elastic_moe_plugin.tools.recipes.rehearse import plan_rehearsal
+    from elastic_moe_plugin.tools.recipes.render import framework_args
+
+    plan = plan_rehearsal(f"pretrain_titan/{name}", work_dir=tmp_path / "work", build_assets=False)
+    argv = plan.command.argv
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert argv[argv.index("-m", 3) + 1] == "torchtitan.train" and "--nproc-per-node" in argv
+    flags = _flag_values(framework_args(plan.command))
+    assert flags["config"] == [config] and flags["module"] == ["elastic_moe_plugin.tools.recipes.titan_models"]
+    assert flags["parallelism.expert_parallel_degree"] == ["2"] and flags["parallelism.data_parallel_shard_degree"] == ["2"]
+    assert flags["training.steps"] == ["3"] and flags["training.mixed_precision_param"] == ["float32"]
+    assert flags["hf_assets_path"] == [str(tmp_path / "work" / "tiny" / "tokenizer")]
+    assert flags["dataloader.dataset_path"] == ["data/fineweb-edu/train"]  # written there, in the work folder
+    assert plan.command.env[child_bootstrap.BOOTSTRAP_ENV] == "titan"
+    assert plan.command.env["PYTHONPATH"].split(os.pathsep)[0] == str(child_bootstrap.directory())
+    model = {"train_topk": None, **{k: v for k, v in plan.recipe.data["model"].items() if k != "name"}}
+    assert model == titan_models.CONFIGS[config].facts
+    assert plan.recipe.elastic.layers == layers
+    door = json.loads(flags["override.imports"][0].partition("=")[2])
+    assert door["layers"] == layers and door["schedule"] == load_recipe(f"pretrain_titan/{name}").elastic.schedule
+
+
+def test_the_torchtitan_rehearsal_writes_its_tokenizer_and_data_where_the_recipe_reads_them(tmp_path):
+    from elastic_moe_plugin.tools.recipes.rehearse import plan_rehearsal
+
+    work = tmp_path / "work"
+    plan = plan_rehearsal("pretrain_titan/6-10", ["args.validator.dataloader.dataset_path=/data/valid"], work_dir=work)
+    assert (work / "tiny" / "tokenizer" / "tokenizer.json").is_file()
+    assert json.loads((work / "tiny" / "tokenizer" / "tokenizer_config.json").read_text())["eos_token"] == "<|end_of_text|>"
+    rows = (work / "data" / "fineweb-edu" / "train" / "data.json").read_text().splitlines()
+    assert len(rows) == 600 and set(json.loads(rows[0])) == {"text"}
+    # an absolute path of the recipe cannot be written: replaced by a folder of the work folder
+    assert plan.recipe.get("args.validator.dataloader.dataset_path") == str(work / "tiny" / "validator.dataloader")
+    assert (work / "tiny" / "validator.dataloader" / "data.json").is_file()
+    assert any(item.key == "args.validator.dataloader.dataset_path" for item in plan.replacements)

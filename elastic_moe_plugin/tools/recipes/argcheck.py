@@ -1,12 +1,13 @@
-"""Check rendered recipe commands with the frameworks' own argument parsers, building no model.
+"""Check rendered recipe commands with the frameworks' own argument parsers, training nothing.
 
 Each recipe is rendered for its own 2 x 8 cluster (what ``elastic-moe launch --dry-run`` prints);
 its flags then go through ms-swift 4.6's ``HfArgumentParser`` of ``SftArguments`` /
-``MegatronSftArguments`` (plus the checks that need no model), or Megatron-LM's own parser and
-``validate_args`` from the megatron-core wheel. Where a framework import cannot work on this
-machine (no triton, no Transformer Engine for ``mcore_bridge`` or no ``mcore_bridge`` at all,
-Python 3.11) a shim stands in; every shim used is listed
-in the result. What is and is not checked: docs/recipes.md, "How the arguments were checked".
+``MegatronSftArguments`` (plus the checks that need no model), Megatron-LM's own parser and
+``validate_args`` from the megatron-core wheel, or torchtitan 0.3's ``ConfigManager`` (its tyro
+parser and its config's own checks; the model built on the meta device and its parameters counted).
+Where a framework import cannot work on this machine (no triton, no Transformer Engine for
+``mcore_bridge`` or no ``mcore_bridge`` at all, Python 3.11) a shim stands in; every shim used is
+listed in the result. What is and is not checked: docs/recipes.md, "How the arguments were checked".
 
 ::
 
@@ -233,6 +234,62 @@ class MegatronLMChecker:
         ]
 
 
+# ------------------------------------------------------------------------------------ torchtitan
+class TitanChecker:
+    """torchtitan's own parsing of a rendered command (``ConfigManager.parse_args``: ``--module`` /
+    ``--config`` resolved, every flag through tyro, the config's ``__post_init__`` checks), the door's
+    ``--override.imports`` entry read as the door reads it, and the model ``--config`` builds (on the
+    meta device) against the recipe's ``model:`` block."""
+
+    def __init__(self) -> None:
+        if not _available("torchtitan"):
+            raise ImportError("No module named 'torchtitan'")
+        if not _available("triton"):
+            from elastic_moe_plugin.cpu_runtime import titan as titan_cpu_runtime
+
+            titan_cpu_runtime.enable(force=True)  # MinimalAsyncEP's triton kernels, imported by torchtitan.train
+        from torchtitan.config import ConfigManager
+
+        self.manager = ConfigManager
+
+    def check(self, recipe: Recipe, argv: list[str]) -> list[str]:
+        import io
+
+        import torch
+
+        from elastic_moe_plugin.core.config import config_from_override
+        from elastic_moe_plugin.tools.recipes import titan_models
+        from elastic_moe_plugin.tools.recipes.render_titan import DOOR
+
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+                config = self.manager().parse_args(argv)
+        except (SystemExit, ValueError, ImportError) as error:
+            raise _ParseError(f"torchtitan ConfigManager: {captured.getvalue().strip() or error}") from None
+        checked = ["torchtitan ConfigManager parser (tyro) and Trainer.Config checks"]
+        entries = [entry for entry in config.override.imports if isinstance(entry, tuple) and entry[0] == DOOR]
+        if len(entries) != 1 or config_from_override(entries[0][1], environ={}) != recipe.elastic:
+            raise _ParseError(f"--override.imports {config.override.imports} does not carry the recipe's elastic block")
+        checked.append(f"{DOOR} JSON = the recipe's ElasticConfig")
+        with torch.device("meta"):
+            model = config.model_spec.model.build()
+        facts = recipe.model
+        counts = titan_models.parameter_counts(model, facts.training_topk)
+        expected = (facts.total_params(), int(facts.active_params(facts.training_topk)))
+        if (counts["total"] - counts["norms"], counts["active"] - counts["norms"]) != expected:
+            raise _ParseError(
+                f"the model of --config {config.model_spec.flavor} has {counts} parameters, the recipe's model: block "
+                f"{expected} (total, active) without norms"
+            )
+        checked.append(
+            f"model {config.model_spec.flavor}: {counts['total']:,} parameters ({counts['active']:,} active at "
+            f"top-{facts.training_topk}) = the model: block's {expected[0]:,} ({expected[1]:,}) + {counts['norms']:,} "
+            "norm weights"
+        )
+        return checked
+
+
 # ------------------------------------------------------------------------------------ driver
 def check_recipes(paths: Iterable[str]) -> dict[str, Any]:
     shims = install_import_shims()
@@ -244,7 +301,7 @@ def check_recipes(paths: Iterable[str]) -> dict[str, Any]:
         command = render(recipe, topology)
         argv = framework_args(command)
         entry: dict[str, Any] = {"launcher": recipe.launcher, "argv": argv, "ok": False}
-        kind = "swift" if recipe.launcher in ("swift_sft", "megatron_sft") else "mlm"
+        kind = {"swift_sft": "swift", "megatron_sft": "swift", "torchtitan": "titan"}.get(recipe.launcher, "mlm")
         # both ways a command may load the plugin, whichever this environment renders
         forms = (
             [framework_args(render(recipe, topology, plugin_form=form)) for form in ("plugin", "path")]
@@ -253,19 +310,21 @@ def check_recipes(paths: Iterable[str]) -> dict[str, Any]:
         )
         if kind not in checkers:
             try:
-                checkers[kind] = SwiftChecker() if kind == "swift" else MegatronLMChecker()
+                checkers[kind] = {"swift": SwiftChecker, "titan": TitanChecker, "mlm": MegatronLMChecker}[kind]()
             except ImportError as error:
                 checkers[kind] = error
         checker = checkers[kind]
         try:
             if isinstance(checker, ImportError):
-                entry["skipped"] = (
-                    f"{'ms-swift' if kind == 'swift' else 'megatron/training'} is not importable: {checker}"
-                )
+                framework = {"swift": "ms-swift", "titan": "torchtitan", "mlm": "megatron/training"}[kind]
+                entry["skipped"] = f"{framework} is not importable: {checker}"
             elif kind == "swift":
                 entry["checked"] = []
                 for form in forms:
                     entry["checked"] += [c for c in checker.check(recipe, form) if c not in entry["checked"]]
+                entry["ok"] = True
+            elif kind == "titan":
+                entry["checked"] = checker.check(recipe, argv)
                 entry["ok"] = True
             else:
                 entry["checked"] = checker.check(recipe, argv, topology.world_size)

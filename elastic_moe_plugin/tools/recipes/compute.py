@@ -86,7 +86,7 @@ def budget(recipe: Recipe) -> dict[str, Any]:
     m = 6 * n_act_nonemb + attention_term
     m_forward = 2 * n_act_nonemb + 4 * model.num_layers * seq * model.attention_width
     args = recipe.args
-    steps = args.get("train-iters") if recipe.launcher == "megatron_lm" else None
+    steps, warmup = _steps_and_warmup(recipe)
     tokens_per_step = batch["global"] * seq
     tokens = steps * tokens_per_step if steps else None
     siblings = []
@@ -120,16 +120,33 @@ def budget(recipe: Recipe) -> dict[str, Any]:
             "steps": steps,
             "tokens_per_step": tokens_per_step,
             "D": tokens,
-            "warmup_steps": args.get("lr-warmup-iters") if recipe.launcher == "megatron_lm" else None,
+            "warmup_steps": warmup,
             "epochs": args.get("num_train_epochs"),
         },
         "compute": {
             "C": m * tokens if tokens else None,
-            "paper_C": PAPER_COMPUTE if recipe.launcher == "megatron_lm" else None,
+            "paper_C": PAPER_COMPUTE if steps else None,
         },
         "this_recipe": experts_per_token(recipe),
         "schedules": siblings,
     }
+
+
+def _steps_and_warmup(recipe: Recipe) -> tuple[int | None, int | None]:
+    """The pretraining recipes' training and warmup steps (None for the SFT recipes, which train epochs)."""
+    flags = {
+        "megatron_lm": ("args.train-iters", "args.lr-warmup-iters"),
+        "torchtitan": ("args.training.steps", "args.lr_scheduler.warmup_steps"),
+    }.get(recipe.launcher)
+    if flags is None:
+        return None, None
+    found = []
+    for key in flags:
+        try:
+            found.append(recipe.get(key))
+        except KeyError:
+            found.append(None)
+    return found[0], found[1]
 
 
 def _b(n: float) -> str:

@@ -190,6 +190,19 @@ class Recipe:
         return _PLACEHOLDER.sub(sub, value)
 
 
+def flat_flags(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested ``args`` as dotted flag names (``{"training": {"steps": 10}}`` -> ``{"training.steps": 10}``),
+    in order; ``None`` (a flag an overlay deletes) and empty mappings are left out."""
+    flags: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flags.update(flat_flags(value, name + "."))
+        elif value is not None:
+            flags[name] = value
+    return flags
+
+
 def _env_value(value: Any) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"

@@ -1,6 +1,7 @@
 """The tiny assets of a rehearsal (:mod:`~elastic_moe_plugin.tools.recipes.rehearse`), built here
 under its work folder: a random checkpoint of the recipe's family with its tokenizer and a chat
-dataset, or for Megatron-LM a tokenizer and indexed datasets at the recipe's own data paths.
+dataset, for Megatron-LM a tokenizer and indexed datasets at the recipe's own data paths, or for
+torchtitan a tokenizer and text corpora at the recipe's own dataset paths.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def write_tiny_assets(recipe: Recipe, family: str | None, work: Path, steps: int
     """The tiny checkpoint (or tokenizer) and data the rehearsal's recipe names, under ``work``."""
     from elastic_moe_plugin.tools.recipes import tiny_assets
 
+    if recipe.launcher == "torchtitan":
+        return _titan_assets(recipe, work)
     rng = random.Random(0)
     tokenizer = tiny_assets.train_tokenizer(rng)
     model = recipe.model
@@ -66,6 +69,25 @@ def write_tiny_assets(recipe: Recipe, family: str | None, work: Path, steps: int
     rows = tiny_assets.chat_rows(rng, batch["global"] * (steps + 1), sentences=2, words=(20, 30))
     tiny_assets.write_chat_dataset(tiny / "train.jsonl", rows)
     return {"model": str(tiny / family), "dataset": f"{tiny / 'train.jsonl'} ({len(rows)} rows)"}
+
+
+def _titan_assets(recipe: Recipe, work: Path) -> dict[str, str]:
+    """torchtitan's tokenizer at the rehearsal's ``hf_assets_path``, and a text corpus (``data.json``)
+    in each dataset folder the recipe names, under ``work`` (relative paths land there)."""
+    from elastic_moe_plugin.tools.recipes import tiny_assets
+
+    texts = tiny_assets.titan_corpus()
+    tokenizer = Path(work) / recipe.get("args.hf_assets_path")
+    tiny_assets.write_titan_tokenizer(tokenizer, texts)
+    written = {"tokenizer": str(tokenizer)}
+    for key in ("dataloader", "validator.dataloader"):
+        try:
+            folder = recipe.get(f"args.{key}.dataset_path")
+        except KeyError:
+            continue
+        tiny_assets.write_text_dataset(work / folder, texts)
+        written[f"data {key}"] = f"{work / folder} ({len(texts)} documents)"
+    return written
 
 
 @contextlib.contextmanager

@@ -48,8 +48,9 @@ def _short(value: Any) -> str:
 
 
 def _family(recipe: Recipe) -> str | None:
-    """The transformers family of the recipe's checkpoint (``None``: Megatron-LM builds its GPT)."""
-    if recipe.launcher == "megatron_lm":
+    """The transformers family of the recipe's checkpoint (``None``: Megatron-LM or torchtitan builds
+    the model itself)."""
+    if recipe.launcher in ("megatron_lm", "torchtitan"):
         return None
     hints = f"{recipe.args.get('model_type', '')} {recipe.model.name}".lower()
     if "olmoe" in hints:
@@ -129,14 +130,44 @@ def _tiny_model(plan: _Plan, model_dir: str) -> dict[str, Any]:
             "top-k, built here",
         )
     )
-    layers = plan.recipe.elastic.layers
+    _scale_layers(plan)
+    return tiny
+
+
+def _scale_layers(plan: _Plan) -> None:
+    layers, depth = plan.recipe.elastic.layers, plan.recipe.model.num_layers
     if layers is not None:
         plan.set(
             "elastic.layers",
-            scaled_layers(layers, model.num_layers),
-            f"the recipe's layer range on {model.num_layers} layers, scaled to the tiny model's {TINY_LAYERS}",
+            scaled_layers(layers, depth),
+            f"the recipe's layer range on {depth} layers, scaled to the tiny model's {TINY_LAYERS}",
         )
-    return tiny
+
+
+def _tiny_titan_model(plan: _Plan) -> None:
+    """The tiny config of :mod:`.titan_models` of the recipe's variant, and its ``model:`` facts."""
+    from elastic_moe_plugin.tools.recipes import titan_models
+
+    recipe = plan.recipe
+    config = recipe.data["args"]["config"]
+    if recipe.data["args"]["module"] != titan_models.MODULE:
+        raise RecipeError(
+            f"{recipe.file_of('args', 'module')}: args.module={recipe.data['args']['module']!r}: the rehearsal scales "
+            f"down the models of {titan_models.MODULE} only (their tiny configs); rehearse with one of those."
+        )
+    tiny = titan_models.tiny_variant(config)
+    facts = titan_models.CONFIGS[tiny].facts
+    for key, value in {**facts, "name": tiny}.items():
+        plan.set(f"model.{key}", value, "", show=False)
+    model = recipe.model
+    plan.set(
+        "args.config",
+        tiny,
+        f"{model.name}: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_experts} experts needs GPUs; "
+        f"the same family, router and top-{model.training_topk} at {facts['num_layers']} layers, hidden "
+        f"{facts['hidden_size']}, {facts['num_experts']} experts",
+    )
+    _scale_layers(plan)
 
 
 def _vocab_size() -> int:
@@ -221,6 +252,30 @@ def _megatron_sft_args(plan: _Plan, dataset: str, steps: int, world: int) -> Non
         if flag == "megatron_extra_kwargs":
             parsed = {**(plan.recipe.args.get(flag) or {}), **parsed}
         plan.set(f"args.{flag}", parsed, reason)
+
+
+def _titan_args(plan: _Plan, work: Path, steps: int) -> None:
+    """torchtitan's flags that cannot apply here; the datasets are written at the recipe's relative paths."""
+    plan.set("args.hf_assets_path", str(work / "tiny" / "tokenizer"), "a hub tokenizer; the tiny local one")
+    for key in ("dataloader", "validator.dataloader"):
+        path = _value(plan.recipe, f"args.{key}.dataset_path")
+        if isinstance(path, str) and os.path.isabs(path):
+            plan.set(f"args.{key}.dataset_path", str(work / "tiny" / key), "the recipe's data; a tiny local corpus")
+    plan.set("args.training.steps", steps, "the rehearsal's length (--steps)")
+    plan.set("args.training.mixed_precision_param", "float32", "bf16 is a GPU precision")
+    if (_value(plan.recipe, "args.metrics.log_freq") or 1) > 1:
+        plan.set("args.metrics.log_freq", 1, "log every step, so the routing metrics of each show")
+    if (_value(plan.recipe, "args.validator.steps") or 1) > 1:
+        plan.set(
+            "args.validator.steps", 1, "one validation batch exercises the path; a full pass outlasts the rehearsal"
+        )
+
+
+def _value(recipe: Recipe, key: str) -> Any:
+    try:
+        return recipe.get(key)
+    except KeyError:
+        return None
 
 
 def _typed(text: str) -> Any:
@@ -315,7 +370,10 @@ def tiny_settings(
     plan = _Plan(original)
     family = _family(original)
     tiny_dir = str(work / "tiny" / (family or "tokenizer"))
-    _tiny_model(plan, tiny_dir if family else f"tiny-{original.model.name}")
+    if original.launcher == "torchtitan":
+        _tiny_titan_model(plan)
+    else:
+        _tiny_model(plan, tiny_dir if family else f"tiny-{original.model.name}")
     world = _tiny_layout(plan, nproc)
     _tiny_batch(plan)
     dataset = str(work / "tiny" / "train.jsonl")
@@ -323,6 +381,8 @@ def tiny_settings(
         _olmoe_args(plan, dataset, steps, world)
     elif original.launcher == "megatron_sft":
         _megatron_sft_args(plan, dataset, steps, world)
+    elif original.launcher == "torchtitan":
+        _titan_args(plan, work, steps)
     else:
         _megatron_lm_args(plan, tiny_dir, steps, _script(original, megatron_lm_dir))
     return TinySettings(plan.overrides, plan.replacements, family, world)

@@ -13,6 +13,10 @@ with the recipe's own flags and its ``ELASTIC_MOE_*`` overlay, through the launc
 - ``megatron_sft`` (Qwen3): ``megatron sft``, Megatron-SWIFT with mcore-bridge, every process under
   the CPU runtime (:mod:`elastic_moe_plugin.cpu_runtime.megatron_swift`, switched on by the child
   bootstrap on ``PYTHONPATH`` with ``EMOE_BOOTSTRAP=megatron_swift``);
+- ``torchtitan`` (pretraining): ``torchrun -m torchtitan.train`` with the recipe's own flags and the
+  door in ``--override.imports``, every rank under the CPU runtime for torchtitan
+  (:mod:`elastic_moe_plugin.cpu_runtime.titan`, switched on by the child bootstrap with
+  ``EMOE_BOOTSTRAP=titan``), on the tiny config of :mod:`.titan_models` of the recipe's variant;
 - ``megatron_lm`` (pretraining): torchrun of ``python -m elastic_moe_plugin.megatron_lm SCRIPT``
   (Megatron-LM's ``megatron.training``: the recipe's ``pretrain_gpt.py`` of ``--megatron-lm-dir`` when
   given, else the megatron-core wheel's trainer with this repository's
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,6 +61,7 @@ from elastic_moe_plugin.tools.recipes.rehearsal_replacements import (
     tiny_settings,
 )
 from elastic_moe_plugin.tools.recipes.render import LaunchCommand, render
+from elastic_moe_plugin.tools.recipes.render_titan import torchtitan_problem
 from elastic_moe_plugin.tools.recipes.schema import RecipeError
 from elastic_moe_plugin.tools.recipes.topology import Topology
 
@@ -71,7 +77,14 @@ __all__ = [
 DEFAULT_STEPS = 3
 MEGATRON_LM_ENTRY = "elastic_moe_plugin.megatron_lm"
 #: what the child bootstrap switches on in every process of a rehearsal, per launcher
-BOOTSTRAP_FEATURES = {"swift_sft": ("engines",), "megatron_sft": ("megatron_swift",), "megatron_lm": ("grad_clip",)}
+BOOTSTRAP_FEATURES = {
+    "swift_sft": ("engines",),
+    "megatron_sft": ("megatron_swift",),
+    "megatron_lm": ("grad_clip",),
+    "torchtitan": ("titan",),
+}
+#: the door's console line of a logged step (``elastic_moe_plugin.titan.trainer.logging_metrics``)
+TITAN_STEP_LINE = re.compile(r"elastic-moe: step (\d+): .*mean_kappa")
 
 
 @dataclass
@@ -179,6 +192,14 @@ def _adapt_command(command: LaunchCommand, recipe: Recipe, work: Path) -> None:
             f"{child_bootstrap.BOOTSTRAP_ENV}=megatron_swift switches elastic_moe_plugin.cpu_runtime.megatron_swift "
             "on in every process megatron sft starts"
         )
+    elif recipe.launcher == "torchtitan":
+        argv = command.argv
+        argv[: argv.index("--nnodes")] = [sys.executable, "-m", "torch.distributed.run"]
+        command.notes.append(
+            f"CPU runtime: {child_bootstrap.directory()} first on PYTHONPATH with "
+            f"{child_bootstrap.BOOTSTRAP_ENV}=titan switches elastic_moe_plugin.cpu_runtime.titan on in every rank "
+            "torchrun starts (device cpu, gloo, FlexAttention and the grouped GEMM on the CPU)"
+        )
     elif recipe.launcher == "megatron_lm":
         argv = command.argv
         argv.insert(argv.index(MEGATRON_LM_ENTRY) + 1, "--cpu")
@@ -197,6 +218,10 @@ def rehearse(rehearsal: Rehearsal) -> int:
     finished without logging ``elastic_moe/`` metrics for its training steps."""
     command = rehearsal.command
     argv = list(command.argv)
+    if rehearsal.original.launcher == "torchtitan":
+        problem = torchtitan_problem()
+        if problem:
+            raise RecipeError(f"{problem}.")
     if argv[0] in ("swift", "megatron"):
         found = shutil.which(argv[0]) or str(Path(sys.executable).with_name(argv[0]))
         if not Path(found).exists():
@@ -237,9 +262,9 @@ def rehearse(rehearsal: Rehearsal) -> int:
             flush=True,
         )
         return 1
+    through = {"megatron_lm": "Megatron-LM", "torchtitan": "torchtitan"}.get(rehearsal.original.launcher, argv[0])
     print(
-        f"rehearsal: OK: {rehearsal.steps} steps of {display_path(rehearsal.original.path)} through "
-        f"{rehearsal.command.argv[0] if rehearsal.original.launcher != 'megatron_lm' else 'Megatron-LM'}, "
+        f"rehearsal: OK: {rehearsal.steps} steps of {display_path(rehearsal.original.path)} through {through}, "
         f"elastic_moe/ metrics logged at every step; work folder {rehearsal.work}",
         flush=True,
     )
@@ -250,6 +275,8 @@ def _logged_metrics(rehearsal: Rehearsal, output: str) -> int:
     """How many training steps logged an ``elastic_moe/`` metric."""
     if rehearsal.recipe.launcher == "megatron_lm":
         return sum(1 for line in output.splitlines() if " iteration " in line and "elastic_moe/" in line)
+    if rehearsal.recipe.launcher == "torchtitan":  # every rank logs the line: count the steps
+        return len({match.group(1) for match in TITAN_STEP_LINE.finditer(output)})
     steps = 0
     for path in rehearsal.work.rglob("logging.jsonl"):
         for line in path.read_text().splitlines():

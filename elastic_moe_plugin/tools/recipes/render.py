@@ -1,6 +1,7 @@
-"""Render a recipe into this node's launch command (``swift sft``, ``megatron sft``, or
-``torchrun ... -m elastic_moe_plugin.megatron_lm SCRIPT``) with its ``ELASTIC_MOE_*``
-environment, and run it (docs/recipes.md, "Launching")."""
+"""Render a recipe into this node's launch command (``swift sft``, ``megatron sft``,
+``torchrun ... -m elastic_moe_plugin.megatron_lm SCRIPT`` or ``torchrun ... -m torchtitan.train``,
+:mod:`.render_titan`) with its ``ELASTIC_MOE_*`` environment, and run it (docs/recipes.md,
+"Launching")."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from elastic_moe_plugin.core.config import ENV_VARS, ElasticConfig
 from elastic_moe_plugin.swift import plugin_path
 from elastic_moe_plugin.swift.plugin_flag import OFF_SWITCH, hook_installed, rewrite
 from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
+from elastic_moe_plugin.tools.recipes.render_titan import ENTRY as TITAN_ENTRY
+from elastic_moe_plugin.tools.recipes.render_titan import render_torchtitan, torchtitan_problem
 from elastic_moe_plugin.tools.recipes.schema import RecipeError
 from elastic_moe_plugin.tools.recipes.topology import Fit, Topology, check_fit
 
@@ -156,6 +159,9 @@ def render(
         if plugin_form not in ("auto", "plugin", "path"):
             raise ValueError(f"plugin_form={plugin_form!r}: expected 'auto', 'plugin' or 'path'.")
         _render_swift(recipe, topology, fit, command, plugin_form)
+    elif recipe.launcher == "torchtitan":
+        command.argv, notes = render_torchtitan(recipe, topology, fit)
+        command.notes += notes
     else:
         _render_megatron_lm(recipe, topology, command, megatron_lm_dir)
     command.argv += list(extra_args)
@@ -321,10 +327,13 @@ def _render_megatron_lm(
 
 
 def framework_args(command: LaunchCommand) -> list[str]:
-    """The flags the framework parses: after ``swift sft`` / ``megatron sft``, or after the
-    Megatron-LM script of a torchrun command (the script path itself excluded)."""
+    """The flags the framework parses: after ``swift sft`` / ``megatron sft``, after ``-m
+    torchtitan.train``, or after the Megatron-LM script of a torchrun command (the script path
+    itself excluded)."""
     if command.argv[0] in ("swift", "megatron"):
         return command.argv[2:]
+    if TITAN_ENTRY in command.argv:
+        return command.argv[command.argv.index(TITAN_ENTRY) + 1 :]
     index = command.argv.index("elastic_moe_plugin.megatron_lm") + 1
     if command.argv[index] == "--cpu":  # the entry point's own flag, before the script (a rehearsal)
         index += 1
@@ -386,6 +395,12 @@ def _runnable_argv(command: LaunchCommand) -> list[str]:
             raise RecipeError(f"the ms-swift plugin file {plugin} does not exist; install elastic-moe-plugin[swift].")
         if shutil.which(argv[0]) is None:
             raise RecipeError(f"'{argv[0]}' is not on PATH; install ms-swift (pip install 'ms-swift>=4.6,<4.7').")
+    elif TITAN_ENTRY in argv:
+        problem = torchtitan_problem()
+        if problem:
+            raise RecipeError(f"{problem}.")
+        if shutil.which("torchrun") is None:
+            argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
     else:
         script = argv[argv.index("elastic_moe_plugin.megatron_lm") + 1]
         if not os.path.isfile(script):

@@ -9,7 +9,7 @@ from typing import Any
 
 from elastic_moe_plugin.core.errors import ConfigError
 
-LAUNCHERS: tuple[str, ...] = ("swift_sft", "megatron_sft", "megatron_lm")
+LAUNCHERS: tuple[str, ...] = ("swift_sft", "megatron_sft", "megatron_lm", "torchtitan")
 
 TOP_LEVEL_KEYS: tuple[str, ...] = (
     "extends",
@@ -101,6 +101,19 @@ OWNED_FLAGS: dict[str, dict[str, str]] = {
         "context-parallel-size": "parallel.cp",
         "expert-model-parallel-size": "parallel.ep",
         "expert-tensor-parallel-size": "parallel.etp",
+    },
+    # torchtitan's flags are dotted paths of its config tree; ``args`` nests them (``training: {steps: 10}``)
+    "torchtitan": {
+        "training.local_batch_size": "batch.micro",
+        "training.global_batch_size": "batch.global",
+        "training.seq_len": "batch.seq_length",
+        "parallelism.data_parallel_shard_degree": "the world size over parallel.tp x pp x cp (FSDP over the rest)",
+        "parallelism.data_parallel_replicate_degree": "the launcher (FSDP only: 1)",
+        "parallelism.tensor_parallel_degree": "parallel.tp",
+        "parallelism.pipeline_parallel_degree": "parallel.pp",
+        "parallelism.context_parallel_degree": "parallel.cp",
+        "parallelism.expert_parallel_degree": "parallel.ep",
+        "override.imports": "the elastic: block (the door's --override.imports entry)",
     },
 }
 

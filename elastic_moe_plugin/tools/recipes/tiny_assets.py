@@ -12,10 +12,16 @@
 - :func:`chat_rows` / :func:`write_chat_dataset`: ``{"messages": [user, assistant]}`` rows of
   random English words;
 - :func:`write_indexed_dataset`: Megatron's indexed dataset (``PREFIX.bin``/``PREFIX.idx``, what
-  Megatron-LM's ``tools/preprocess_data.py`` writes) of the same text, tokenized.
+  Megatron-LM's ``tools/preprocess_data.py`` writes) of the same text, tokenized;
+- for torchtitan (:func:`write_titan_assets`): a corpus of JSON lines ``{"text": ...}``
+  (:func:`titan_corpus`, :func:`write_text_dataset`, what torchtitan's ``c4_test`` and the recipes'
+  ``fineweb_edu`` read) and a byte-level BPE tokenizer trained on it with ``<|begin_of_text|>`` /
+  ``<|end_of_text|>``, named in its ``tokenizer_config.json`` as torchtitan reads them
+  (:func:`write_titan_tokenizer`).
 
 Used by the recipe rehearsal (:mod:`elastic_moe_plugin.tools.recipes.rehearse`) and by the tests
-(``tests/swift/_tiny_assets.py``). Everything is seeded: the same calls write the same files.
+(``tests/swift/_tiny_assets.py``, ``tests/fixtures/titan/assets.py``). Everything is seeded: the same
+calls write the same files.
 """
 
 from __future__ import annotations
@@ -31,14 +37,21 @@ __all__ = [
     "CHAT_TEMPLATE",
     "FAMILIES",
     "SPECIAL_TOKENS",
+    "TITAN_BOS",
+    "TITAN_EOS",
+    "TITAN_VOCAB",
     "VOCAB",
     "WORDS",
     "chat_rows",
     "sentence",
+    "titan_corpus",
     "train_tokenizer",
     "write_chat_dataset",
     "write_indexed_dataset",
     "write_model",
+    "write_text_dataset",
+    "write_titan_assets",
+    "write_titan_tokenizer",
 ]
 
 VOCAB = 384
@@ -265,3 +278,60 @@ def write_indexed_dataset(prefix: Path, tokenizer: Any, documents: Iterable[str]
         total += len(ids)
     builder.finalize(f"{prefix}.idx")
     return total
+
+
+# ================================================================================== torchtitan
+#: the torchtitan tokenizer's vocabulary (under the tiny and the debug models' embeddings)
+TITAN_VOCAB = 1024
+TITAN_BOS, TITAN_EOS = "<|begin_of_text|>", "<|end_of_text|>"
+_TITAN_TEXT = (
+    "expert router token budget layer gate score weight sparse dense mixture elastic static rank "
+    "train step loss batch sequence model shard gradient optimizer schedule sample mean variance "
+    "the a of to in and is for on with as by at from that this be are was it or an"
+)
+_TITAN_WORDS = tuple(_TITAN_TEXT.split())
+
+
+def titan_corpus(documents: int = 600, seed: int = 0) -> list[str]:
+    """``documents`` texts of 40-120 words from a fixed word list (the same on every machine)."""
+    generator = random.Random(seed)
+    return [" ".join(generator.choices(_TITAN_WORDS, k=generator.randint(40, 120))) + "." for _ in range(documents)]
+
+
+def write_text_dataset(directory: Path, texts: Iterable[str]) -> Path:
+    """``directory/data.json``: one ``{"text": ...}`` line per text (``datasets.load_dataset(directory)``
+    reads it, streamed or not)."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / "data.json").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return Path(directory)
+
+
+def write_titan_tokenizer(directory: Path, texts: Iterable[str]) -> Path:
+    """A byte-level BPE tokenizer of at most :data:`TITAN_VOCAB` tokens trained on ``texts``, as
+    torchtitan's ``HuggingFaceTokenizer`` reads a folder: ``tokenizer.json`` and a
+    ``tokenizer_config.json`` naming BOS and EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TITAN_VOCAB, special_tokens=[TITAN_BOS, TITAN_EOS], show_progress=False)
+    tokenizer.train_from_iterator(list(texts), trainer)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(Path(directory) / "tokenizer.json"))
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps({"bos_token": TITAN_BOS, "eos_token": TITAN_EOS}))
+    return Path(directory)
+
+
+def write_titan_assets(folder: Path, *, repeated: bool = False) -> Path:
+    """What torchtitan's debug configs read from their working directory, under ``folder``:
+    ``tests/assets/tokenizer`` and the ``c4_test`` dataset ``tests/assets/c4_test`` (files of its
+    source repository, not of its wheel); returns ``folder``.
+
+    ``repeated``: every document of the dataset is the corpus's first one, so that every data-parallel
+    rank's token stream is the same as a single process's (torchtitan splits the documents between
+    ranks): a 2-rank step then sees the global batch of one process, twice."""
+    texts = titan_corpus()
+    write_text_dataset(folder / "tests" / "assets" / "c4_test", [texts[0]] * len(texts) if repeated else texts)
+    write_titan_tokenizer(folder / "tests" / "assets" / "tokenizer", texts)
+    return folder

@@ -4,7 +4,7 @@ model's own consistency, and the ``elastic:`` block resolved against the model."
 from __future__ import annotations
 
 from elastic_moe_plugin.core.config import ConfigError, ElasticConfig, Spelling
-from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
+from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path, flat_flags
 from elastic_moe_plugin.tools.recipes.schema import (
     LAUNCHERS,
     OPTIONAL_KEYS,
@@ -28,6 +28,8 @@ def validate(recipe: Recipe) -> None:
     _check_model(recipe)
     _check_elastic(recipe)
     _check_placeholders(recipe)
+    if recipe.launcher == "torchtitan":
+        _check_torchtitan(recipe)
 
 
 def _check_launcher(recipe: Recipe) -> None:
@@ -71,12 +73,13 @@ def _check_blocks(recipe: Recipe) -> None:
 def _check_owned_flags(recipe: Recipe) -> None:
     owned = OWNED_FLAGS[recipe.launcher]
     normal = {_norm(flag): (flag, owner) for flag, owner in owned.items()}
-    for key in recipe.data.get("args") or {}:
+    args = recipe.data.get("args") or {}
+    for key in flat_flags(args) if recipe.launcher == "torchtitan" else args:
         hit = normal.get(_norm(str(key)))
         if hit:
             raise RecipeError(
-                f"{recipe.file_of('args', key)}: args.{key} is rendered from {hit[1]}; set it there, not in args "
-                f"(the launcher checks and renders it)."
+                f"{recipe.file_of('args', *str(key).split('.'))}: args.{key} is rendered from {hit[1]}; set it there, "
+                f"not in args (the launcher checks and renders it)."
             )
 
 
@@ -134,6 +137,55 @@ def _elastic_config(recipe: Recipe) -> ElasticConfig:
         key = error.field
         file = recipe.file_of("elastic", key) if key else recipe.file_of("elastic")
         raise RecipeError(f"{file}: {message}", field=key, fixes=error.fixes) from None
+
+
+def _check_torchtitan(recipe: Recipe) -> None:
+    """What torchtitan and its door need of a recipe: FSDP with expert parallelism (no TP, PP or
+    ETP), and, for a model of :mod:`.titan_models`, a ``model:`` block equal to ``args.config``'s."""
+    from elastic_moe_plugin.tools.recipes import titan_models
+
+    p = recipe.parallel
+    refused = {"tp": "the door refuses tensor parallelism", "pp": "the door refuses pipeline parallelism",
+               "etp": "torchtitan 0.3 has no expert tensor parallelism"}  # fmt: skip
+    for key, why in refused.items():
+        if p[key] != 1:
+            raise RecipeError(
+                f"{recipe.file_of('parallel', key)}: parallel.{key}={p[key]}: {why} (docs/torchtitan.md); set "
+                f"parallel.{key}: 1 (FSDP over the ranks, with parallel.ep inside them)."
+            )
+    args = recipe.data.get("args") or {}
+    for key in ("module", "config"):
+        check_type(recipe.file_of("args", key), f"args.{key}", args.get(key), STR)
+    if args["module"] != titan_models.MODULE:
+        return  # a model module of the user's own: torchtitan checks it at start-up
+    where = recipe.file_of("args", "config")
+    if args["config"] not in titan_models.CONFIGS:
+        raise RecipeError(
+            f"{where}: args.config={args['config']!r} is no config of {titan_models.MODULE}; its configs: "
+            f"{', '.join(titan_models.CONFIGS)}."
+        )
+    variant = titan_models.CONFIGS[args["config"]]
+    model = recipe.data["model"]
+    for key, value in variant.facts.items():
+        if model.get(key) == value:
+            continue
+        fix = None
+        if key == "train_topk":  # another top-k variant of the same model
+            wanted = titan_models.TitanModel(variant.architecture, model.get(key), variant.expert_bias)
+            fix = titan_models.config_name(wanted)
+        hint = f"set args.config: {fix}" if fix else f"set model.{key}: {value!r} (or register a config there)"
+        raise RecipeError(
+            f"{recipe.file_of('model', key)}: model.{key}={model.get(key)!r}, but args.config {args['config']} "
+            f"({where}) builds {key}={value!r}: torchtitan takes the model from {titan_models.MODULE}, not from "
+            f"the model: block; {hint}."
+        )
+    if recipe.elastic.enabled and recipe.elastic.mode == "top_p" and variant.expert_bias:
+        unbiased = titan_models.config_name(titan_models.TitanModel(variant.architecture, variant.train_topk, False))
+        raise RecipeError(
+            f"{recipe.file_of('elastic', 'mode')}: elastic.mode: top_p ranks by the softmax probability alone, and the "
+            f"door refuses a router that ranks by p plus the aux-loss-free expert bias of args.config "
+            f"{args['config']} ({where}); set args.config: {unbiased}."
+        )
 
 
 def _check_placeholders(recipe: Recipe) -> None:
