@@ -25,8 +25,8 @@ from elastic_moe_plugin.tools.bench import schema
 
 REPO = Path(__file__).resolve().parents[2]
 #: the launch scripts, the SLURM example and the shell helpers; no Python
-SCRIPTS = {"_launch.sh", "olmoe_sft.sh", "pretrain.sh", "qwen3_sft.sh", "slurm_example.sbatch",
-           "build_megatron_dataset_helpers.sh", "gpu_check.sh"}
+SCRIPTS = {"_launch.sh", "olmoe_sft.sh", "pretrain.sh", "pretrain_titan.sh", "qwen3_sft.sh", "slurm_example.sbatch",
+           "build_megatron_dataset_helpers.sh", "gpu_check.sh", "titan_upstream_tests.sh"}
 
 
 def test_scripts_holds_no_python_file_only_the_launch_scripts():

@@ -8,8 +8,9 @@ runs it: torchtitan's registered ``deepseek_v3_debugmodel`` (6 layers, H=256, Mo
 8 routed experts of width 256, top-3, softmax scores, 2 shared experts; selective activation
 checkpointing), micro-batch 2 x 64 tokens, float32 parameters, ``--metrics.log_freq 1``;
 ``schedule: static`` against ``1-5``. The config reads its tokenizer and its ``c4_test`` data from
-``./tests/assets`` of the working folder: :meth:`Torchtitan.prepare` writes both there (a BPE
-tokenizer of 1024 tokens and 600 documents of random words; nothing from the hub).
+``./tests/assets`` of the working folder: :meth:`Torchtitan.prepare` writes both there
+(:func:`~elastic_moe_plugin.tools.recipes.tiny_assets.write_titan_assets`: a BPE tokenizer of 1024
+tokens and 600 documents of random words, as the torchtitan rehearsal; nothing from the hub).
 
 - Interleaved (the default): one run starts elastic and the step probe (:mod:`.step_probe`, target
   ``torchtitan``: ``Trainer.train_step``) switches the door between blocks, to the run's config at
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import re
 import sys
 from datetime import datetime
@@ -54,8 +54,6 @@ ARGS = (
     "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
     "--metrics.log_freq", "1", "--debug.seed", "7",
 )  # fmt: skip
-TOKENIZER_VOCAB, DOCUMENTS = 1024, 600
-BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 #: torchtitan's logging prefix (``[titan] 2026-01-01 10:00:00,123 - root - INFO - ``)
 _PREFIX = r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - \S+ - INFO - "
 _STEP_LINE = re.compile(_PREFIX + r"(?:\x1b\[[\d;]*m)?step:\s*(\d+)\s.*loss:")
@@ -71,30 +69,6 @@ def unavailable() -> str | None:
         "pip install torchtitan==0.3.0, or put the folder holding it first on PYTHONPATH (this checkout's "
         "make setup installs it into .torchtitan-0.3.0)"
     )
-
-
-def write_assets(folder: Path, seed: int = 0) -> Path:
-    """``tests/assets/tokenizer`` and ``tests/assets/c4_test`` under ``folder``, as torchtitan's debug
-    configs read them; returns ``folder``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from elastic_moe_plugin.tools.recipes.tiny_assets import sentence
-
-    rng = random.Random(seed)
-    texts = [" ".join(sentence(rng, rng.randint(8, 16)) for _ in range(6)) for _ in range(DOCUMENTS)]
-    data = folder / "tests" / "assets" / "c4_test"
-    data.mkdir(parents=True, exist_ok=True)
-    (data / "data.json").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=[BOS, EOS], show_progress=False)
-    tokenizer.train_from_iterator(texts, trainer)
-    assets = folder / "tests" / "assets" / "tokenizer"
-    assets.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(assets / "tokenizer.json"))
-    (assets / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
-    return folder
 
 
 def logged_steps(output: str) -> tuple[dict[int, float], dict[int, float]]:
@@ -144,7 +118,9 @@ class Torchtitan:
         reason = unavailable()
         if reason is not None:
             raise LauncherUnavailable(reason)
-        self.assets = write_assets(work)
+        from elastic_moe_plugin.tools.recipes.tiny_assets import write_titan_assets
+
+        self.assets = write_titan_assets(work)
 
     def command(
         self, schedule: str, steps: int, out: Path, sync_step: int, interleave_block: int | None = None
@@ -199,4 +175,4 @@ class Torchtitan:
         return read_syncs(out / "syncs.json")
 
 
-__all__ = ["ARGS", "SCHEDULES", "Torchtitan", "logged_steps", "unavailable", "write_assets"]
+__all__ = ["ARGS", "SCHEDULES", "Torchtitan", "logged_steps", "unavailable"]

@@ -30,7 +30,7 @@ calls :func:`start`, which switches on what :data:`BOOTSTRAP_ENV` names, comma-s
   (:mod:`elastic_moe_plugin.cpu_runtime.grad_clip`), so a recipe keeps its ``--clip-grad`` under
   ``python -m elastic_moe_plugin.megatron_lm --cpu``, which switches the rest of the runtime on
   itself (the rehearsal of a pretraining recipe);
-- ``step_probe``: the bench's wrapper of a Megatron trainer's ``train_step``
+- ``step_probe``: the bench's wrapper of a Megatron or torchtitan trainer's ``train_step``
   (:mod:`elastic_moe_plugin.tools.bench.step_probe`, configured by its own ``E2E_BENCH_*``
   variables; ``bench --only e2e``).
 
