@@ -60,6 +60,13 @@ COMMANDS: dict[str, Command] = {
         "Train a tiny Megatron-core MoE GPT twice (static top-k and elastic) on a generated corpus, on CPU, "
         "and print a side-by-side summary.",
     ),
+    "compare": Command(
+        "elastic_moe_plugin.cli.compare",
+        "a paired multi-seed static-vs-elastic study of the demo model, with 95% intervals",
+        "Train static and elastic arms of the demo's tiny Megatron-core GPT for N seeds (same seed, data order and "
+        "initialisation per pair), and report the paired differences elastic - static with paired-t and bootstrap "
+        "95% intervals, saying plainly where an interval contains 0. Resumes an interrupted study.",
+    ),
     "eval": Command(
         "elastic_moe_plugin.cli.eval",
         "evaluate a MoE checkpoint on the paper's suites (Avg(9), pretraining) through lm-eval",

@@ -32,7 +32,7 @@ from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.tools import inference_topk
-from elastic_moe_plugin.tools.demo.corpus import Corpus
+from elastic_moe_plugin.tools.demo.corpus import TASKS, Corpus
 from elastic_moe_plugin.tools.demo.model import build_model, causal_mask
 from elastic_moe_plugin.tools.demo.progress import Progress
 from elastic_moe_plugin.tools.demo.settings import DemoSettings
@@ -143,6 +143,17 @@ def topk_sweep(model, stats: RoutingStats, settings: DemoSettings, heldout: torc
     return sweep
 
 
+def task_losses(model, corpus: Corpus) -> dict[str, float]:
+    """{task: held-out loss at the trained top-k over that task's sequences} of the synthetic mixture
+    (a sequence's task is its first token, the tag); {} for a file corpus."""
+    if corpus.train is None:
+        return {}
+    tags = corpus.heldout[:, 0]
+    return {
+        name: evaluate(model, corpus.heldout[tags == 1 + i]) for i, name in enumerate(TASKS) if (tags == 1 + i).any()
+    }
+
+
 def aux_loss_per_layer(steps: int) -> dict[str, float]:
     """Megatron's tracked load-balancing loss per layer, averaged over ``steps`` ({} if never tracked)."""
     aux = megatron_tracker.values("load_balancing_loss")
@@ -174,6 +185,7 @@ def _train_and_measure(
     aux_loss = aux_loss_per_layer(settings.steps)
     tick = time.perf_counter()
     sweep = topk_sweep(model, stats, settings, corpus.heldout)
+    tasks = task_losses(model, corpus)
     eval_time = log.eval_time + time.perf_counter() - tick
     stats.remove()
     tail = log.history["loss"][-max(1, settings.steps // 10) :]
@@ -187,6 +199,7 @@ def _train_and_measure(
         "final_train_loss_steps": len(tail),
         "heldout_loss": sweep[str(settings.topk)],
         "topk_sweep": sweep,
+        "task_losses": tasks,
         "kappa": kappa,
         "exposure": exposure,
         "imbalance": stats.imbalance(settings.steps - log.window_start),
