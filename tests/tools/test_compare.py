@@ -71,10 +71,11 @@ def test_plans_are_checked(arms, message):
 
 @pytest.mark.slow
 def test_a_quick_study_of_the_demo_model(tmp_path):
-    """What CI runs: 2 seeds of static and 2-6 on the demo's quick settings (~60 CPU-s); the printed
-    comparisons are the statistics of the runs' own numbers, paired by seed."""
+    """What CI runs: 2 seeds of static and 2-6 on the demo's quick settings, cut to 12 steps (~30 CPU-s);
+    the printed comparisons are the statistics of the runs' own numbers, paired by seed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "elastic_moe_plugin.cli", "compare", "--quick", "--out", str(tmp_path), "--json"]
+    command = [sys.executable, "-m", "elastic_moe_plugin.cli", "compare", "--quick", "--steps", "12",
+               "--out", str(tmp_path), "--json"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
