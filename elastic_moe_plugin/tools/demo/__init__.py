@@ -3,12 +3,15 @@
 Same data, seed and token budget for both runs, through the patch layer users use on GPUs
 (``mcore.patched(ElasticConfig(schedule="static"))``, then ``schedule="2-6", sigma=1.5``), on the
 real megatron-core code with the CPU compatibility layer (:mod:`elastic_moe_plugin.cpu_runtime`).
+``elastic-moe compare --device cuda`` trains the same runs on one CUDA GPU instead, through
+Megatron's own CUDA path (``DemoSettings.device``; :mod:`.device`).
 ``docs/demo.md`` shows the demo's output; at this size elastic routing is not expected to beat
 static top-k (the paper's gains were measured on 1B-30B-parameter models).
 
 Modules, one job each:
 
 - :mod:`.settings`: :class:`DemoSettings` and the constants of the output format;
+- :mod:`.device`: where the runs train, the CPU runtime or one CUDA GPU, and their set-up;
 - :mod:`.corpus`: the synthetic six-task mixture or a file as bytes, split into train / held-out;
 - :mod:`.model`: the ``GPTModel`` description, building it and :func:`load_trained`;
 - :mod:`.stats`: router hooks, realised κ, exposure and tokens-per-expert imbalance;
@@ -29,6 +32,7 @@ from typing import Any
 #: :mod:`.settings` (``elastic-moe demo --help`` reads its defaults) does not load the training code.
 _EXPORTS = {
     "CORPUS_SEED": "settings",
+    "DEVICES": "settings",
     "FORMAT": "settings",
     "PAPER_NOTE": "settings",
     "QUICK": "settings",

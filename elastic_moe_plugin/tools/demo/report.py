@@ -19,6 +19,7 @@ import torch
 
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.tools.demo.corpus import Corpus
+from elastic_moe_plugin.tools.demo.device import device_entry
 from elastic_moe_plugin.tools.demo.settings import FORMAT, PAPER_NOTE, DemoSettings
 
 
@@ -38,11 +39,13 @@ def model_config_file(
         data=corpus.to_dict(),
         seed=settings.seed,
         megatron_core=mcore_version,
+        **device_entry(settings.device),
         runs={
             name: {"checkpoint": f"{name}.pt", "elastic_config": results[name]["elastic_config"]} for name in results
         },
         how_to_load="elastic_moe_plugin.tools.demo.load_trained(out_dir, 'static' | 'elastic') after "
-        "cpu_runtime.enable(); cpu_runtime.initialize_model_parallel()",
+        "cpu_runtime.enable(); cpu_runtime.initialize_model_parallel() (the checkpoints hold CPU tensors, "
+        "whatever the device trained on)",
     )
     return config_file
 
@@ -61,7 +64,7 @@ def build_summary(
         "format": FORMAT,
         "settings": dataclasses.asdict(settings) | {"tokens": settings.tokens},
         "versions": {"megatron_core": mcore_version, "torch": torch.__version__, "python": platform.python_version()},
-        "device": "cpu",
+        **device_entry(settings.device),
         "torch_threads": torch.get_num_threads(),
         "parameters": parameters,
         "data": corpus.to_dict(),
@@ -101,7 +104,8 @@ def _header_lines(summary: dict[str, Any]) -> list[str]:
     k, elastic_layers = s["topk"], elastic["elastic_layers"]
     head = f"elastic {elastic['schedule']}" if elastic["schedule"] != "static" else "elastic (static)"
     return [
-        f"elastic-moe demo: tiny Megatron-core MoE GPT on CPU (megatron-core {summary['versions']['megatron_core']}, "
+        f"elastic-moe demo: tiny Megatron-core MoE GPT on {summary.get('device', 'cpu').upper()} "
+        f"(megatron-core {summary['versions']['megatron_core']}, "
         f"torch {summary['versions']['torch']})",
         f"  model   {s['num_layers']} layers, hidden {s['hidden_size']}, {s['num_experts']} experts "
         f"(ffn {s['expert_ffn_hidden_size']}), top-{k}, MoE in every layer, allgather dispatcher, "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from elastic_moe_plugin.core.errors import ConfigError
+
 #: the corpus seed: fixed, so every run (any --seed) sees the same train and held-out splits
 CORPUS_SEED = 20_260_001
 #: ``format`` of ``summary.json`` and ``model_config.json`` (the diagnostics recognise demo folders by it)
@@ -17,6 +19,8 @@ PAPER_NOTE = (
     "+1.6 points in from-scratch pretraining) were measured at 1B-30B scale; at this toy size "
     "elastic routing is not expected to beat static top-k, and a single seed decides little."
 )
+#: the values of ``DemoSettings.device`` (what each means: :mod:`elastic_moe_plugin.tools.demo.device`)
+DEVICES = ("cpu", "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,19 @@ class DemoSettings:
     eval_points: int = 10
     heldout_sequences: int = 256
     data: str | None = None
+    device: str = "cpu"  # "cuda": Megatron's own CUDA path, no CPU runtime (elastic-moe compare --device)
+
+    def __post_init__(self) -> None:
+        # whether a CUDA device is there is checked when the runs start (train_runs): a GPU study's
+        # settings are read back on CPU machines too (elastic-moe compare --report)
+        if self.device not in DEVICES:
+            raise ConfigError(
+                f"device={self.device!r} is not a device the demo trains on: expected one of "
+                f"{', '.join(map(repr, DEVICES))}. Use device='cpu' (--device cpu), or device='cuda' "
+                "(--device cuda) on a machine with a CUDA GPU.",
+                field="device",
+                fixes=({"device": "cpu"},),
+            )
 
     @property
     def tokens_per_step(self) -> int:

@@ -131,12 +131,14 @@ def realised_budgets(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per layer ``{"0": ...}``: the ``kappa`` entries and the ``exposure`` entries (observed P(κ ≥ r)
     for r = 1..max(high, k)+1 against the layer's schedule: ``schedule`` if elastic, static top-k
-    otherwise). Elastic layers count κ Megatron-side, static layers through the routing maps."""
+    otherwise). Elastic layers count κ Megatron-side, static layers through the routing maps.
+    ``budget_histograms`` are on the CPU; the routing-map counts are moved there."""
     ranks = max(schedule.high, topk) + 1
     kappa, exposure = {}, {}
     for layer in range(num_layers):
         elastic = layer in elastic_layers
-        histogram, source, agrees = _layer_histogram(run, layer, budget_histograms.get(layer), stats.kappa[layer])
+        from_maps = stats.kappa[layer].cpu()  # counted on the model's device
+        histogram, source, agrees = _layer_histogram(run, layer, budget_histograms.get(layer), from_maps)
         layer_schedule = schedule if elastic else BudgetSchedule.static(topk)
         kappa[str(layer)] = kappa_summary(histogram, elastic=elastic, source=source, matches_routing_maps=agrees)
         exposure[str(layer)] = {

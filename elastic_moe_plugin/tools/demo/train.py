@@ -1,11 +1,13 @@
-"""Training and measuring the demo's runs on Megatron's CPU path.
+"""Training and measuring the demo's runs, on the CPU (Megatron's CPU path) or one CUDA GPU.
 
 :func:`train_runs` trains one model per named :class:`ElasticConfig` (the demo: ``static``, then
-``elastic``) with the CPU compatibility layer on; :func:`train_run` is one of them, from scratch,
-in its own model-parallel state and under ``mcore.patched(config)``, as users patch on GPUs. The
-steps of a run, in order (the order fixes what the seeded RNG draws):
+``elastic``) on ``settings.device`` (:mod:`.device`: the CPU compatibility layer on, or Megatron's
+own CUDA path); :func:`train_run` is one of them, from scratch, in its own model-parallel state and
+under ``mcore.patched(config)``, as users patch on GPUs. The steps of a run, in order (the order
+fixes what the seeded RNG draws):
 
-1. seed torch with ``settings.seed``, build the model, hook its routers (:class:`RoutingStats`);
+1. seed torch with ``settings.seed``, build the model (on the CPU, then moved to the device), hook
+   its routers (:class:`RoutingStats`);
 2. :func:`train_loop`: AdamW (betas 0.9/0.95, weight decay 0.01, gradient clip 1.0), the lr of
    :func:`learning_rate`, held-out evaluations every ``steps // eval_points`` steps; tokens per
    expert are counted over the last quarter of the steps;
@@ -13,14 +15,14 @@ steps of a run, in order (the order fixes what the seeded RNG draws):
    load-balancing loss per layer, averaged over the steps;
 4. :func:`topk_sweep`: held-out loss with static routing at inference top-k' = k-2..k+2.
 
-Every loss is Megatron's mean per-token cross-entropy (nats).
+Every loss is Megatron's mean per-token cross-entropy (nats). Batches are drawn on the CPU and moved
+to the model's device; measurements and state dicts come back on the CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any, TypedDict
@@ -32,6 +34,7 @@ from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.tools import inference_topk
+from elastic_moe_plugin.tools.demo import device
 from elastic_moe_plugin.tools.demo.corpus import TASKS, Corpus
 from elastic_moe_plugin.tools.demo.model import build_model, causal_mask
 from elastic_moe_plugin.tools.demo.progress import Progress
@@ -48,18 +51,24 @@ def learning_rate(step: int, settings: DemoSettings) -> float:
     return settings.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def evaluate(model, heldout: torch.Tensor, batch_size: int = 64) -> float:
-    """Mean per-token held-out loss in eval mode (static routing at the routers' current top-k)."""
+    """Mean per-token held-out loss in eval mode (static routing at the routers' current top-k), on
+    the model's device (``heldout`` may be on the CPU)."""
     was_training = model.training
     model.eval()
+    on = _device_of(model)
     seq_len = heldout.shape[1] - 1
-    mask = causal_mask(seq_len)
+    mask = causal_mask(seq_len).to(on)
     total, count = 0.0, 0
     try:
         for start in range(0, heldout.shape[0], batch_size):
-            batch = heldout[start : start + batch_size]
-            positions = torch.arange(seq_len).expand(batch.shape[0], seq_len)
+            batch = heldout[start : start + batch_size].to(on)
+            positions = torch.arange(seq_len, device=on).expand(batch.shape[0], seq_len)
             loss = model(batch[:, :-1], positions, mask, labels=batch[:, 1:])
             total += float(loss.double().sum())
             count += loss.numel()
@@ -102,10 +111,12 @@ def _train_step(
 
 
 def train_loop(name: str, model, stats: RoutingStats, settings: DemoSettings, corpus: Corpus) -> TrainingLog:
-    """``settings.steps`` AdamW steps on the corpus' batches, with periodic held-out evaluations."""
+    """``settings.steps`` AdamW steps on the corpus' batches (moved to the model's device), with
+    periodic held-out evaluations."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    mask = causal_mask(settings.seq_len)
-    positions = torch.arange(settings.seq_len).expand(settings.batch_size, settings.seq_len)
+    on = _device_of(model)
+    mask = causal_mask(settings.seq_len).to(on)
+    positions = torch.arange(settings.seq_len, device=on).expand(settings.batch_size, settings.seq_len)
     eval_every = max(1, settings.steps // max(1, settings.eval_points))
     window_start = settings.steps - max(1, settings.steps // 4)
     history: History = {"step": [], "loss": [], "eval_step": [], "eval_loss": []}
@@ -115,7 +126,7 @@ def train_loop(name: str, model, stats: RoutingStats, settings: DemoSettings, co
     loss_value = float("nan")
     for step, batch in enumerate(corpus.batches(settings.steps, settings.batch_size, settings.seed)):
         stats.count_experts = step >= window_start
-        loss_value = _train_step(model, optimizer, batch, positions, mask, learning_rate(step, settings))
+        loss_value = _train_step(model, optimizer, batch.to(on), positions, mask, learning_rate(step, settings))
         if not math.isfinite(loss_value):
             raise RuntimeError(f"{name} run: training loss became {loss_value} at step {step}.")
         history["step"].append(step + 1)
@@ -171,14 +182,14 @@ def _train_and_measure(
     from elastic_moe_plugin import mcore
 
     torch.manual_seed(settings.seed)
-    model = build_model(config)
+    model = build_model(config).to(device.torch_device(settings.device))
     model.train()
     schedule = elastic.budget_schedule(settings.topk)
     elastic_layers = _elastic_layers(elastic, schedule, settings.num_layers)
     stats = RoutingStats(model, settings.num_experts)
     log = train_loop(name, model, stats, settings, corpus)
     # Realised κ: Megatron-side budget histograms for elastic layers, routing maps otherwise.
-    budget_histograms = {layer: h.detach().clone() for layer, h in mcore.budget_histograms(model).items()}
+    budget_histograms = {layer: h.detach().to("cpu", copy=True) for layer, h in mcore.budget_histograms(model).items()}
     kappa, exposure = realised_budgets(
         name, budget_histograms, stats, schedule, elastic_layers, settings.topk, settings.num_layers
     )
@@ -209,26 +220,26 @@ def _train_and_measure(
         "tokens_per_s": settings.tokens / log.train_time,
         "history": log.history,
     }
-    state = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     return result, state
 
 
 def train_run(
     name: str, elastic: ElasticConfig, settings: DemoSettings, corpus: Corpus, config: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Train one model from scratch in fresh model-parallel state under ``mcore.patched(elastic)``;
-    returns (measurements, state dict). Megatron's MoE tracker is reset before and after."""
-    from elastic_moe_plugin import cpu_runtime, mcore
+    """Train one model from scratch in fresh model-parallel state under ``mcore.patched(elastic)``, on
+    ``settings.device`` inside :func:`train_runs`' runtime; returns (measurements, state dict on the
+    CPU). Megatron's MoE tracker is reset before and after."""
+    from elastic_moe_plugin import mcore
 
     run_start = time.perf_counter()
-    cpu_runtime.initialize_model_parallel(seed=settings.seed)
-    megatron_tracker.reset()
-    try:
-        with mcore.patched(elastic):
-            result, state = _train_and_measure(name, elastic, settings, corpus, config)
-    finally:
+    with device.model_parallel(settings.device, settings.seed):
         megatron_tracker.reset()
-        cpu_runtime.destroy()
+        try:
+            with mcore.patched(elastic):
+                result, state = _train_and_measure(name, elastic, settings, corpus, config)
+        finally:
+            megatron_tracker.reset()
     result["wall_time_s"] = time.perf_counter() - run_start
     return result, state
 
@@ -236,17 +247,18 @@ def train_run(
 def train_runs(
     runs: Mapping[str, ElasticConfig], settings: DemoSettings, corpus: Corpus, config: dict[str, Any]
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, torch.Tensor]], str]:
-    """:func:`train_run` for each named config, in order, with the CPU compatibility layer on
-    (forced on a CUDA machine: the demo runs on the CPU by design). Returns (measurements per
-    run, state dict per run, megatron-core version)."""
-    from elastic_moe_plugin import cpu_runtime
+    """:func:`train_run` for each named config, in order, on ``settings.device``: "cpu" with the CPU
+    compatibility layer on (forced on a CUDA machine: the demo runs on the CPU by design), "cuda" on
+    one GPU without it (:mod:`.device`). Returns (measurements per run, state dict per run on the
+    CPU, megatron-core version).
 
-    cpu_runtime.disable_torch_compile()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        print("elastic-moe demo: CUDA is available, but this demo runs on the CPU by design.", file=sys.stderr)
-    with cpu_runtime.enabled(force=cuda):
-        # megatron.core imports only with the layer on (0.19 imports a triton-only module)
+    Raises:
+        ConfigError: ``settings.device`` is "cuda" and there is no CUDA device (before anything is
+            loaded), or Megatron's model-parallel state is already initialised.
+    """
+    device.check_available(settings.device)
+    with device.megatron_runtime(settings.device):
+        # on the CPU, megatron.core imports only with the layer on (0.19 imports a triton-only module)
         from megatron.core import parallel_state
 
         from elastic_moe_plugin.mcore import megatron_core_version
