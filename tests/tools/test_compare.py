@@ -47,7 +47,7 @@ def test_a_study_pairs_by_seed_and_resumes_where_it_stopped(tmp_path):
     assert trained[4:] == [(1, "2-6"), (2, "static"), (2, "2-6")]
     rows = {row["quantity"]: row for row in report.comparisons(data)}
     assert rows["heldout_loss@k=4"]["differences"] == pytest.approx([-0.01] * 3)
-    assert rows["heldout_loss@k=4"]["verdict"] == "elastic lower"
+    assert rows["heldout_loss@k=4"]["verdict"] == "elastic lower (better)"
     assert rows["heldout_loss@k'=3"]["differences"] == pytest.approx([-0.01] * 3)
     assert rows["imbalance(max/mean)"]["differences"] == [0.0, 0.0, 0.0]
     assert rows["imbalance(max/mean)"]["verdict"] == "no difference detectable (an interval contains 0)"
@@ -56,7 +56,9 @@ def test_a_study_pairs_by_seed_and_resumes_where_it_stopped(tmp_path):
 def test_another_plan_on_the_same_results_is_refused(tmp_path):
     run_study(StudyPlan(("static", "2-6"), (0, 1), SETTINGS), tmp_path, log=lambda line: None, train=_closed_form)
     with pytest.raises(ConfigError, match=r"holds another study \(its seeds differ\)"):
-        run_study(StudyPlan(("static", "2-6"), (0, 1, 2), SETTINGS), tmp_path, log=lambda line: None, train=_closed_form)
+        run_study(
+            StudyPlan(("static", "2-6"), (0, 1, 2), SETTINGS), tmp_path, log=lambda line: None, train=_closed_form
+        )
 
 
 @pytest.mark.parametrize(
@@ -71,8 +73,9 @@ def test_plans_are_checked(arms, message):
 
 @pytest.mark.slow
 def test_a_quick_study_of_the_demo_model(tmp_path):
-    """What CI runs: 2 seeds of static and 2-6 on the demo's quick settings, cut to 12 steps (~30 CPU-s);
-    the printed comparisons are the statistics of the runs' own numbers, paired by seed."""
+    """What CI runs: 2 seeds of static and 2-6 on the demo's quick settings, cut to 12 steps, the
+    router measures and the plots; the printed comparisons are the statistics of the runs' own
+    numbers, paired by seed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "elastic_moe_plugin.cli", "compare", "--quick", "--steps", "12",
                "--out", str(tmp_path), "--json"]  # fmt: skip
@@ -88,5 +91,13 @@ def test_a_quick_study_of_the_demo_model(tmp_path):
     assert heldout["t_interval"] == pytest.approx(list(vars(stats.t_interval(expected)).values()))
     assert {f"task_loss[{task}]" for task in ("copy", "reverse", "addition")} <= set(printed)
     assert all((tmp_path / f"seed{s}" / f"{arm}.pt").exists() for s in (0, 1) for arm in ("static", "2-6"))
+    # each seed's routers compared by diagnose's own pass; D1 and Dk are shares in [0, 1]
+    assert sorted(data["routers"]) == ["2-6/seed0", "2-6/seed1"]
+    for measures in data["routers"].values():
+        assert 0.0 <= measures["Dk"] <= 1.0 and 0.0 <= measures["D1"] <= 1.0
+        assert measures["D1-Dk"] == pytest.approx(measures["D1"] - measures["Dk"], abs=1e-15)
+    assert printed["router D1"]["differences"] == [data["routers"][f"2-6/seed{s}"]["D1"] for s in (0, 1)]
+    assert {path.name for path in tmp_path.glob("*.png")} == {"paired_differences.png", "topk_sweep.png",
+                                                             "training_curves.png"}  # fmt: skip
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert "resuming" in again.stdout + again.stderr and "4 of 4 runs done" in again.stdout + again.stderr

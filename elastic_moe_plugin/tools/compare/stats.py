@@ -107,14 +107,21 @@ def compare(
 ) -> PairedDifference:
     """The paired differences of one quantity and both intervals (:func:`paired_differences`)."""
     seeds, differences = paired_differences(static, elastic)
-    mean = float(np.mean(differences)) if differences else math.nan
+    return estimate(name, dict(zip(seeds, differences, strict=True)), confidence)
+
+
+def estimate(name: str, values: Mapping[int, float], confidence: float = CONFIDENCE) -> PairedDifference:
+    """The mean over seeds of a quantity that is already a within-seed contrast (a router measure of
+    a seed's static-vs-elastic pair, e.g. D1 − Dk) and both intervals; ``differences`` are the values."""
+    seeds = tuple(sorted(values))
+    ordered = [float(values[seed]) for seed in seeds]
     return PairedDifference(
         name,
         seeds,
-        tuple(differences),
-        mean,
-        t_interval(differences, confidence),
-        bootstrap_interval(differences, confidence),
+        tuple(ordered),
+        float(np.mean(ordered)) if ordered else math.nan,
+        t_interval(ordered, confidence),
+        bootstrap_interval(ordered, confidence),
     )
 
 
@@ -190,6 +197,7 @@ __all__ = [
     "PairedDifference",
     "bootstrap_interval",
     "compare",
+    "estimate",
     "paired_differences",
     "regularized_incomplete_beta",
     "student_t_cdf",

@@ -84,18 +84,36 @@ def load_results(path: Path, plan: StudyPlan) -> dict[str, Any]:
         ConfigError: the file holds another plan, or is not a study's results.
     """
     planned = plan.to_dict()
-    fresh: dict[str, Any] = {"format": FORMAT, "plan": planned, "runs": {}}
+    fresh: dict[str, Any] = {"format": FORMAT, "source": "demo", "plan": planned, "runs": {}}
     if not path.exists():
         return fresh
-    data = json.loads(path.read_text())
-    if data.get("format") != FORMAT:
-        raise ConfigError(f"{path}: not the results of elastic-moe compare (format {data.get('format')!r}).")
+    data = read_results(path)
+    if data.get("source") == "eval":
+        raise ConfigError(f"{path} holds a study read with --from-eval; write this one elsewhere with --out.")
     if data["plan"] != planned:
         differing = sorted(key for key in planned if data["plan"].get(key) != planned[key])
         raise ConfigError(
             f"{path} holds another study (its {', '.join(differing)} differ): resume it with the same flags, "
             f"or write this one elsewhere with --out."
         )
+    return data
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """A study's results file as it is (any plan); a plan written before a demo setting existed
+    reads as that setting's default (the runs were trained with it).
+
+    Raises:
+        ConfigError: the file is missing or not a study's results.
+    """
+    if not path.is_file():
+        raise ConfigError(f"{path}: no results of elastic-moe compare there; run the study first (without --report).")
+    data = json.loads(path.read_text())
+    if data.get("format") != FORMAT:
+        raise ConfigError(f"{path}: not the results of elastic-moe compare (format {data.get('format')!r}).")
+    if data.get("source", "demo") == "demo":
+        defaults = {k: v for k, v in dataclasses.asdict(DemoSettings()).items() if k not in ("schedule", "seed")}
+        data["plan"]["settings"] = {**defaults, **data["plan"]["settings"]}
     return data
 
 
@@ -182,6 +200,7 @@ __all__ = [
     "complete_seeds",
     "load_results",
     "measurements",
+    "read_results",
     "run_key",
     "run_study",
     "save_results",
