@@ -8,6 +8,11 @@
 #   PYTHON     interpreter of that environment (default: python3); `megatron` must be on PATH
 #   GPU_CHECK_SECTIONS  the sections to run, by their function names (default: all), e.g.
 #              GPU_CHECK_SECTIONS="bench_cuda mcore_checks" for the Megatron-core bench modes alone
+#   GPU_CHECK_COMPARE_ARGS   compare_study's flags (default: --device cuda --scale 100 --seeds 2
+#              --arms static,2-6); GPU_CHECK_COMPARE_TIMEOUT its budget in seconds (default: 540)
+# Dry run of the compare_study section on a CPU, at a tiny size (a minute or two):
+#   GPU_CHECK_SECTIONS=compare_study GPU_CHECK_COMPARE_ARGS="--device cpu --quick --steps 4" \
+#     PYTHON=.venv/bin/python scripts/gpu_check.sh /tmp/gpu_dry
 # Exit status: non-zero if any section fails. Every section is self-contained and offline.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -180,6 +185,56 @@ megatron_fast_paths() {
 if wanted megatron_fast_paths; then megatron_fast_paths; fi
 # ==================================================================================================
 # End of section: Megatron fast paths and HybridModel on CUDA
+# ==================================================================================================
+
+# ==================================================================================================
+# Section: a GPU-sized elastic-moe compare study on one CUDA GPU, issue 51. compare_study trains the
+# demo's Megatron-core GPT at --scale 100 (8 layers, hidden 512, 16 experts of ffn 384, top-4; batch
+# 128 x 64 tokens, 1000 steps; about 100x the demo's parameters) for 2 seeds x (static, 2-6) on
+# Megatron's own CUDA path (--device cuda: NCCL, world size 1, no CPU runtime), within a budget of
+# GPU_CHECK_COMPARE_TIMEOUT seconds (540). The study is resumable (every finished run is kept in
+# results.json; rerun with the same WORK_DIR to go on), so running out of time is not a failure when at
+# least one complete pair (a seed with the static arm and another arm) is in results.json. Then
+# `compare --report` prints the table of what finished (its router measures, D1/Dk, load the
+# checkpoints on the CPU, in that separate process). Unrun: no GPU has been lent to this project
+# yet, so this section has only been dry-run on a CPU (the command in this file's header).
+# ==================================================================================================
+compare_study() {
+  local dir="$work/compare_study" rc=0
+  local budget="${GPU_CHECK_COMPARE_TIMEOUT:-540}"
+  local -a args
+  read -r -a args <<< "${GPU_CHECK_COMPARE_ARGS:---device cuda --scale 100 --seeds 2 --arms static,2-6}"
+  mkdir -p "$dir"
+  (cd "$repo" && timeout "$budget" "$python" -m elastic_moe_plugin.cli compare "${args[@]}" --out "$dir") 2>&1 \
+    | tee -a "$dir/compare.log" || rc=$?
+  if [ "$rc" -eq 124 ]; then
+    echo "gpu_check: compare stopped at its ${budget} s budget; looking for a complete pair in $dir/results.json"
+    (cd "$repo" && "$python" - "$dir/results.json") <<'PY' || return 1
+import sys
+from pathlib import Path
+
+from elastic_moe_plugin.tools.compare.study import complete_seeds, read_results
+
+path = Path(sys.argv[1])
+if not path.is_file():
+    sys.exit("gpu_check: no complete pair (one seed, both arms) within the budget: no run finished")
+data = read_results(path)
+arms = data["plan"]["arms"]
+pairs = {arm: complete_seeds(data, [arms[0], arm]) for arm in arms[1:]}
+print(f"complete pairs ({arms[0]} vs arm: seeds): {pairs}; runs finished: {len(data['runs'])}")
+sys.exit(0 if any(pairs.values()) else "gpu_check: no complete pair (one seed, both arms) within the budget")
+PY
+  elif [ "$rc" -ne 0 ]; then
+    echo "gpu_check: elastic-moe compare failed (exit status $rc): $dir/compare.log"
+    return 1
+  fi
+  (cd "$repo" && timeout 300 "$python" -m elastic_moe_plugin.cli compare --report --out "$dir") 2>&1 \
+    | tee "$dir/report.log"
+  return "${PIPESTATUS[0]}"
+}
+if wanted compare_study; then compare_study; fi
+# ==================================================================================================
+# End of section: a GPU-sized elastic-moe compare study
 # ==================================================================================================
 
 echo "gpu_check: every section run passed (${GPU_CHECK_SECTIONS:-all})"
