@@ -23,7 +23,7 @@ from elastic_moe_plugin.tools.recipes.recipe import Recipe, display_path
 from elastic_moe_plugin.tools.recipes.render_titan import ENTRY as TITAN_ENTRY
 from elastic_moe_plugin.tools.recipes.render_titan import render_torchtitan, torchtitan_problem
 from elastic_moe_plugin.tools.recipes.schema import RecipeError
-from elastic_moe_plugin.tools.recipes.topology import Fit, Topology, check_fit
+from elastic_moe_plugin.tools.recipes.topology import Fit, Topology, check_fit, torchrun_argv
 
 
 # ================================================================================== rendering
@@ -307,19 +307,7 @@ def _render_megatron_lm(
         "expert-tensor-parallel-size": p["etp"],
     }
     command.argv = [
-        "torchrun",
-        "--nnodes",
-        str(topology.nnodes),
-        "--nproc-per-node",
-        str(topology.nproc_per_node),
-        "--node-rank",
-        str(topology.node_rank),
-        "--master-addr",
-        topology.master_addr,
-        "--master-port",
-        str(topology.master_port),
-        "-m",
-        "elastic_moe_plugin.megatron_lm",
+        *torchrun_argv(topology, "elastic_moe_plugin.megatron_lm"),
         script_path,
         *_megatron_lm_flags(recipe, structured),
         *_megatron_lm_flags(recipe, recipe.args),

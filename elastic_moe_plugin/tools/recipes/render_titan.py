@@ -21,7 +21,7 @@ from typing import Any
 
 from elastic_moe_plugin.tools.recipes.recipe import Recipe, flat_flags
 from elastic_moe_plugin.tools.recipes.schema import RecipeError
-from elastic_moe_plugin.tools.recipes.topology import Fit, Topology
+from elastic_moe_plugin.tools.recipes.topology import Fit, Topology, torchrun_argv
 
 __all__ = [
     "DOOR",
@@ -101,19 +101,7 @@ def render_torchtitan(recipe: Recipe, topology: Topology, fit: Fit) -> tuple[lis
     }
     head = {"module": args.pop("module"), "config": args.pop("config")}
     argv = [
-        "torchrun",
-        "--nnodes",
-        str(topology.nnodes),
-        "--nproc-per-node",
-        str(topology.nproc_per_node),
-        "--node-rank",
-        str(topology.node_rank),
-        "--master-addr",
-        topology.master_addr,
-        "--master-port",
-        str(topology.master_port),
-        "-m",
-        ENTRY,
+        *torchrun_argv(topology, ENTRY),
         *titan_flags(recipe, head),
         *titan_flags(recipe, structured),
         *titan_flags(recipe, args),

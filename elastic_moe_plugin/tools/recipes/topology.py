@@ -36,6 +36,26 @@ class Topology:
         return self.nnodes * self.nproc_per_node
 
 
+def torchrun_argv(topology: Topology, module: str) -> list[str]:
+    """``torchrun --nnodes ... --master-port ... -m MODULE``: the head of every torchrun launch a
+    recipe renders, so that the Megatron-LM and torchtitan launchers place a node in the job alike."""
+    return [
+        "torchrun",
+        "--nnodes",
+        str(topology.nnodes),
+        "--nproc-per-node",
+        str(topology.nproc_per_node),
+        "--node-rank",
+        str(topology.node_rank),
+        "--master-addr",
+        topology.master_addr,
+        "--master-port",
+        str(topology.master_port),
+        "-m",
+        module,
+    ]
+
+
 def first_slurm_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``'gpu[07-08,11],cpu1'`` -> ``'gpu07'``."""
     text = nodelist.strip()
