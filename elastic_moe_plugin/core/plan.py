@@ -2,7 +2,9 @@
 
 Both adapters resolve a plan from an :class:`~elastic_moe_plugin.core.config.ElasticConfig` and
 the router they meet; ``None`` instead of a plan means "run the stock code" (eval mode, a static
-schedule, a layer outside ``ElasticConfig.layers``, an MTP layer).
+schedule, a layer outside ``ElasticConfig.layers``, an MTP layer). The refusals that depend on the
+router's rule rather than on the config alone (top-p on a router that does not rank by p, a width
+beyond group-limited reach) live here once, each door reading its router into plain arguments.
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
+from elastic_moe_plugin.core.errors import ConfigError
 from elastic_moe_plugin.core.layer_keys import LayerKey, layer_of, part_of
 from elastic_moe_plugin.core.schedule import BudgetSchedule, SamplingMode
+
+if TYPE_CHECKING:
+    from elastic_moe_plugin.core.config import ElasticConfig
 
 #: gate rules a plan may name (``docs/gates.md``): ``sigmoid_auto`` is Megatron's sigmoid /
 #: sqrtsoftplus rule (renormalise over the kept scores when κ_t > 1)
@@ -86,6 +92,78 @@ def warn_if_top1_gate_is_constant(schedule: BudgetSchedule, gate: str, where: st
         "low >= 2 or gate='full_softmax'.",
         schedule.describe(),
         where,
+    )
+
+
+def top_p_refusal(config: ElasticConfig, ranker: str, ranked: str) -> ConfigError:
+    """The refusal of ``mode="top_p"`` for a router that does not rank by the softmax probability p:
+    top-p's budget is the mass of p, which a router ranking by anything else would cut at the wrong
+    experts.
+
+    Args:
+        ranker: the message's subject and verb, as the door names its router
+            (``"this torchtitan router ranks"``, ``"longcat_flash routers rank"``).
+        ranked: what it ranks by instead (``"sigmoid scores"``).
+    """
+    return ConfigError(
+        f"mode='top_p' keeps each token's smallest top-ranked set whose softmax probability reaches top_p, "
+        f"but {ranker} by {ranked}, not by that probability. "
+        f"Use {config.spell('mode', 'elastic')} (a budget schedule) for this model.",
+        field="mode",
+        fixes=({"mode": "elastic"},),
+    )
+
+
+def check_group_reach(
+    config: ElasticConfig,
+    *,
+    width: int,
+    top_k: int,
+    num_experts: int,
+    num_groups: int | None,
+    groups_kept: int | None,
+    router: str,
+    group_fields: tuple[str, str],
+    explain_static: bool = True,
+) -> None:
+    """Refuse a width b beyond what group-limited selection can reach: a token ranks only inside
+    ``groups_kept`` of ``num_groups`` equal expert groups, so the widest tokens would be dealt
+    experts of dropped groups. No groups (either count None or 0, as :func:`.routing.route` reads
+    them): every expert is in reach.
+
+    Args:
+        width: b, the schedule's high budget or the top-p width.
+        router: the message's subject and verb (``"this torchtitan router ranks"``, ``"deepseek_v3 routes"``).
+        group_fields: how the framework names (groups_kept, num_groups), as the message shows them.
+        explain_static: say why ``static`` is the only fix where top-k itself reaches past the kept
+            groups (the torchtitan door's message has never said it).
+
+    Raises:
+        ConfigError: naming the groups, the reach and a schedule within it: the widest range
+            around k inside the reach, or ``static`` where k itself reaches past it.
+    """
+    if not num_groups or not groups_kept:
+        return
+    reach = groups_kept * (num_experts // num_groups)
+    if width <= reach:
+        return
+    if top_k < reach:  # {2k - reach .. reach}: symmetric around k, as wide as the reach allows
+        schedule, beyond = f"{max(1, 2 * top_k - reach)}-{reach}", ""
+    else:  # stock top-k already deals experts of dropped groups
+        schedule, beyond = "static", ""
+        if explain_static:
+            beyond = (
+                f"; top-{top_k} itself reaches past them, so no elastic width above k = {top_k} fits: "
+                "train this model static"
+            )
+    kept_field, groups_field = group_fields
+    raise ConfigError(
+        f"{router} inside {kept_field}={groups_kept} of {groups_field}={num_groups} expert groups "
+        f"({reach} experts a token can reach), fewer than the {width} candidate slots of "
+        f"{config.spell('schedule')}: the widest tokens would be dealt experts of dropped groups{beyond}. "
+        f"Use {config.spell('schedule', schedule)}.",
+        field="schedule",
+        fixes=({"schedule": schedule},),
     )
 
 
@@ -223,9 +301,11 @@ __all__ = [
     "PLAN_GATES",
     "RESOLVED_FROM_MODEL",
     "LayerPlan",
+    "check_group_reach",
     "describe_plans",
     "forget_logged",
     "log_plan",
     "log_plan_once",
+    "top_p_refusal",
     "warn_if_top1_gate_is_constant",
 ]

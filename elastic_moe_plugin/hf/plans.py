@@ -13,7 +13,7 @@ import torch
 
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError
-from elastic_moe_plugin.core.plan import LayerPlan, warn_if_top1_gate_is_constant
+from elastic_moe_plugin.core.plan import LayerPlan, check_group_reach, top_p_refusal, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.core.router_state import state_of
 from elastic_moe_plugin.core.schedule import BudgetSchedule
 from elastic_moe_plugin.hf.families import ranking_layers
@@ -95,13 +95,7 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
     warn_if_top1_gate_is_constant(schedule, gate, f"{family.name} routers")
     if config.mode == "top_p" and not ranks_by_probability(family):
         ranked = "p plus a selection bias" if family.rule in TOP_P_RULES else f"{family.rule.replace('_', ' ')} scores"
-        raise ConfigError(
-            f"mode='top_p' keeps each token's smallest top-ranked set whose softmax probability reaches top_p, "
-            f"but {family.name} routers rank by {ranked}, not by that probability. "
-            f"Use {config.spell('mode', 'elastic')} (a budget schedule) for this model.",
-            field="mode",
-            fixes=({"mode": "elastic"},),
-        )
+        raise top_p_refusal(config, f"{family.name} routers rank", ranked)
     top_p = config.top_p if config.mode == "top_p" else None
     width = (config.top_p_max_experts or family.num_experts_of(router)) if top_p is not None else None
     _check_group_reach(router, family, config, gate, width or schedule.high)
@@ -118,33 +112,18 @@ def resolve_plan(router, family: RouterFamily, config: ElasticConfig) -> LayerPl
 
 
 def _check_group_reach(router: Any, family: RouterFamily, config: ElasticConfig, gate: str, width: int) -> None:
-    """Refuse a width b beyond what group-limited selection can reach (the kept groups' experts):
-    the widest tokens would be dealt experts of dropped groups. (Only budget schedules get here:
-    top-p is refused earlier for every rule kind that groups.)
-
-    Raises:
-        ConfigError: naming the groups, the reach and a schedule within it: the widest range
-            around k inside the reach, or ``static`` where k itself reaches past it.
-    """
+    """:func:`~elastic_moe_plugin.core.plan.check_group_reach` with the groups of the family's rule
+    (only budget schedules get here: top-p is refused earlier for every rule kind that groups)."""
     rule = family_rule(router, family, gate)
-    if not rule.num_groups or not rule.groups_kept:
-        return
-    reach = rule.groups_kept * (family.num_experts_of(router) // rule.num_groups)
-    if width <= reach:
-        return
-    k = family.top_k_of(router)
-    if k < reach:  # {2k - reach .. reach}: symmetric around k, as wide as the reach allows
-        schedule, beyond = f"{max(1, 2 * k - reach)}-{reach}", ""
-    else:  # stock top-k already deals experts of dropped groups
-        schedule = "static"
-        beyond = f"; top-{k} itself reaches past them, so no elastic width above k = {k} fits: train this model static"
-    raise ConfigError(
-        f"{family.name} routes inside topk_group={rule.groups_kept} of n_group={rule.num_groups} expert groups "
-        f"({reach} experts a token can reach), fewer than the {width} candidate slots of "
-        f"{config.spell('schedule')}: the widest tokens would be dealt experts of dropped groups{beyond}. "
-        f"Use {config.spell('schedule', schedule)}.",
-        field="schedule",
-        fixes=({"schedule": schedule},),
+    check_group_reach(
+        config,
+        width=width,
+        top_k=family.top_k_of(router),
+        num_experts=family.num_experts_of(router),
+        num_groups=rule.num_groups,
+        groups_kept=rule.groups_kept,
+        router=f"{family.name} routes",
+        group_fields=("topk_group", "n_group"),
     )
 
 

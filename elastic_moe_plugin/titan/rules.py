@@ -22,7 +22,7 @@ from typing import Any
 
 from elastic_moe_plugin.core.config import ElasticConfig
 from elastic_moe_plugin.core.errors import ConfigError
-from elastic_moe_plugin.core.plan import LayerPlan, warn_if_top1_gate_is_constant
+from elastic_moe_plugin.core.plan import LayerPlan, check_group_reach, top_p_refusal, warn_if_top1_gate_is_constant
 from elastic_moe_plugin.core.router_state import state_of
 from elastic_moe_plugin.core.routing import SIGMOID_EPS, RoutingRule
 
@@ -118,36 +118,22 @@ def _top_p(moe: Any, config: ElasticConfig) -> float | None:
     router = moe.router
     if router.score_func != "softmax" or moe.expert_bias_E is not None:
         ranked = "sigmoid scores" if router.score_func != "softmax" else "p plus the aux-loss-free expert bias"
-        raise ConfigError(
-            f"mode='top_p' keeps each token's smallest top-ranked set whose softmax probability reaches top_p, but "
-            f"this torchtitan router ranks by {ranked}, not by that probability. "
-            f"Use {config.spell('mode', 'elastic')} (a budget schedule) for this model.",
-            field="mode",
-            fixes=({"mode": "elastic"},),
-        )
+        raise top_p_refusal(config, "this torchtitan router ranks", ranked)
     return config.top_p
 
 
 def _check_group_reach(router: Any, config: ElasticConfig, width: int) -> None:
-    """Refuse a width b beyond the experts node-limited routing can reach (the kept groups').
-
-    Raises:
-        ConfigError: naming the groups, the reach and the widest schedule around k within it.
-    """
-    groups, kept = router.num_expert_groups, router.num_limited_groups
-    if groups is None or kept is None:
-        return
-    reach = kept * (router.num_experts // groups)
-    if width <= reach:
-        return
-    k = router.top_k
-    schedule = f"{max(1, 2 * k - reach)}-{reach}" if k < reach else "static"
-    raise ConfigError(
-        f"this torchtitan router ranks inside num_limited_groups={kept} of num_expert_groups={groups} expert groups "
-        f"({reach} experts a token can reach), fewer than the {width} candidate slots of {config.spell('schedule')}: "
-        f"the widest tokens would be dealt experts of dropped groups. Use {config.spell('schedule', schedule)}.",
-        field="schedule",
-        fixes=({"schedule": schedule},),
+    """:func:`~elastic_moe_plugin.core.plan.check_group_reach` with the router's node-limited groups."""
+    check_group_reach(
+        config,
+        width=width,
+        top_k=router.top_k,
+        num_experts=router.num_experts,
+        num_groups=router.num_expert_groups,
+        groups_kept=router.num_limited_groups,
+        router="this torchtitan router ranks",
+        group_fields=("num_limited_groups", "num_expert_groups"),
+        explain_static=False,
     )
 
 
