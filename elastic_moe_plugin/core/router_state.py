@@ -220,6 +220,41 @@ def ensure_state(router: torch.nn.Module) -> RouterState:
     return state
 
 
+class ReplayWording(NamedTuple):
+    """How a door names its checkpoint recompute in :func:`checked_replay`'s refusal, e.g.
+    ``("a gradient-checkpointing recompute", "router", "as transformers' Trainer does",
+    "disable gradient checkpointing")``."""
+
+    recompute: str
+    #: whose latest forward drew the κ being replayed: ``"router"`` or ``"layer"``
+    owner: str
+    #: a training loop that runs each micro-batch's backward before the next forward
+    loop: str
+    #: how to turn the recompute off
+    fix: str
+
+
+def checked_replay(
+    draw: BudgetDraw | None, module: torch.nn.Module, num_tokens: int, device: torch.device, wording: ReplayWording
+) -> BudgetDraw:
+    """``draw``, the κ a checkpoint's recompute of ``module`` replays, once it is known to be κ for
+    the recompute's ``num_tokens`` tokens on ``device``: a replay is exact only when the forward
+    it replays routed the same tokens, so any other draw is refused rather than silently misapplied.
+
+    Raises:
+        RuntimeError: ``draw`` is of another token count or device (or None: no forward drew one).
+    """
+    if draw is None or draw.budgets.numel() != num_tokens or draw.budgets.device != torch.device(device):
+        found = "none" if draw is None else f"{draw.budgets.numel()} tokens on {draw.budgets.device}"
+        raise RuntimeError(
+            f"elastic-moe: {wording.recompute} of {type(module).__name__} routes {num_tokens} tokens "
+            f"on {device}, but the {wording.owner}'s latest forward drew κ for {found}. The recompute replays the κ of "
+            f"the {wording.owner}'s latest forward, so each micro-batch's backward must run before the next forward of "
+            f"the same layer ({wording.loop}); {wording.fix} otherwise."
+        )
+    return draw
+
+
 class HostHistogram:
     """A running κ histogram [bins] counted on the host, from draws whose histograms the host has.
 
@@ -323,8 +358,10 @@ __all__ = [
     "STATE_ATTR",
     "ElasticPath",
     "HostHistogram",
+    "ReplayWording",
     "RouterState",
     "TensorMarks",
+    "checked_replay",
     "ensure_state",
     "state_of",
 ]

@@ -44,7 +44,7 @@ import torch
 
 from elastic_moe_plugin.core.budget_stream import BudgetDraw, BudgetStream, ProcessStream
 from elastic_moe_plugin.core.patching import PATCH_MARKER, AttributePatches, unwrap
-from elastic_moe_plugin.core.router_state import RouterState, ensure_state
+from elastic_moe_plugin.core.router_state import ReplayWording, RouterState, checked_replay, ensure_state
 from elastic_moe_plugin.core.schedule import BUDGET_SEED_OFFSET
 
 logger = logging.getLogger("elastic_moe_plugin.hf")
@@ -53,6 +53,13 @@ logger = logging.getLogger("elastic_moe_plugin.hf")
 RNG_STATE_KEY = "elastic_moe_budget"
 #: the process's κ stream (seeded from ``torch.initial_seed()`` at its first draw if nothing seeded it)
 STREAM = ProcessStream(torch.initial_seed)
+#: how a mismatched replay's refusal names transformers' recompute
+_REPLAY_WORDING = ReplayWording(
+    recompute="a gradient-checkpointing recompute",
+    owner="router",
+    loop="as transformers' Trainer does",
+    fix="disable gradient checkpointing",
+)
 
 
 def current_stream():
@@ -129,16 +136,7 @@ def replayed_draw(router: torch.nn.Module, state: RouterState, num_tokens: int, 
     Raises:
         RuntimeError: the latest draw is of another token count or device (or there is none).
     """
-    latest = state.replay(device)
-    if latest is None or latest.budgets.numel() != num_tokens or latest.budgets.device != torch.device(device):
-        found = "none" if latest is None else f"{latest.budgets.numel()} tokens on {latest.budgets.device}"
-        raise RuntimeError(
-            f"elastic-moe: a gradient-checkpointing recompute of {type(router).__name__} routes {num_tokens} tokens "
-            f"on {device}, but the router's latest forward drew κ for {found}. The recompute replays the κ of "
-            f"the router's latest forward, so each micro-batch's backward must run before the next forward of "
-            f"the same layer (as transformers' Trainer does); disable gradient checkpointing otherwise."
-        )
-    return latest
+    return checked_replay(state.replay(device), router, num_tokens, device, _REPLAY_WORDING)
 
 
 def state_dict() -> dict[str, int]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from elastic_moe_plugin.core.budget_stream import BudgetDraw, BudgetStream, ProcessStream
-from elastic_moe_plugin.core.router_state import RouterState
+from elastic_moe_plugin.core.router_state import ReplayWording, RouterState, checked_replay
 
 logger = logging.getLogger("elastic_moe_plugin.titan")
 
@@ -39,6 +39,13 @@ _SEED = [0]
 #: the process's κ stream, seeded from the trainer's seed (0 until a trainer sets it)
 STREAM = ProcessStream(lambda: _SEED[0])
 _TENSOR_PARALLEL = [1]
+#: how a mismatched replay's refusal names torchtitan's recompute
+_REPLAY_WORDING = ReplayWording(
+    recompute="an activation-checkpointing recompute",
+    owner="layer",
+    loop="torchtitan's loop without pipeline parallelism",
+    fix="set --activation_checkpoint.mode none",
+)
 
 
 def start(seed: int | None, tensor_parallel: int) -> None:
@@ -71,16 +78,7 @@ def replayed_draw(moe: torch.nn.Module, state: RouterState, num_tokens: int, dev
     Raises:
         RuntimeError: the latest draw is of another token count or device (or there is none).
     """
-    latest = state.latest_draw
-    if latest is None or latest.budgets.numel() != num_tokens or latest.budgets.device != torch.device(device):
-        found = "none" if latest is None else f"{latest.budgets.numel()} tokens on {latest.budgets.device}"
-        raise RuntimeError(
-            f"elastic-moe: an activation-checkpointing recompute of {type(moe).__name__} routes {num_tokens} tokens "
-            f"on {device}, but the layer's latest forward drew κ for {found}. The recompute replays the κ of the "
-            f"layer's latest forward, so each micro-batch's backward must run before the next forward of the same "
-            f"layer (torchtitan's loop without pipeline parallelism); set --activation_checkpoint.mode none otherwise."
-        )
-    return latest
+    return checked_replay(state.latest_draw, moe, num_tokens, device, _REPLAY_WORDING)
 
 
 class StreamState:
