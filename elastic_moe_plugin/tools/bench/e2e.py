@@ -384,24 +384,12 @@ def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None 
     for launcher, (steps, warmup, block) in zip(chosen, plans, strict=True):
         started = time.perf_counter()
         timing = e2e_interleaved.TIMING.format(block=block) if block is not None else launcher.timing
+        unavailable = None
         try:
             launcher.prepare(work / launcher.key / "assets", steps)
         except LauncherUnavailable as missing:
             log(f"e2e {launcher.label}: not run: {missing}")
-            results.append(
-                E2EResult(
-                    launcher.key,
-                    launcher.label,
-                    launcher.describe(),
-                    launcher.static,
-                    launcher.elastic,
-                    steps,
-                    warmup,
-                    timing,
-                    unavailable=str(missing),
-                )
-            )
-            continue
+            unavailable = str(missing)
         result = E2EResult(
             launcher.key,
             launcher.label,
@@ -411,8 +399,13 @@ def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None 
             steps,
             warmup,
             timing,
-            interleave_block=block,
+            # an unavailable row ran nothing, so it names no interleaving block
+            interleave_block=block if unavailable is None else None,
+            unavailable=unavailable,
         )
+        results.append(result)
+        if unavailable is not None:
+            continue
         for round_index in range(rounds):
             order = (launcher.static, launcher.elastic)[:: 1 if round_index % 2 == 0 else -1]
             if block is not None:  # one interleaved run
@@ -435,7 +428,6 @@ def run_e2e(options: E2EOptions, quick: bool, log: Callable[[str], None] | None 
                     f"mean κ {kappa}, {run.wall_s:.0f} s"
                 )
         log(f"e2e {launcher.label}: {time.perf_counter() - started:.0f} s in all (work folder {work / launcher.key})")
-        results.append(result)
     return results
 
 
