@@ -64,8 +64,10 @@ COMMANDS: dict[str, Command] = {
         "elastic_moe_plugin.cli.compare",
         "a paired multi-seed static-vs-elastic study of the demo model, with 95% intervals",
         "Train static and elastic arms of the demo's tiny Megatron-core GPT for N seeds (same seed, data order and "
-        "initialisation per pair), and report the paired differences elastic - static with paired-t and bootstrap "
-        "95% intervals, saying plainly where an interval contains 0. Resumes an interrupted study.",
+        "initialisation per pair; on the CPU or one CUDA GPU), and report the paired differences elastic - static "
+        "with paired-t and bootstrap 95% intervals, saying plainly where an interval contains 0, the router "
+        "measures of each pair (D1, Dk) and plots. Resumes an interrupted study. --from-eval reads a cluster "
+        "study from the recipes' elastic-moe eval summaries instead.",
     ),
     "eval": Command(
         "elastic_moe_plugin.cli.eval",
