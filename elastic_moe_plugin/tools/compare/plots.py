@@ -21,27 +21,12 @@ import numpy as np
 
 from elastic_moe_plugin.tools.compare import stats
 from elastic_moe_plugin.tools.compare.study import arm_values
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(plt, fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)  # a figure stays registered with pyplot (and in memory) until closed
-    return path
+from elastic_moe_plugin.tools.diagnose.plots import pyplot, save_figure
 
 
 def plot_differences(data: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> Path:
     """Per-seed paired differences, their mean and paired-t interval, per quantity and arm."""
-    plt = _pyplot()
+    plt = pyplot()
     arms = data["plan"]["arms"][1:]
     names = list(dict.fromkeys(row["quantity"] for row in rows if not row["quantity"].startswith("router ")))
     columns = min(4, len(names))
@@ -63,7 +48,7 @@ def plot_differences(data: dict[str, Any], rows: list[dict[str, Any]], path: Pat
     for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
     fig.suptitle(f"arm - {data['plan']['arms'][0]} per seed (grey), mean and paired-t 95% interval", fontsize=9)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def sweep_series(data: dict[str, Any]) -> dict[int, Any]:
@@ -90,7 +75,7 @@ def _band(values: list[float]) -> tuple[float, float, float]:
 
 def plot_sweep(data: dict[str, Any], path: Path) -> Path:
     """Each arm's mean at every k' with a 95% band, and the paired differences against the baseline."""
-    plt = _pyplot()
+    plt = pyplot()
     baseline, *arms = data["plan"]["arms"]
     series = sweep_series(data)
     ks = sorted(series)
@@ -116,7 +101,7 @@ def plot_sweep(data: dict[str, Any], path: Path) -> Path:
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
     right.axhline(0.0, color="k", linewidth=0.8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def _smoothed(losses: np.ndarray, window: int) -> np.ndarray:
@@ -133,7 +118,7 @@ def plot_curves(data: dict[str, Any], path: Path) -> Path:
     """Left: each arm's training loss (moving mean over 5% of the steps, mean over seeds, band from
     the lowest to the highest seed) and held-out loss at the evaluation points. Right: the paired
     difference against the baseline of both, with a 95% t band for the held-out points."""
-    plt = _pyplot()
+    plt = pyplot()
     baseline, *arms = data["plan"]["arms"]
     base = _arm_histories(data, baseline)
     first = next(iter(base.values()))
@@ -167,7 +152,7 @@ def plot_curves(data: dict[str, Any], path: Path) -> Path:
     for ax in (left, right):
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_all(data: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> list[str]:

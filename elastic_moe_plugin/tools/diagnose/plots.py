@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display); shared by the compare plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,7 +28,8 @@ def _pyplot():
     return plt
 
 
-def _save(plt, fig, path: Path) -> Path:
+def save_figure(plt, fig, path: Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` as a 120-dpi PNG, close it; returns ``path``."""
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)  # figures stay registered with pyplot (and in memory) until closed
@@ -35,7 +37,7 @@ def _save(plt, fig, path: Path) -> Path:
 
 
 def plot_divergence_by_layer(pairs: dict[str, Any], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     boundary: set[int] = set()
     peak = None
@@ -59,11 +61,11 @@ def plot_divergence_by_layer(pairs: dict[str, Any], path: Path) -> Path:
     ax.set_title("Router divergence by layer")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_disagreement(pairs: dict[str, Any], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [1, 1.6]})
     labels = list(pairs)
     width = 0.38
@@ -94,11 +96,11 @@ def plot_disagreement(pairs: dict[str, Any], path: Path) -> Path:
     right.set_title("per layer")
     right.grid(alpha=0.3)
     right.legend(fontsize=7)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_topk_sweep(sweep: dict[str, Any], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     natives = set()
     for label, entry in sweep.items():
@@ -112,11 +114,11 @@ def plot_topk_sweep(sweep: dict[str, Any], path: Path) -> Path:
     ax.set_title("Inference top-k sweep")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_kappa(kappa: dict[str, dict[str, Any]], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     panels = list(kappa)
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.0), squeeze=False)
     for ax, label in zip(axes[0], panels, strict=True):
@@ -136,7 +138,7 @@ def plot_kappa(kappa: dict[str, dict[str, Any]], path: Path) -> Path:
         ax.set_title(f"κ histogram: {label}")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_all(results: dict[str, Any], kappa: dict[str, dict[str, Any]], out: Path) -> list[str]:
