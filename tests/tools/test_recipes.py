@@ -44,6 +44,18 @@ CLEAN_ENV_PREFIXES = ("SLURM_", "PET_", "ELASTIC_MOE_", "TORCHELASTIC_")
 CLEAN_ENV_NAMES = {"NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "LOCAL_RANK",
                    "GROUP_RANK", "RANK", "WORLD_SIZE", "MEGATRON_LM_DIR"}
 
+
+def _clear_launcher_env(monkeypatch) -> None:
+    """Unset the scheduler, torchrun and plugin variables a launch would read from this process."""
+    for key in list(os.environ):
+        if key.startswith(CLEAN_ENV_PREFIXES) or key in CLEAN_ENV_NAMES:
+            monkeypatch.delenv(key)
+
+
+def _flat(text: str) -> str:
+    """A rendered command with its backslash-newline continuations joined into one line."""
+    return re.sub(r"\s*\\\n\s*", " ", text)
+
 HAVE_SWIFT = importlib.util.find_spec("swift") is not None
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
@@ -534,7 +546,7 @@ def test_wrapper_dry_runs_print_a_2x8_launch():
     for setting, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
-        flat = re.sub(r"\s*\\\n\s*", " ", out)
+        flat = _flat(out)
         for fragment in WRAPPERS[setting][2]:
             assert fragment in flat, f"scripts/{setting}.sh: {fragment!r} missing from:\n{out}"
         assert re.search(r"--nnodes[ =]2\b", flat) and re.search(r"--nproc[-_]per[-_]node[ =]8\b", flat)
@@ -555,13 +567,11 @@ def test_slurm_example_runs_a_wrapper_once_per_node():
 
 # ====================================================================================== launch CLI and topology
 def test_launch_dry_run_through_the_cli(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith(CLEAN_ENV_PREFIXES) or key in CLEAN_ENV_NAMES:
-            monkeypatch.delenv(key)
+    _clear_launcher_env(monkeypatch)
     code, out, err = _run_cli("launch", "pretrain/6-10_L8-12", "--dry-run", "--nnodes", "4",
                               "--set", "args.train-iters=10", "--", "--exit-interval", "5")
     assert code == 0, err
-    flat = re.sub(r"\s*\\\n\s*", " ", out)
+    flat = _flat(out)
     assert "torchrun --nnodes 4 --nproc-per-node 8" in flat
     assert "global batch 256 = micro 4 x DP 32 x accumulation 2" in out
     assert "ELASTIC_MOE_LAYERS=8-12" in flat and "--train-iters 10" in flat and flat.rstrip().endswith("--exit-interval 5")
@@ -654,9 +664,7 @@ def test_top_p_outside_unit_interval_is_refused(tmp_path, top_p):
 
 
 def test_world_size_that_does_not_divide_is_refused_with_the_arithmetic(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith(CLEAN_ENV_PREFIXES) or key in CLEAN_ENV_NAMES:
-            monkeypatch.delenv(key)
+    _clear_launcher_env(monkeypatch)
     code, out, err = _run_cli("launch", "configs/pretrain/6-10.yaml", "--dry-run", "--nnodes", "1", "--nproc-per-node", "6")
     assert code == 2 and not out
     assert "configs/pretrain/6-10.yaml does not fit world size 6" in err
@@ -762,9 +770,7 @@ def test_a_rehearsal_changes_only_what_it_lists(name, tmp_path, monkeypatch):
     from elastic_moe_plugin.tools.recipes.rehearse import TINY_LAYERS, plan_rehearsal
     from elastic_moe_plugin.tools.recipes.render import framework_args
 
-    for key in list(os.environ):
-        if key.startswith(CLEAN_ENV_PREFIXES) or key in CLEAN_ENV_NAMES:
-            monkeypatch.delenv(key)
+    _clear_launcher_env(monkeypatch)
     recipe = load_recipe(name)
     topology = resolve_topology(recipe, environ={})
     original = _flag_values(framework_args(render(recipe, topology, megatron_lm_dir="/nonexistent")))
@@ -916,14 +922,8 @@ def test_rehearse_refuses_a_used_folder_and_steps_without_rehearse(tmp_path, cap
 # ================================================================================== torchtitan (configs/pretrain_titan/)
 # Rendering, validation and the rehearsal's plan need no torchtitan; torchtitan's own parsing of every
 # recipe and the rehearsal itself are tests/titan/test_titan_rehearse.py (the titan lane).
-def _flat(text: str) -> str:
-    return re.sub(r"\s*\\\n\s*", " ", text)
-
-
 def test_torchtitan_recipe_dry_run_through_the_cli(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith(CLEAN_ENV_PREFIXES) or key in CLEAN_ENV_NAMES:
-            monkeypatch.delenv(key)
+    _clear_launcher_env(monkeypatch)
     code, out, err = _run_cli("launch", "pretrain_titan/6-10", "--dry-run", "--master-addr", "node0",
                               "--set", "args.dataloader.dataset_path=/data/fineweb-edu", "--", "--training.gc_freq", "100")
     assert code == 0, err
@@ -1019,9 +1019,7 @@ def test_a_torchtitan_launch_without_torchtitan_names_the_fix(monkeypatch, tmp_p
 
     find_spec = importlib_util.find_spec
     monkeypatch.setattr(importlib_util, "find_spec", lambda name, *a: None if name == "torchtitan" else find_spec(name, *a))
-    for key in list(os.environ):
-        if key.startswith(CLEAN_ENV_PREFIXES) or key in CLEAN_ENV_NAMES:
-            monkeypatch.delenv(key)
+    _clear_launcher_env(monkeypatch)
     fix = "torchtitan is not importable in this environment: pip install 'elastic-moe-plugin[titan]' (torchtitan>=0.3,<0.4)"
     code, out, err = _run_cli("launch", "pretrain_titan/6-10", "--nnodes", "1", "--nproc-per-node", "8")
     assert code == 2 and f"# WARNING: {fix}; a launch refuses to start" in out and fix in err
